@@ -1,0 +1,48 @@
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "bindings/pointers.h"
+#include "cpu/column_stats.h"
+#include "cpu/platform.h"
+
+namespace py = pybind11;
+using privleak::bindings::as_pointer;
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "privleak's C++ kernels. Private: call them through the privleak package.";
+
+  m.def(
+      "column_stats",
+      [](std::uintptr_t matrix, int64_t rows, int64_t cols, int64_t row_stride, const std::string& dtype,
+         std::uintptr_t row_weights, std::uintptr_t out_max, std::uintptr_t out_argmax,
+         std::uintptr_t out_min, std::uintptr_t out_sum) {
+        const privleak::DType type = privleak::parse_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cpu::column_stats(type, as_pointer(matrix), rows, cols, row_stride, as_pointer(row_weights),
+                                    as_pointer(out_max), as_pointer<int64_t>(out_argmax), as_pointer(out_min),
+                                    as_pointer<double>(out_sum));
+      },
+      py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
+      py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"));
+
+  m.def("set_num_threads", [](int threads) {
+    if (threads < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));
+    privleak::cpu::set_num_threads(threads);
+  }, py::arg("threads"));
+  m.def("num_threads", &privleak::cpu::max_threads);
+
+  m.def("build_info", [] {
+    py::dict info;
+    info["compiler"] = PRIVLEAK_COMPILER;
+    info["openmp"] = privleak::cpu::has_openmp();
+    info["openmp_threads"] = privleak::cpu::max_threads();
+#if defined(PRIVLEAK_SANITIZE)
+    info["sanitizers"] = "address,undefined";
+#else
+    info["sanitizers"] = py::none();
+#endif
+    return info;
+  });
+}

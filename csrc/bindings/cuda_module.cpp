@@ -1,0 +1,48 @@
+#include <pybind11/pybind11.h>
+
+#include "bindings/pointers.h"
+#include "cuda/column_stats.h"
+#include "cuda/device.h"
+
+namespace py = pybind11;
+using privleak::bindings::as_pointer;
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "privleak's CUDA kernels. Private: call them through the privleak package.";
+
+  m.def("column_stats_workspace_bytes", [](const std::string& dtype, int64_t rows, int64_t cols) {
+    return privleak::cuda::column_stats_workspace_bytes(privleak::parse_dtype(dtype), rows, cols);
+  });
+
+  m.def(
+      "column_stats",
+      [](std::uintptr_t matrix, int64_t rows, int64_t cols, int64_t row_stride, const std::string& dtype,
+         std::uintptr_t row_weights, std::uintptr_t out_max, std::uintptr_t out_argmax,
+         std::uintptr_t out_min, std::uintptr_t out_sum, std::uintptr_t workspace, int device,
+         std::uintptr_t stream) {
+        const privleak::DType type = privleak::parse_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cuda::column_stats(type, as_pointer(matrix), rows, cols, row_stride, as_pointer(row_weights),
+                                     as_pointer(out_max), as_pointer<int64_t>(out_argmax), as_pointer(out_min),
+                                     as_pointer<double>(out_sum), as_pointer(workspace), device,
+                                     as_pointer(stream));
+      },
+      py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
+      py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"),
+      py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def("device_count", [] {
+    std::string error;
+    const int count = privleak::cuda::device_count(error);
+    return py::make_tuple(count, error.empty() ? py::object(py::none()) : py::object(py::str(error)));
+  }, "(number of usable devices, error message or None)");
+
+  m.def("device_name", &privleak::cuda::device_name, py::arg("device"));
+
+  m.def("build_info", [] {
+    py::dict info;
+    info["architectures"] = PRIVLEAK_CUDA_ARCHS;
+    info["cuda_version"] = PRIVLEAK_CUDA_VERSION;
+    return info;
+  });
+}

@@ -1,0 +1,43 @@
+// What the CPU kernels may assume about the machine. OpenMP is optional: without it the kernels
+// run on one thread and give the same bits.
+#pragma once
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+// Wheels target baseline x86-64 (SSE2), where loops mixing 32- and 64-bit lanes do not
+// vectorise. Hot loops are cloned for AVX2 and picked at load time by the CPU's features.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PRIVLEAK_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define PRIVLEAK_SIMD_CLONES
+#endif
+
+namespace privleak::cpu {
+
+inline int max_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+inline void set_num_threads(int threads) {
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
+
+inline bool has_openmp() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace privleak::cpu

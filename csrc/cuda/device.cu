@@ -1,0 +1,42 @@
+#include "cuda/device.h"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+
+namespace privleak::cuda {
+
+void check(int status, const char* what) {
+  if (status != cudaSuccess) {
+    const auto error = static_cast<cudaError_t>(status);
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(error) + ": " +
+                             cudaGetErrorString(error));
+  }
+}
+
+int device_count(std::string& error) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    error = std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+    cudaGetLastError();  // clear the sticky error so later calls start clean
+    return 0;
+  }
+  error.clear();
+  return count;
+}
+
+std::string device_name(int device) {
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  return prop.name;
+}
+
+DeviceGuard::DeviceGuard(int device) : previous_(0) {
+  check(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+}
+
+DeviceGuard::~DeviceGuard() { cudaSetDevice(previous_); }
+
+}  // namespace privleak::cuda

@@ -1,0 +1,26 @@
+#pragma once
+
+#include <string>
+
+namespace privleak::cuda {
+
+// Number of usable CUDA devices; 0 with `error` set when the driver or a GPU is missing.
+int device_count(std::string& error);
+std::string device_name(int device);
+
+// Throws std::runtime_error naming `what` when a CUDA call failed.
+void check(int status, const char* what);
+
+// Makes `device` current for the lifetime of the guard.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_;
+};
+
+}  // namespace privleak::cuda

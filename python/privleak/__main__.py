@@ -1,0 +1,5 @@
+import sys
+
+from privleak.cli import main
+
+sys.exit(main())

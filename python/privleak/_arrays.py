@@ -1,0 +1,133 @@
+"""Turn numpy arrays and torch tensors into what the native core takes.
+
+The core links no libtorch (DESIGN.md): it receives an address, a shape, strides in elements, a
+dtype name, a device and, on CUDA, the current stream. Every op builds an :class:`ArrayView` here,
+so argument checking and its error messages live in one place. torch is imported only when the
+caller hands in a tensor (or a DLPack array that lives on a GPU).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+FLOAT_DTYPES = ("float32", "float64")
+_DLPACK_CPU = 1
+
+
+@dataclass(frozen=True)
+class ArrayView:
+    """A checked array, ready to hand to a kernel. ``array`` keeps the memory alive."""
+
+    array: Any
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements, not bytes
+    dtype: str
+    device: str  # "cpu" or "cuda"
+    device_index: int  # -1 on the CPU
+    stream: int  # the caller's current CUDA stream; 0 on the CPU
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+def _loaded_torch():
+    return sys.modules.get("torch")
+
+
+def is_tensor(x: Any) -> bool:
+    torch = _loaded_torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _as_array(x: Any, name: str) -> Any:
+    if isinstance(x, np.ndarray) or is_tensor(x):
+        return x
+    if hasattr(x, "__dlpack__"):
+        if x.__dlpack_device__()[0] == _DLPACK_CPU:
+            return np.from_dlpack(x)
+        try:
+            import torch
+        except ImportError as exc:
+            raise TypeError(f"{name} lives on a GPU; passing it needs torch, which is not installed") from exc
+        return torch.from_dlpack(x)
+    if isinstance(x, (list, tuple, int, float)):
+        return np.asarray(x)
+    raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = FLOAT_DTYPES) -> ArrayView:
+    """Check ``x`` and describe it for the core. Raises TypeError/ValueError naming ``name``."""
+    x = _as_array(x, name)
+    if is_tensor(x):
+        torch = _loaded_torch()
+        dtype = str(x.dtype).removeprefix("torch.")
+        device = x.device.type
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on device {x.device}; privleak runs on cpu and cuda")
+        index = x.device.index if device == "cuda" else -1
+        if device == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        stream = torch.cuda.current_stream(x.device).cuda_stream if device == "cuda" else 0
+        shape, strides, address = tuple(x.shape), tuple(x.stride()), x.data_ptr()
+    else:
+        if not x.dtype.isnative:
+            raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with .astype(native dtype)")
+        dtype, device, index, stream = x.dtype.name, "cpu", -1, 0
+        itemsize = x.dtype.itemsize
+        if any(s % itemsize for s in x.strides):
+            raise ValueError(f"{name} has strides {x.strides} that are not a multiple of its item size {itemsize}")
+        shape, strides, address = x.shape, tuple(s // itemsize for s in x.strides), x.__array_interface__["data"][0]
+    if dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {dtype}")
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(shape)}")
+    return ArrayView(x, address, tuple(shape), strides, dtype, device, index, stream)
+
+
+def require_contiguous_rows(v: ArrayView, name: str) -> None:
+    """Kernels over matrices take any row stride but need each row contiguous."""
+    if v.shape[-1] > 1 and v.strides[-1] != 1 and 0 not in v.shape:
+        raise ValueError(
+            f"{name} must have contiguous rows (stride 1 along its last axis), got strides {v.strides} "
+            "in elements; pass np.ascontiguousarray(...) or tensor.contiguous()"
+        )
+
+
+def require_same_device(v: ArrayView, name: str, reference: ArrayView, reference_name: str) -> None:
+    if (v.device, v.device_index) != (reference.device, reference.device_index):
+        raise ValueError(f"{name} is on {v.device}:{v.device_index} but {reference_name} is on "
+                         f"{reference.device}:{reference.device_index}")
+
+
+def address(array: Any) -> int:
+    """Data address of a numpy array or torch tensor that this module created or checked."""
+    return array.data_ptr() if is_tensor(array) else array.__array_interface__["data"][0]
+
+
+def empty(like: ArrayView, shape: tuple[int, ...], dtype: str) -> Any:
+    """A new uninitialised array of the same kind (numpy or torch) and on the same device as ``like``."""
+    if is_tensor(like.array):
+        torch = _loaded_torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.array.device)
+    return np.empty(shape, dtype=dtype)
+
+
+def convert_like(x: Any, name: str, like: ArrayView) -> ArrayView:
+    """``x`` as a contiguous array of ``like``'s kind, dtype and device (a copy only if needed).
+
+    For small side inputs (weights, priors) whose dtype a user should not have to match by hand.
+    """
+    x = _as_array(x, name)
+    if is_tensor(like.array):
+        torch = _loaded_torch()
+        x = torch.as_tensor(x).to(device=like.array.device, dtype=getattr(torch, like.dtype)).contiguous()
+    else:
+        if is_tensor(x):
+            raise TypeError(f"{name} is a torch tensor but the other arguments are numpy arrays")
+        x = np.ascontiguousarray(x, dtype=like.dtype)
+    return view(x, name, dtypes=(like.dtype,))

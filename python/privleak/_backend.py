@@ -1,0 +1,87 @@
+"""Loads the native modules and reports what this installation can run.
+
+``privleak._core`` (C++) is always built. ``privleak._cuda`` exists when nvcc was found at build
+time, and is usable only where a CUDA driver and a GPU are present; ``import privleak`` never
+depends on either.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from privleak import _core
+
+_NOT_BUILT = (
+    "privleak was built without CUDA (CMake found no nvcc at build time). Reinstall with the CUDA "
+    "toolkit on PATH; add -Ccmake.define.PRIVLEAK_CUDA=ON to make a missing nvcc a build error."
+)
+
+try:
+    _cuda = importlib.import_module("privleak._cuda")
+    _cuda_unavailable: str | None = None
+except ModuleNotFoundError:
+    _cuda, _cuda_unavailable = None, _NOT_BUILT
+except ImportError as exc:  # built, but a library it needs is missing or broken
+    _cuda, _cuda_unavailable = None, f"privleak's CUDA module failed to load: {exc}"
+
+core = _core
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_devices() -> tuple[int, str | None]:
+    if _cuda is None:
+        return 0, None
+    return _cuda.device_count()
+
+
+def cuda() -> Any:
+    """The CUDA module, or a RuntimeError that says why CUDA cannot run here."""
+    if _cuda is None:
+        raise RuntimeError(_cuda_unavailable)
+    count, error = _cuda_devices()
+    if count == 0:
+        raise RuntimeError(f"privleak's CUDA module is built, but no GPU is usable here: {error}")
+    return _cuda
+
+
+def set_num_threads(threads: int) -> None:
+    """Set the number of CPU threads privleak's kernels use (OpenMP). Results do not depend on it."""
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be an int, got {type(threads).__name__}")
+    _core.set_num_threads(threads)
+
+
+def num_threads() -> int:
+    """The number of CPU threads privleak's kernels use."""
+    return _core.num_threads()
+
+
+def info() -> dict[str, Any]:
+    """What this installation of privleak can run.
+
+    Keys: ``version``, ``backends`` (compiled: "cpu" and, if built, "cuda"), ``compiler``,
+    ``openmp``, ``openmp_threads``, ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``,
+    ``cuda_version``, ``cuda_usable``, ``cuda_devices``, ``gpu_name`` and ``cuda_error`` (why CUDA is
+    not usable, or None).
+    """
+    from privleak import __version__
+
+    build = _core.build_info()
+    count, error = _cuda_devices()
+    cuda_build = _cuda.build_info() if _cuda is not None else {}
+    return {
+        "version": __version__,
+        "backends": ["cpu"] + (["cuda"] if _cuda is not None else []),
+        "compiler": build["compiler"],
+        "openmp": build["openmp"],
+        "openmp_threads": build["openmp_threads"],
+        "sanitizers": build["sanitizers"],
+        "cuda_compiled": _cuda is not None,
+        "cuda_architectures": cuda_build.get("architectures"),
+        "cuda_version": cuda_build.get("cuda_version"),
+        "cuda_usable": count > 0,
+        "cuda_devices": count,
+        "gpu_name": _cuda.device_name(0) if count > 0 else None,
+        "cuda_error": error if _cuda is not None else _cuda_unavailable,
+    }

@@ -1,0 +1,44 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+import privleak
+from conftest import HAS_CUDA
+
+
+def test_info_reports_the_build():
+    report = privleak.info()
+    assert report["version"] == privleak.__version__
+    assert report["backends"][0] == "cpu"
+    assert report["openmp_threads"] >= 1
+    assert report["cuda_compiled"] == ("cuda" in report["backends"])
+    if not report["cuda_usable"]:
+        assert report["gpu_name"] is None and report["cuda_error"]
+
+
+def test_cli_prints_the_same_report_as_json():
+    out = subprocess.run([sys.executable, "-m", "privleak", "info", "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out)["version"] == privleak.__version__
+
+
+def test_import_needs_no_torch():
+    code = "import sys, privleak; privleak.info(); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error on machines without a usable GPU")
+def test_asking_for_cuda_without_a_gpu_says_why():
+    from privleak import _backend
+
+    with pytest.raises(RuntimeError, match="built without CUDA|no GPU is usable"):
+        _backend.cuda()
+
+
+def test_thread_count_is_validated(threads):
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        privleak.set_num_threads(0)
+    with pytest.raises(TypeError, match="threads must be an int"):
+        privleak.set_num_threads(1.5)
