@@ -146,3 +146,29 @@ def test_cuda_reads_row_stride_views():
     big = torch.rand(3000, 900, device="cuda", dtype=torch.float64)
     view = big[::3, 17:811]
     assert_matches_reference(privleak.column_stats(view), view.contiguous().cpu().numpy())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "stats", [("max",), ("argmax",), ("min",), ("sum",), ("max", "min"), ("min", "sum"), ("argmax", "sum")]
+)
+def test_subsets_of_statistics_match_the_full_pass(stats, dtype, threads):
+    matrix = np.random.default_rng(5).random((3000, 300)).astype(dtype)
+    weights = np.random.default_rng(6).random(3000)
+    for n in (1, 2):  # one column block: the column-block schedule, then the row-chunk one
+        threads(n)
+        for w in (None, weights):
+            full = privleak.column_stats(matrix, w)
+            part = privleak.column_stats(matrix, w, stats=stats)
+            for name in ("max", "argmax", "min", "sum"):
+                got = getattr(part, name)
+                if name in stats or (name == "max" and "argmax" in stats):
+                    assert got.tobytes() == getattr(full, name).tobytes()
+                else:
+                    assert got is None
+
+
+@pytest.mark.parametrize("stats", [(), ("mean",), ["max", "median"]])
+def test_unknown_statistics_are_rejected(stats):
+    with pytest.raises(ValueError, match="stats must be a non-empty subset"):
+        privleak.column_stats(np.ones((2, 2)), stats=stats)

@@ -15,16 +15,16 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "column_stats",
-      [](std::uintptr_t matrix, int64_t rows, int64_t cols, int64_t row_stride, const std::string& dtype,
+      [](unsigned stats, std::uintptr_t matrix, int64_t rows, int64_t cols, int64_t row_stride, const std::string& dtype,
          std::uintptr_t row_weights, std::uintptr_t out_max, std::uintptr_t out_argmax,
          std::uintptr_t out_min, std::uintptr_t out_sum) {
         const privleak::DType type = privleak::parse_dtype(dtype);
         py::gil_scoped_release release;
-        privleak::cpu::column_stats(type, as_pointer(matrix), rows, cols, row_stride, as_pointer(row_weights),
+        privleak::cpu::column_stats(type, stats, as_pointer(matrix), rows, cols, row_stride, as_pointer(row_weights),
                                     as_pointer(out_max), as_pointer<int64_t>(out_argmax), as_pointer(out_min),
                                     as_pointer<double>(out_sum));
       },
-      py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
+      py::arg("stats"), py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
       py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"));
 
   m.def("set_num_threads", [](int threads) {

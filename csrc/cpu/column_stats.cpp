@@ -29,65 +29,71 @@ struct Tile {
   ColumnPartial<T> partial(int64_t j) const { return {max[j], argmax[j], min[j], sum[j]}; }
 };
 
-// The hot loop: folds row `r` into the accumulators of `width` columns.
-template <class T, bool kWeighted>
+// The hot loop: folds row `r` into the accumulators of `width` columns (column_partial_add, vectorised).
+template <unsigned kStats, class T, bool kWeighted>
 PRIVLEAK_SIMD_CLONES void add_row(const T* __restrict row, T weight, int64_t width, int64_t r,
                                   T* __restrict max, int64_t* __restrict argmax, T* __restrict min,
                                   double* __restrict sum) {
   for (int64_t j = 0; j < width; ++j) {
     const T v = kWeighted ? weight * row[j] : row[j];
-    const bool new_max = replaces_max(v, max[j]);
-    max[j] = new_max ? v : max[j];
-    argmax[j] = new_max ? r : argmax[j];
-    min[j] = replaces_min(v, min[j]) ? v : min[j];
-    sum[j] += static_cast<double>(v);
+    if constexpr (wants(kStats, kStatMax)) {
+      const bool new_max = replaces_max(v, max[j]);
+      max[j] = new_max ? v : max[j];
+      if constexpr (wants(kStats, kStatArgmax)) argmax[j] = new_max ? r : argmax[j];
+    }
+    if constexpr (wants(kStats, kStatMin)) min[j] = replaces_min(v, min[j]) ? v : min[j];
+    if constexpr (wants(kStats, kStatSum)) sum[j] += static_cast<double>(v);
   }
 }
 
-template <class T, bool kWeighted>
+template <unsigned kStats, class T, bool kWeighted>
 void reduce_tile(const T* matrix, int64_t row_stride, const T* row_weights, int64_t row_begin,
                  int64_t row_end, int64_t col_begin, int64_t width, Tile<T>& tile) {
   auto row = [&](int64_t r) { return matrix + r * row_stride + col_begin; };
   auto weight = [&](int64_t r) { return kWeighted ? row_weights[r] : T(1); };
   for (int64_t j = 0; j < width; ++j) {
-    const T v = kWeighted ? weight(row_begin) * row(row_begin)[j] : row(row_begin)[j];
-    tile.max[j] = v;
-    tile.argmax[j] = row_begin;
-    tile.min[j] = v;
-    tile.sum[j] = static_cast<double>(v);
+    const ColumnPartial<T> p = column_partial_start(kWeighted ? weight(row_begin) * row(row_begin)[j] : row(row_begin)[j], row_begin);
+    tile.max[j] = p.max;
+    tile.argmax[j] = p.argmax;
+    tile.min[j] = p.min;
+    tile.sum[j] = p.sum;
   }
   for (int64_t r = row_begin + 1; r < row_end; ++r)
-    add_row<T, kWeighted>(row(r), weight(r), width, r, tile.max, tile.argmax, tile.min, tile.sum);
+    add_row<kStats, T, kWeighted>(row(r), weight(r), width, r, tile.max, tile.argmax, tile.min, tile.sum);
 }
 
-template <class T, bool kWeighted>
+template <unsigned kStats, class T, bool kWeighted>
 void column_stats_typed(const T* matrix, int64_t rows, int64_t cols, int64_t row_stride,
                         const T* row_weights, ColumnStatsOutput<T> out) {
   const ColumnStatsPlan plan = plan_column_stats(rows);
   const int64_t num_blocks = (cols + kBlockCols - 1) / kBlockCols;
-  auto chunk_end = [&](int64_t chunk) { return std::min(rows, (chunk + 1) * plan.rows_per_chunk); };
+  auto width = [&](int64_t block) { return std::min(kBlockCols, cols - block * kBlockCols); };
   auto reduce = [&](int64_t chunk, int64_t block, Tile<T>& tile) {
-    const int64_t col_begin = block * kBlockCols;
-    reduce_tile<T, kWeighted>(matrix, row_stride, row_weights, chunk * plan.rows_per_chunk,
-                              chunk_end(chunk), col_begin, std::min(kBlockCols, cols - col_begin), tile);
+    const int64_t row_begin = chunk * plan.rows_per_chunk;
+    reduce_tile<kStats, T, kWeighted>(matrix, row_stride, row_weights, row_begin,
+                                      std::min(rows, row_begin + plan.rows_per_chunk),
+                                      block * kBlockCols, width(block), tile);
   };
 
   if (num_blocks >= max_threads() || plan.num_chunks == 1) {
     // Enough column blocks to keep every thread busy: each folds its chunks as it goes.
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t block = 0; block < num_blocks; ++block) {
-      auto running = std::make_unique<Tile<T>>();
-      auto chunk_tile = std::make_unique<Tile<T>>();
-      const int64_t col_begin = block * kBlockCols;
-      const int64_t width = std::min(kBlockCols, cols - col_begin);
-      reduce(0, block, *running);
-      std::vector<ColumnPartial<T>> acc(width);
-      for (int64_t j = 0; j < width; ++j) acc[j] = running->partial(j);
-      for (int64_t chunk = 1; chunk < plan.num_chunks; ++chunk) {
-        reduce(chunk, block, *chunk_tile);
-        for (int64_t j = 0; j < width; ++j) column_partial_fold(acc[j], chunk_tile->partial(j));
+#pragma omp parallel
+    {
+      auto tile = std::make_unique<Tile<T>>();
+      std::vector<ColumnPartial<T>> acc(kBlockCols);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t block = 0; block < num_blocks; ++block) {
+        for (int64_t chunk = 0; chunk < plan.num_chunks; ++chunk) {
+          reduce(chunk, block, *tile);
+          for (int64_t j = 0; j < width(block); ++j) {
+            if (chunk == 0)
+              acc[j] = tile->partial(j);
+            else
+              column_partial_fold<kStats>(acc[j], tile->partial(j));
+          }
+        }
+        for (int64_t j = 0; j < width(block); ++j) out.template store<kStats>(block * kBlockCols + j, acc[j]);
       }
-      for (int64_t j = 0; j < width; ++j) out.store(col_begin + j, acc[j]);
     }
     return;
   }
@@ -102,26 +108,24 @@ void column_stats_typed(const T* matrix, int64_t rows, int64_t cols, int64_t row
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t chunk = t / num_blocks, block = t % num_blocks;
-      const int64_t col_begin = block * kBlockCols;
       reduce(chunk, block, *tile);
-      for (int64_t j = 0; j < std::min(kBlockCols, cols - col_begin); ++j)
-        partials[chunk * cols + col_begin + j] = tile->partial(j);
+      for (int64_t j = 0; j < width(block); ++j) partials[chunk * cols + block * kBlockCols + j] = tile->partial(j);
     }
   }
 #pragma omp parallel for schedule(static)
   for (int64_t col = 0; col < cols; ++col) {
     ColumnPartial<T> acc = partials[col];
     for (int64_t chunk = 1; chunk < plan.num_chunks; ++chunk)
-      column_partial_fold(acc, partials[chunk * cols + col]);
-    out.store(col, acc);
+      column_partial_fold<kStats>(acc, partials[chunk * cols + col]);
+    out.template store<kStats>(col, acc);
   }
 }
 
 }  // namespace
 
-void column_stats(DType dtype, const void* matrix, int64_t rows, int64_t cols, int64_t row_stride,
-                  const void* row_weights, void* out_max, int64_t* out_argmax, void* out_min,
-                  double* out_sum) {
+void column_stats(DType dtype, unsigned stats, const void* matrix, int64_t rows, int64_t cols,
+                  int64_t row_stride, const void* row_weights, void* out_max, int64_t* out_argmax,
+                  void* out_min, double* out_sum) {
   if (rows < 1 || cols < 0) throw std::invalid_argument("column_stats needs rows >= 1 and cols >= 0");
   if (cols == 0) return;
   dispatch_float(dtype, [&](auto zero) {
@@ -129,10 +133,13 @@ void column_stats(DType dtype, const void* matrix, int64_t rows, int64_t cols, i
     const ColumnStatsOutput<T> out{static_cast<T*>(out_max), out_argmax, static_cast<T*>(out_min), out_sum};
     const T* m = static_cast<const T*>(matrix);
     const T* w = static_cast<const T*>(row_weights);
-    if (w)
-      column_stats_typed<T, true>(m, rows, cols, row_stride, w, out);
-    else
-      column_stats_typed<T, false>(m, rows, cols, row_stride, nullptr, out);
+    dispatch_stats(stats, [&](auto mask) {
+      constexpr unsigned kStats = decltype(mask)::value;
+      if (w)
+        column_stats_typed<kStats, T, true>(m, rows, cols, row_stride, w, out);
+      else
+        column_stats_typed<kStats, T, false>(m, rows, cols, row_stride, nullptr, out);
+    });
   });
 }
 

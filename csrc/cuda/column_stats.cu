@@ -25,7 +25,7 @@ ColumnStatsOutput<T> workspace_view(void* workspace, int64_t entries) {
   return {max, argmax, min, sum};
 }
 
-template <class T>
+template <unsigned kStats, class T>
 __global__ void reduce_chunks(const T* __restrict__ matrix, int64_t rows, int64_t cols,
                               int64_t row_stride, const T* __restrict__ row_weights,
                               ColumnStatsPlan plan, ColumnStatsOutput<T> partials) {
@@ -34,18 +34,19 @@ __global__ void reduce_chunks(const T* __restrict__ matrix, int64_t rows, int64_
   if (col >= cols) return;
   const int64_t row_begin = chunk * plan.rows_per_chunk;
   const int64_t row_end = min(rows, row_begin + plan.rows_per_chunk);
-  partials.store(chunk * cols + col,
-                 reduce_column_chunk(matrix, row_stride, row_weights, col, row_begin, row_end));
+  partials.template store<kStats>(
+      chunk * cols + col, reduce_column_chunk<kStats>(matrix, row_stride, row_weights, col, row_begin, row_end));
 }
 
-template <class T>
+template <unsigned kStats, class T>
 __global__ void fold_chunks(int64_t cols, int64_t num_chunks, ColumnStatsOutput<T> partials,
                             ColumnStatsOutput<T> out) {
   const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col >= cols) return;
-  ColumnPartial<T> acc = partials.load(col);
-  for (int64_t chunk = 1; chunk < num_chunks; ++chunk) column_partial_fold(acc, partials.load(chunk * cols + col));
-  out.store(col, acc);
+  ColumnPartial<T> acc = partials.template load<kStats>(col);
+  for (int64_t chunk = 1; chunk < num_chunks; ++chunk)
+    column_partial_fold<kStats>(acc, partials.template load<kStats>(chunk * cols + col));
+  out.template store<kStats>(col, acc);
 }
 
 int64_t entry_bytes(DType dtype) {
@@ -59,7 +60,7 @@ int64_t column_stats_workspace_bytes(DType dtype, int64_t rows, int64_t cols) {
   return plan.num_chunks > 1 ? plan.num_chunks * cols * entry_bytes(dtype) : 0;
 }
 
-void column_stats(DType dtype, const void* matrix, int64_t rows, int64_t cols, int64_t row_stride,
+void column_stats(DType dtype, unsigned stats, const void* matrix, int64_t rows, int64_t cols, int64_t row_stride,
                   const void* row_weights, void* out_max, int64_t* out_argmax, void* out_min,
                   double* out_sum, void* workspace, int device, void* stream) {
   if (rows < 1 || cols < 0) throw std::invalid_argument("column_stats needs rows >= 1 and cols >= 0");
@@ -74,13 +75,16 @@ void column_stats(DType dtype, const void* matrix, int64_t rows, int64_t cols, i
     const ColumnStatsOutput<T> out{static_cast<T*>(out_max), out_argmax, static_cast<T*>(out_min), out_sum};
     const ColumnStatsOutput<T> partials =
         plan.num_chunks > 1 ? workspace_view<T>(workspace, plan.num_chunks * cols) : out;
-    reduce_chunks<T><<<dim3(col_blocks, static_cast<unsigned>(plan.num_chunks)), kThreads, 0, cuda_stream>>>(
-        static_cast<const T*>(matrix), rows, cols, row_stride, static_cast<const T*>(row_weights), plan, partials);
-    check(cudaGetLastError(), "column_stats: reduce_chunks launch");
-    if (plan.num_chunks > 1) {
-      fold_chunks<T><<<col_blocks, kThreads, 0, cuda_stream>>>(cols, plan.num_chunks, partials, out);
-      check(cudaGetLastError(), "column_stats: fold_chunks launch");
-    }
+    dispatch_stats(stats, [&](auto mask) {
+      constexpr unsigned kStats = decltype(mask)::value;
+      reduce_chunks<kStats, T><<<dim3(col_blocks, static_cast<unsigned>(plan.num_chunks)), kThreads, 0, cuda_stream>>>(
+          static_cast<const T*>(matrix), rows, cols, row_stride, static_cast<const T*>(row_weights), plan, partials);
+      check(cudaGetLastError(), "column_stats: reduce_chunks launch");
+      if (plan.num_chunks > 1) {
+        fold_chunks<kStats, T><<<col_blocks, kThreads, 0, cuda_stream>>>(cols, plan.num_chunks, partials, out);
+        check(cudaGetLastError(), "column_stats: fold_chunks launch");
+      }
+    });
   });
 }
 
