@@ -3,12 +3,14 @@
 #include <stdexcept>
 #include <string>
 
-#include "bindings/pointers.h"
+#include "bindings/marshal.h"
 #include "cpu/column_stats.h"
+#include "cpu/noise.h"
 #include "cpu/platform.h"
 
 namespace py = pybind11;
 using privleak::bindings::as_pointer;
+namespace marshal = privleak::bindings;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "privleak's C++ kernels. Private: call them through the privleak package.";
@@ -26,6 +28,18 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("stats"), py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
       py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"));
+
+  m.def(
+      "apply_noise",
+      [](const std::string& distribution, const std::string& dtype, std::uintptr_t out, int64_t n, uint64_t key,
+         uint64_t offset, double scale, bool add) {
+        const privleak::Distribution d = marshal::parse_distribution(distribution);
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cpu::apply_noise(d, t, as_pointer(out), n, key, offset, scale, add);
+      },
+      py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("scale"), py::arg("add"));
 
   m.def("set_num_threads", [](int threads) {
     if (threads < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));

@@ -1,11 +1,13 @@
 #include <pybind11/pybind11.h>
 
-#include "bindings/pointers.h"
+#include "bindings/marshal.h"
 #include "cuda/column_stats.h"
+#include "cuda/noise.h"
 #include "cuda/device.h"
 
 namespace py = pybind11;
 using privleak::bindings::as_pointer;
+namespace marshal = privleak::bindings;
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "privleak's CUDA kernels. Private: call them through the privleak package.";
@@ -30,6 +32,18 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("stats"), py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
       py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"),
       py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def(
+      "apply_noise",
+      [](const std::string& distribution, const std::string& dtype, std::uintptr_t out, int64_t n, uint64_t key,
+         uint64_t offset, double scale, bool add, int device, std::uintptr_t stream) {
+        const privleak::Distribution d = marshal::parse_distribution(distribution);
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cuda::apply_noise(d, t, as_pointer(out), n, key, offset, scale, add, device, as_pointer(stream));
+      },
+      py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("scale"), py::arg("add"), py::arg("device"), py::arg("stream"));
 
   m.def("device_count", [] {
     std::string error;

@@ -1,0 +1,33 @@
+// Argument marshalling shared by the modules. Arrays cross from Python as integer addresses; the
+// Python layer (privleak/_arrays.py) has already checked dtype, shape, strides and device, and
+// keeps the arrays alive during the call.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/noise.h"
+
+namespace privleak::bindings {
+
+template <class T = void>
+T* as_pointer(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+inline Distribution parse_distribution(const std::string& name) {
+  if (name == "gaussian") return Distribution::gaussian;
+  if (name == "laplace") return Distribution::laplace;
+  throw std::invalid_argument("unknown noise distribution '" + name + "' (expected gaussian or laplace)");
+}
+
+inline NoiseDType parse_noise_dtype(const std::string& name) {
+  if (name == "float32") return NoiseDType::float32;
+  if (name == "float64") return NoiseDType::float64;
+  if (name == "bfloat16") return NoiseDType::bfloat16;
+  if (name == "float16") return NoiseDType::float16;
+  throw std::invalid_argument("unsupported noise dtype '" + name + "' (expected float32, float64, bfloat16 or float16)");
+}
+
+}  // namespace privleak::bindings

@@ -1,0 +1,124 @@
+// Elementary functions built from correctly rounded IEEE operations only (+, -, *, /, sqrt,
+// exact scalings), evaluated in a fixed order. Compiled without FMA contraction (see
+// CMakeLists.txt), they give the same bits on every CPU and GPU, which libm and CUDA's
+// transcendentals do not. Accuracy: a few ulp, ample for noise.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/hostdevice.h"
+
+namespace privleak::fp {
+
+template <class To, class From>
+PRIVLEAK_HOST_DEVICE To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+template <class T> struct Traits;
+template <> struct Traits<float> {
+  using Bits = uint32_t;
+  static constexpr int kMantissaBits = 23;
+  static constexpr int kExponentBias = 127;
+  // Series lengths: the first omitted term is below half an ulp on the reduced ranges below.
+  static constexpr int kLogTerms = 5;
+  static constexpr int kSinTerms = 5;
+};
+template <> struct Traits<double> {
+  using Bits = uint64_t;
+  static constexpr int kMantissaBits = 52;
+  static constexpr int kExponentBias = 1023;
+  static constexpr int kLogTerms = 11;
+  static constexpr int kSinTerms = 10;
+};
+
+// ln 2 split so that e * kLn2Hi is exact for |e| < 2^11: log's result keeps full precision.
+constexpr double kLn2Hi = 6.93147180369123816490e-01;
+constexpr double kLn2Lo = 1.90821492927058770002e-10;
+constexpr double kHalfPi = 1.57079632679489661923;
+
+// Natural log of a positive normal number: x = m * 2^e with m in [sqrt(1/2), sqrt(2)), then
+// log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.1716, by its Taylor series in s^2.
+template <class T>
+PRIVLEAK_HOST_DEVICE T log_positive(T x) {
+  using Bits = typename Traits<T>::Bits;
+  constexpr int kShift = Traits<T>::kMantissaBits;
+  const Bits bits = bit_cast<Bits>(x);
+  int exponent = static_cast<int>(bits >> kShift) - Traits<T>::kExponentBias;
+  T m = bit_cast<T>(static_cast<Bits>((bits & ((Bits(1) << kShift) - 1)) |
+                                      (static_cast<Bits>(Traits<T>::kExponentBias) << kShift)));
+  if (m > T(1.41421356237309504880)) {
+    m = m * T(0.5);
+    exponent += 1;
+  }
+  const T s = (m - T(1)) / (m + T(1));
+  const T s2 = s * s;
+  T series = T(1) / T(2 * Traits<T>::kLogTerms - 1);
+  for (int k = Traits<T>::kLogTerms - 2; k >= 0; --k) series = T(1) / T(2 * k + 1) + s2 * series;
+  const T e = static_cast<T>(exponent);
+  return e * T(kLn2Hi) + (T(2) * s * series + e * T(kLn2Lo));
+}
+
+// cos(2 pi u) and sin(2 pi u) for u in [0, 1]. The reduction u*4 = q + r, |r| <= 1/2, is exact,
+// so the series only ever sees |angle| <= pi/4.
+template <class T>
+PRIVLEAK_HOST_DEVICE void cos_sin_two_pi(T u, T& cos_out, T& sin_out) {
+  const T quarter_turns = u * T(4);
+  const T q = static_cast<T>(static_cast<int>(quarter_turns + T(0.5)));
+  const T a = (quarter_turns - q) * T(kHalfPi);
+  const T a2 = a * a;
+  constexpr int n = Traits<T>::kSinTerms;
+  // sin a = a sum (-a^2)^k / (2k+1)!, cos a = sum (-a^2)^k / (2k)!, by Horner from the last term.
+  T sin_series = T(1), cos_series = T(1);
+  for (int k = n - 1; k >= 1; --k) {
+    sin_series = T(1) - a2 * sin_series / static_cast<T>((2 * k) * (2 * k + 1));
+    cos_series = T(1) - a2 * cos_series / static_cast<T>((2 * k - 1) * (2 * k));
+  }
+  const T s = a * sin_series, c = cos_series;
+  switch (static_cast<int>(q) & 3) {
+    case 0: cos_out = c; sin_out = s; break;
+    case 1: cos_out = -s; sin_out = c; break;
+    case 2: cos_out = -c; sin_out = -s; break;
+    default: cos_out = s; sin_out = -c; break;
+  }
+}
+
+// Round-to-nearest-even float -> bfloat16 / float16 bit patterns (for finite inputs; overflow
+// gives inf as a hardware conversion would).
+PRIVLEAK_HOST_DEVICE uint16_t float_to_bfloat16_bits(float x) {
+  const uint32_t bits = bit_cast<uint32_t>(x);
+  const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+PRIVLEAK_HOST_DEVICE float bfloat16_bits_to_float(uint16_t h) {
+  return bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+
+PRIVLEAK_HOST_DEVICE uint16_t float_to_float16_bits(float x) {
+  const uint32_t bits = bit_cast<uint32_t>(x);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  if (magnitude >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds past 65504: inf
+  if (magnitude < 0x38800000u) {                                             // below 2^-14: subnormal
+    // The subnormal's units are 2^-24: adding 0.5 makes the float addition round to them (RNE).
+    const float scaled = bit_cast<float>(magnitude) + 0.5f;
+    return static_cast<uint16_t>(sign | (bit_cast<uint32_t>(scaled) - 0x3F000000u));
+  }
+  const uint32_t rounding = 0xFFFu + ((magnitude >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((magnitude - 0x38000000u + rounding) >> 13));
+}
+
+PRIVLEAK_HOST_DEVICE float float16_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0) return bit_cast<float>(sign | bit_cast<uint32_t>(static_cast<float>(mantissa) * 5.9604644775390625e-8f));
+  if (exponent == 31) return bit_cast<float>(sign | 0x7F800000u | (mantissa << 13));
+  return bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+}  // namespace privleak::fp

@@ -1,0 +1,136 @@
+// Gaussian and Laplace noise as a pure function of (key, element index): element n of a draw is
+// value n % k of Philox block n / k of its stream, k = 4 for float and 2 for double generation.
+// Every CPU thread layout and every CUDA launch shape therefore gives the same bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/fp_math.h"
+#include "common/hostdevice.h"
+#include "common/philox.h"
+
+namespace privleak {
+
+enum class Distribution : uint32_t { gaussian = 1, laplace = 2 };
+
+// The element types a noise kernel writes; half types are generated in float and rounded.
+enum class NoiseDType { float32, float64, bfloat16, float16 };
+struct BFloat16 { uint16_t bits; };
+struct Float16 { uint16_t bits; };
+
+template <class Gen>
+constexpr int kValuesPerBlock = sizeof(Gen) == 4 ? 4 : 2;
+
+// Float and double draws live in separate streams, as do the distributions.
+template <class Gen>
+PRIVLEAK_HOST_DEVICE uint32_t noise_stream(Distribution d) {
+  return (static_cast<uint32_t>(d) << 1) | (sizeof(Gen) == 8 ? 1u : 0u);
+}
+
+// Uniform on (0, 1] from kBits random bits, the grid's midpoints (k + 1/2) 2^-kBits. Small values
+// keep full relative precision, so the Gaussian tail reaches sqrt(2 ln 2^33) ~ 6.8 sigma rather
+// than the 5.8 of a 24-bit uniform.
+template <int kBits>
+PRIVLEAK_HOST_DEVICE float uniform_open_zero(uint32_t bits) {
+  constexpr float step = 1.0f / static_cast<float>(uint64_t(1) << kBits);  // a power of two: exact
+  return static_cast<float>(bits) * step + step * 0.5f;
+}
+
+// Uniform on (0, 1) from 64 random bits (53 used).
+PRIVLEAK_HOST_DEVICE double uniform_open_zero(uint32_t hi, uint32_t lo) {
+  const uint64_t bits53 = ((static_cast<uint64_t>(hi) << 32) | lo) >> 11;
+  return static_cast<double>(bits53) * 1.1102230246251565e-16 + 5.551115123125783e-17;
+}
+
+// Box-Muller: r = sqrt(-2 log u1), (z0, z1) = r (cos 2 pi u2, sin 2 pi u2).
+template <class T>
+PRIVLEAK_HOST_DEVICE void box_muller(T u1, T u2, T& z0, T& z1) {
+  const T r = std::sqrt(T(-2) * fp::log_positive(u1));
+  T c, s;
+  fp::cos_sin_two_pi(u2, c, s);
+  z0 = r * c;
+  z1 = r * s;
+}
+
+PRIVLEAK_HOST_DEVICE void gaussian_values(const Words4& r, float (&z)[4]) {
+  box_muller(uniform_open_zero<32>(r.w[0]), uniform_open_zero<32>(r.w[1]), z[0], z[1]);
+  box_muller(uniform_open_zero<32>(r.w[2]), uniform_open_zero<32>(r.w[3]), z[2], z[3]);
+}
+
+PRIVLEAK_HOST_DEVICE void gaussian_values(const Words4& r, double (&z)[2]) {
+  box_muller(uniform_open_zero(r.w[0], r.w[1]), uniform_open_zero(r.w[2], r.w[3]), z[0], z[1]);
+}
+
+// Laplace(0, 1) as a random sign times an Exp(1) draw -log u; the sign takes one bit.
+PRIVLEAK_HOST_DEVICE void laplace_values(const Words4& r, float (&z)[4]) {
+  for (int i = 0; i < 4; ++i) {
+    const float magnitude = -fp::log_positive(uniform_open_zero<31>(r.w[i] >> 1));
+    z[i] = (r.w[i] & 1u) ? -magnitude : magnitude;
+  }
+}
+
+PRIVLEAK_HOST_DEVICE void laplace_values(const Words4& r, double (&z)[2]) {
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t hi = r.w[2 * i], lo = r.w[2 * i + 1];
+    const double magnitude = -fp::log_positive(uniform_open_zero(hi, lo));
+    z[i] = (lo & 1u) ? -magnitude : magnitude;  // bit 0 is one of the 11 the uniform drops
+  }
+}
+
+// The k unit-scale values of block `block`.
+template <class Gen>
+PRIVLEAK_HOST_DEVICE void noise_values(Distribution d, uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>]) {
+  const Words4 r = philox_block(key, noise_stream<Gen>(d), block);
+  if (d == Distribution::gaussian)
+    gaussian_values(r, z);
+  else
+    laplace_values(r, z);
+}
+
+// Writes (or adds) scale * z to one element, rounding to the output type.
+template <class Out> struct NoiseStore;
+template <> struct NoiseStore<float> {
+  using Gen = float;
+  PRIVLEAK_HOST_DEVICE static void apply(float& out, float noise, bool add) { out = add ? out + noise : noise; }
+};
+template <> struct NoiseStore<double> {
+  using Gen = double;
+  PRIVLEAK_HOST_DEVICE static void apply(double& out, double noise, bool add) { out = add ? out + noise : noise; }
+};
+template <> struct NoiseStore<BFloat16> {
+  using Gen = float;
+  PRIVLEAK_HOST_DEVICE static void apply(BFloat16& out, float noise, bool add) {
+    out.bits = fp::float_to_bfloat16_bits(add ? fp::bfloat16_bits_to_float(out.bits) + noise : noise);
+  }
+};
+template <> struct NoiseStore<Float16> {
+  using Gen = float;
+  PRIVLEAK_HOST_DEVICE static void apply(Float16& out, float noise, bool add) {
+    out.bits = fp::float_to_float16_bits(add ? fp::float16_bits_to_float(out.bits) + noise : noise);
+  }
+};
+
+// Fills elements [offset, offset + n) of block `block` that fall into the output `out` (whose
+// element 0 is draw element `offset`).
+template <class Out>
+PRIVLEAK_HOST_DEVICE void apply_noise_block(Distribution d, uint64_t key, uint64_t offset, int64_t n,
+                                            typename NoiseStore<Out>::Gen scale, bool add, uint64_t block,
+                                            Out* out) {
+  using Gen = typename NoiseStore<Out>::Gen;
+  constexpr int k = kValuesPerBlock<Gen>;
+  Gen z[k];
+  noise_values<Gen>(d, key, block, z);
+  for (int lane = 0; lane < k; ++lane) {
+    const uint64_t element = block * k + lane;
+    if (element < offset || element - offset >= static_cast<uint64_t>(n)) continue;
+    NoiseStore<Out>::apply(out[element - offset], scale * z[lane], add);
+  }
+}
+
+PRIVLEAK_HOST_DEVICE uint64_t first_noise_block(uint64_t offset, int k) { return offset / k; }
+PRIVLEAK_HOST_DEVICE uint64_t end_noise_block(uint64_t offset, int64_t n, int k) {
+  return (offset + static_cast<uint64_t>(n) + k - 1) / k;
+}
+
+}  // namespace privleak

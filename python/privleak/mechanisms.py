@@ -1,0 +1,274 @@
+"""Noise mechanisms as PyTorch ops: Gaussian and Laplace noise from a counter-based generator.
+
+DP-SGD's Gaussian mechanism (Abadi et al. 2016; Alg. 1 of Biswas et al.) releases
+g + N(0, c^2 sigma^2 I) / L; the Laplace mechanism releases g + Lap(b)^p. privleak draws the noise
+from Philox4x32-10 (Salmon et al., SC 2011), a counter-based generator: element i of a draw is a
+pure function of (key, offset + i). The same key and offset give the same bits on CPU and CUDA,
+for any thread count, launch shape or split of a draw into pieces, and the numpy reference
+(:func:`privleak.reference.noise`) reproduces them exactly.
+
+Unit noise z is made as follows (csrc/common/noise.h):
+
+* Gaussian: Box-Muller, z = sqrt(-2 ln u1) cos(2 pi u2) (and the sine for the next element), with
+  u1 in (0, 1] on a grid of 2^-32 (float) or 2^-53 (double) so the tail reaches 6.8 (float) or
+  8.6 (double) standard deviations.
+* Laplace: a random sign times -ln u, u in (0, 1].
+
+bfloat16 and float16 outputs are float32 noise rounded to nearest even; adding noise to a half
+tensor adds in float32 and rounds once. The ops are registered with ``torch.library`` (so they
+work under ``torch.compile``), and adding noise out of place passes the gradient through unchanged.
+
+This module imports torch; ``import privleak`` does not.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Optional, Sequence, Union
+
+import torch
+
+from privleak import _arrays, _backend
+
+NOISE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_U64 = 2**64
+_MAX_ELEMENT = 2**63  # offsets travel through torch's int64 op schema
+
+
+class NoiseGenerator:
+    """State for counter-based noise, used like ``torch.Generator``.
+
+    The state is (key, offset): a draw of n elements uses elements offset .. offset + n - 1 of the
+    key's stream and advances the offset by n, so two draws of n and m elements give the same bits
+    as one draw of n + m. ``NoiseGenerator()`` takes a random key from the operating system;
+    ``NoiseGenerator(seed)`` or ``manual_seed(seed)`` makes it reproducible.
+    """
+
+    def __init__(self, seed: Optional[int] = None):
+        self._initial_seed = 0
+        self.key = 0
+        self.offset = 0
+        if seed is None:
+            self.seed()
+        else:
+            self.manual_seed(seed)
+
+    def manual_seed(self, seed: int) -> "NoiseGenerator":
+        """Use ``seed`` (any int; taken modulo 2^64) as the key and restart at offset 0."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self._initial_seed = seed % _U64
+        self.key, self.offset = self._initial_seed, 0
+        return self
+
+    def seed(self) -> int:
+        """Seed from the operating system's entropy and return the seed."""
+        self.manual_seed(secrets.randbits(64))
+        return self._initial_seed
+
+    def initial_seed(self) -> int:
+        return self._initial_seed
+
+    def get_state(self) -> tuple[int, int]:
+        return self.key, self.offset
+
+    def set_state(self, state: tuple[int, int]) -> None:
+        key, offset = state
+        self.key, self.offset = _check_key(key), _check_offset(offset, 0)
+
+    def claim(self, n: int) -> tuple[int, int]:
+        """The (key, offset) for a draw of ``n`` elements, advancing the offset past them."""
+        offset = _check_offset(self.offset, n)
+        self.offset += n
+        return self.key, offset
+
+    def __repr__(self) -> str:
+        return f"NoiseGenerator(key={self.key:#x}, offset={self.offset})"
+
+
+default_generator = NoiseGenerator()
+
+
+def manual_seed(seed: int) -> NoiseGenerator:
+    """Seed privleak's default noise generator (``torch.manual_seed`` leaves it alone)."""
+    return default_generator.manual_seed(seed)
+
+
+def _check_key(key: int) -> int:
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise TypeError(f"key must be an int, got {type(key).__name__}")
+    if not 0 <= key < _U64:
+        raise ValueError(f"key must be in [0, 2**64), got {key}")
+    return key
+
+
+def _check_offset(offset: int, n: int) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if offset < 0 or offset + n > _MAX_ELEMENT:
+        raise ValueError(f"offset must satisfy 0 <= offset and offset + numel <= 2**63, got offset={offset}, numel={n}")
+    return offset
+
+
+def _check_scale(scale: float, name: str) -> float:
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {scale}")
+    return float(scale)
+
+
+def _resolve_stream(n: int, generator: Optional[NoiseGenerator], key: Optional[int], offset: Optional[int]):
+    if key is None:
+        if offset is not None:
+            raise ValueError("offset needs an explicit key; with a generator the offset is the generator's")
+        return (generator or default_generator).claim(n)
+    if generator is not None:
+        raise ValueError("pass either generator or key (and offset), not both")
+    return _check_key(key), _check_offset(0 if offset is None else offset, n)
+
+
+# torch's schema carries int64: keys >= 2^63 travel as their two's-complement value.
+def _key_to_int64(key: int) -> int:
+    return key - _U64 if key >= 2**63 else key
+
+
+def _apply(out: torch.Tensor, distribution: str, scale: float, key: int, offset: int, add: bool) -> None:
+    """The kernel call: ``out`` (contiguous) = or += scale * noise elements offset .. offset + numel - 1."""
+    v = _arrays.view(out, "x", dtypes=NOISE_DTYPES)
+    args = (distribution, v.dtype, v.address, out.numel(), key % _U64, offset, scale, add)
+    if v.is_cuda:
+        _backend.cuda().apply_noise(*args, v.device_index, v.stream)
+    else:
+        _backend.core.apply_noise(*args)
+
+
+@torch.library.custom_op("privleak::noise", mutates_args=())
+def _noise_op(size: Sequence[int], distribution: str, scale: float, key: int, offset: int,
+              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.empty(size, dtype=dtype, device=device)
+    _apply(out, distribution, scale, key, offset, add=False)
+    return out
+
+
+@_noise_op.register_fake
+def _(size, distribution, scale, key, offset, dtype, device):
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("privleak::add_noise_", mutates_args={"x"})
+def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: int, offset: int) -> None:
+    if x.is_contiguous():
+        _apply(x, distribution, scale, key, offset, add=True)
+    else:  # noise element i goes to x's i-th element in row-major order, as for contiguous x
+        dense = x.contiguous()
+        _apply(dense, distribution, scale, key, offset, add=True)
+        x.copy_(dense)
+
+
+@_add_noise_inplace_op.register_fake
+def _(x, distribution, scale, key, offset):
+    return None
+
+
+@torch.library.custom_op("privleak::add_noise", mutates_args=())
+def _add_noise_op(x: torch.Tensor, distribution: str, scale: float, key: int, offset: int) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    _apply(out, distribution, scale, key, offset, add=True)
+    return out
+
+
+@_add_noise_op.register_fake
+def _(x, distribution, scale, key, offset):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _add_noise_backward(ctx, grad):
+    return grad, None, None, None, None
+
+
+_add_noise_op.register_autograd(_add_noise_backward)
+
+
+def _size(size: Union[int, Sequence[int]]) -> list[int]:
+    dims = [size] if isinstance(size, int) else list(size)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        raise ValueError(f"size must be a non-negative int or a sequence of them, got {size!r}")
+    return dims
+
+
+def _draw(distribution: str, size, scale: float, scale_name: str, generator, key, offset, dtype, device) -> torch.Tensor:
+    dims = _size(size)
+    scale = _check_scale(scale, scale_name)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in NOISE_DTYPES:
+        raise TypeError(f"dtype must be one of {NOISE_DTYPES}, got {dtype}")
+    device = torch.device("cpu" if device is None else device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    key, offset = _resolve_stream(math.prod(dims), generator, key, offset)
+    return torch.ops.privleak.noise(dims, distribution, scale, _key_to_int64(key), offset, dtype, device)
+
+
+def _add(distribution: str, x: torch.Tensor, scale: float, scale_name: str, generator, key, offset, inplace: bool):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch tensor, got {type(x).__name__}")
+    _arrays.view(x, "x", dtypes=NOISE_DTYPES)  # dtype and device checks
+    scale = _check_scale(scale, scale_name)
+    key, offset = _resolve_stream(x.numel(), generator, key, offset)
+    if inplace:
+        torch.ops.privleak.add_noise_(x, distribution, scale, _key_to_int64(key), offset)
+        return x
+    return torch.ops.privleak.add_noise(x, distribution, scale, _key_to_int64(key), offset)
+
+
+_STREAM_DOC = """
+    Args:
+        generator: a :class:`NoiseGenerator` whose offset the draw advances (default: the
+            module's default generator). Or, instead:
+        key, offset: an explicit position in the noise stream, key in [0, 2^64), offset >= 0;
+            element i is then noise element offset + i of the key's stream."""
+
+
+def gaussian_noise(size, std: float = 1.0, *, generator: Optional[NoiseGenerator] = None, key: Optional[int] = None,
+                   offset: Optional[int] = None, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """A new tensor of N(0, std^2) noise of shape ``size`` (float32, float64, bfloat16, float16)."""
+    return _draw("gaussian", size, std, "std", generator, key, offset, dtype, device)
+
+
+def laplace_noise(size, scale: float = 1.0, *, generator: Optional[NoiseGenerator] = None, key: Optional[int] = None,
+                  offset: Optional[int] = None, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """A new tensor of Laplace(0, scale) noise, density exp(-|z|/scale) / (2 scale)."""
+    return _draw("laplace", size, scale, "scale", generator, key, offset, dtype, device)
+
+
+def add_gaussian_noise(x: torch.Tensor, std: float, *, generator: Optional[NoiseGenerator] = None,
+                       key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
+    """x + N(0, std^2 I), out of place; the gradient with respect to x passes through unchanged."""
+    return _add("gaussian", x, std, "std", generator, key, offset, inplace=False)
+
+
+def add_gaussian_noise_(x: torch.Tensor, std: float, *, generator: Optional[NoiseGenerator] = None,
+                        key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
+    """x += std * z in place (in float32 for half types, rounded once); returns x."""
+    return _add("gaussian", x, std, "std", generator, key, offset, inplace=True)
+
+
+def add_laplace_noise(x: torch.Tensor, scale: float, *, generator: Optional[NoiseGenerator] = None,
+                      key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
+    """x + Laplace(0, scale)^n, out of place; the gradient passes through unchanged."""
+    return _add("laplace", x, scale, "scale", generator, key, offset, inplace=False)
+
+
+def add_laplace_noise_(x: torch.Tensor, scale: float, *, generator: Optional[NoiseGenerator] = None,
+                       key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
+    """x += Laplace(0, scale) noise in place; returns x."""
+    return _add("laplace", x, scale, "scale", generator, key, offset, inplace=True)
+
+
+for _op in (gaussian_noise, laplace_noise, add_gaussian_noise, add_gaussian_noise_, add_laplace_noise, add_laplace_noise_):
+    _op.__doc__ += _STREAM_DOC

@@ -1,0 +1,193 @@
+"""Counter-based Gaussian and Laplace noise: bits against the numpy reference, distributions
+against scipy, and the torch op contract."""
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+import privleak
+from privleak import mechanisms as M
+from privleak import reference
+from conftest import requires_cuda
+
+# Random123's known-answer vectors for Philox4x32-10 (tests/kat_vectors): counter, key, output.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+DISTRIBUTIONS = ["gaussian", "laplace"]
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KAT)
+def test_reference_philox_matches_random123(counter, key, expected):
+    np.testing.assert_array_equal(reference.philox4x32_10(np.array(counter, dtype=np.uint32), key), expected)
+
+
+def draw(distribution, n, key, offset=0, dtype=torch.float32, scale=1.0):
+    fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
+    return fn(n, scale, key=key, offset=offset, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+@pytest.mark.parametrize("offset, n", [(0, 1), (7, 100_003), (2**40 + 3, 1001)])
+def test_kernel_bits_equal_the_numpy_reference(distribution, dtype, offset, n):
+    key = 0xDEADBEEF12345678
+    got = draw(distribution, n, key, offset, dtype).numpy()
+    want = reference.noise(distribution, n, key, offset, got.dtype)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_bits_do_not_depend_on_threads_or_on_how_a_draw_is_split(distribution, threads):
+    whole = draw(distribution, 50_001, key=11)
+    threads(1)
+    assert torch.equal(whole, draw(distribution, 50_001, key=11))
+    threads(2)
+    pieces = [draw(distribution, n, key=11, offset=start) for start, n in ((0, 3), (3, 20_000), (20_003, 29_998))]
+    assert torch.equal(whole, torch.cat(pieces))
+    generator = M.NoiseGenerator(11)
+    fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
+    assert torch.equal(whole, torch.cat([fn(n, generator=generator) for n in (1, 49_999, 1)]))
+
+
+def test_streams_are_independent_across_distributions_and_dtypes():
+    g32, l32 = draw("gaussian", 10_000, 5), draw("laplace", 10_000, 5)
+    g64 = draw("gaussian", 10_000, 5, dtype=torch.float64)
+    assert abs(np.corrcoef(g32, l32)[0, 1]) < 0.05 and abs(np.corrcoef(g32, g64)[0, 1]) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("distribution, scipy_dist", [("gaussian", scipy.stats.norm), ("laplace", scipy.stats.laplace)])
+def test_noise_follows_its_distribution(distribution, scipy_dist, dtype):
+    scale = 2.5
+    z = draw(distribution, 400_000, key=2024, dtype=dtype, scale=scale).double().numpy()
+    assert scipy.stats.kstest(z, scipy_dist(scale=scale).cdf).pvalue > 1e-3
+    n = len(z)
+    var = scipy_dist(scale=scale).var()
+    assert abs(z.mean()) < 5 * np.sqrt(var / n)
+    assert abs(z.var() / var - 1) < 5 * np.sqrt((scipy_dist.stats(moments="k") + 2) / n)
+    # Tails: P(|Z| > 4 sd) against the exact probability, within 5 binomial standard errors.
+    p = 2 * scipy_dist(scale=scale).sf(4 * np.sqrt(var))
+    assert abs((np.abs(z) > 4 * np.sqrt(var)).mean() - p) < 5 * np.sqrt(p / n)
+
+
+def test_gaussian_tail_reaches_past_six_sigma_in_float32():
+    # A 24-bit uniform would cap |z| at 5.77; the 32-bit grid reaches 6.8 (first 2^26 elements).
+    assert float(draw("gaussian", 2**26, key=1).abs().max()) > 5.8
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_elementary_functions_are_accurate(dtype):
+    rng = np.random.default_rng(0)
+    u = np.concatenate([rng.random(100_000), np.exp(-rng.random(1000) * 30), [1.0, 0.5, 0.25]]).astype(dtype)
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(reference._log_positive(u), np.log(u.astype(np.float64)), rtol=4 * eps, atol=4 * eps)
+    c, s = reference._cos_sin_two_pi(u)
+    angle = 2 * np.pi * u.astype(np.float64)
+    np.testing.assert_allclose(c, np.cos(angle), atol=8 * eps)
+    np.testing.assert_allclose(s, np.sin(angle), atol=8 * eps)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 3e4])  # float16 subnormals, normals, overflow to inf
+def test_half_outputs_are_the_float32_noise_rounded_to_nearest_even(half, scale):
+    z32 = M.gaussian_noise(100_000, scale, key=8)
+    assert torch.equal(M.gaussian_noise(100_000, scale, key=8, dtype=half), z32.to(half))
+    x = torch.randn(100_000).to(half)
+    want = (x.float() + z32).to(half)
+    assert torch.equal(M.add_gaussian_noise_(x.clone(), scale, key=8), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adding_noise_in_and_out_of_place_agree_and_pass_the_gradient(dtype):
+    x = torch.randn(64, 33, dtype=dtype, requires_grad=True)
+    y = M.add_laplace_noise(x, 0.3, key=77, offset=5)
+    assert torch.equal(y.detach(), x.detach() + M.laplace_noise((64, 33), 0.3, key=77, offset=5, dtype=dtype))
+    assert torch.equal(M.add_laplace_noise_(x.detach().clone(), 0.3, key=77, offset=5), y.detach())
+    (y * torch.arange(33, dtype=dtype)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(33, dtype=dtype).expand(64, 33))
+
+
+def test_in_place_noise_on_a_non_contiguous_tensor_follows_row_major_order():
+    base = torch.zeros(40, 30)
+    view = base.t()
+    M.add_gaussian_noise_(view, 1.0, key=3)
+    assert torch.equal(view, M.gaussian_noise((30, 40), key=3))
+
+
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        (torch.ops.privleak.noise.default, ([4, 3], "gaussian", 1.0, 9, 0, torch.float32, torch.device("cpu"))),
+        (torch.ops.privleak.add_noise.default, (torch.randn(5, 3, requires_grad=True), "gaussian", 0.5, -5, 3)),
+        (torch.ops.privleak.add_noise_.default, (torch.randn(5, 3), "laplace", 0.5, 2**62, 3)),
+    ],
+)
+def test_ops_pass_opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+def test_ops_work_under_torch_compile():
+    fn = torch.compile(lambda x: M.add_gaussian_noise(x * 2, 1.0, key=5), backend="eager", fullgraph=True)
+    x = torch.ones(8)
+    assert torch.equal(fn(x), M.add_gaussian_noise(x * 2, 1.0, key=5))
+
+
+def test_generator_state_round_trips():
+    g = M.NoiseGenerator(123)
+    M.gaussian_noise(10, generator=g)
+    state = g.get_state()
+    a = M.gaussian_noise(5, generator=g)
+    g.set_state(state)
+    assert torch.equal(a, M.gaussian_noise(5, generator=g))
+    assert g.initial_seed() == 123 and g.get_state() == (123, 15)
+    M.manual_seed(9)
+    assert torch.equal(M.gaussian_noise(4), M.gaussian_noise(4, key=9))
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda: M.gaussian_noise(3, -1.0), ValueError, "std must be finite and >= 0"),
+        (lambda: M.gaussian_noise(3, float("nan")), ValueError, "std must be finite"),
+        (lambda: M.laplace_noise(3, float("inf")), ValueError, "scale must be finite"),
+        (lambda: M.gaussian_noise(3, "1"), TypeError, "std must be a real number"),
+        (lambda: M.gaussian_noise(3, dtype=torch.int32), TypeError, "dtype must be one of"),
+        (lambda: M.gaussian_noise(-3), ValueError, "size must be"),
+        (lambda: M.gaussian_noise(3, key=-1), ValueError, "key must be in"),
+        (lambda: M.gaussian_noise(3, key=2**64), ValueError, "key must be in"),
+        (lambda: M.gaussian_noise(3, key=1, offset=-2), ValueError, "offset must satisfy"),
+        (lambda: M.gaussian_noise(3, key=1, offset=2**63 - 2), ValueError, "offset must satisfy"),
+        (lambda: M.gaussian_noise(3, offset=4), ValueError, "offset needs an explicit key"),
+        (lambda: M.gaussian_noise(3, key=1, generator=M.NoiseGenerator(1)), ValueError, "either generator or key"),
+        (lambda: M.add_gaussian_noise_(torch.ones(3, dtype=torch.int64), 1.0), TypeError, "x must have dtype"),
+        (lambda: M.add_gaussian_noise(np.ones(3), 1.0), TypeError, "x must be a torch tensor"),
+        (lambda: M.NoiseGenerator(1.5), TypeError, "seed must be an int"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_argument_named(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_cuda_noise_is_bit_identical_to_cpu(distribution, dtype):
+    fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
+    for offset, n in ((0, 1), (5, 1_000_003)):
+        cpu = fn(n, 1.5, key=99, offset=offset, dtype=dtype)
+        gpu = fn(n, 1.5, key=99, offset=offset, dtype=dtype, device="cuda")
+        assert torch.equal(cpu, gpu.cpu())
+    x = torch.randn(1000, 37).to(dtype)
+    add = M.add_gaussian_noise_ if distribution == "gaussian" else M.add_laplace_noise_
+    assert torch.equal(add(x.clone(), 0.7, key=4), add(x.cuda(), 0.7, key=4).cpu())
+
+
+@requires_cuda
+def test_cuda_ops_pass_opcheck():
+    torch.library.opcheck(torch.ops.privleak.add_noise.default, (torch.randn(5, 3, device="cuda"), "gaussian", 0.5, 1, 0))
