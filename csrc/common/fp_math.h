@@ -27,6 +27,7 @@ template <> struct Traits<float> {
   // Series lengths: the first omitted term is below half an ulp on the reduced ranges below.
   static constexpr int kLogTerms = 5;
   static constexpr int kSinTerms = 5;
+  static constexpr Bits kSqrt2Mantissa = 0x3504F3u;  // mantissa field of float(sqrt 2)
 };
 template <> struct Traits<double> {
   using Bits = uint64_t;
@@ -34,6 +35,7 @@ template <> struct Traits<double> {
   static constexpr int kExponentBias = 1023;
   static constexpr int kLogTerms = 11;
   static constexpr int kSinTerms = 10;
+  static constexpr Bits kSqrt2Mantissa = 0x6A09E667F3BCDull;  // mantissa field of double(sqrt 2)
 };
 
 // ln 2 split so that e * kLn2Hi is exact for |e| < 2^11: log's result keeps full precision.
@@ -48,16 +50,18 @@ PRIVLEAK_HOST_DEVICE T log_positive(T x) {
   using Bits = typename Traits<T>::Bits;
   constexpr int kShift = Traits<T>::kMantissaBits;
   const Bits bits = bit_cast<Bits>(x);
-  int exponent = static_cast<int>(bits >> kShift) - Traits<T>::kExponentBias;
-  T m = bit_cast<T>(static_cast<Bits>((bits & ((Bits(1) << kShift) - 1)) |
-                                      (static_cast<Bits>(Traits<T>::kExponentBias) << kShift)));
-  if (m > T(1.41421356237309504880)) {
-    m = m * T(0.5);
-    exponent += 1;
-  }
+  const Bits mantissa = bits & ((Bits(1) << kShift) - 1);
+  // m > sqrt 2 is decided on the mantissa bits and m halved through its exponent field: integer
+  // selects, where a conditional floating-point product would be a branch the compiler may not
+  // speculate, and loops over this function would not vectorise.
+  const bool above_sqrt2 = mantissa > Traits<T>::kSqrt2Mantissa;
+  const int exponent = static_cast<int>(bits >> kShift) - Traits<T>::kExponentBias + (above_sqrt2 ? 1 : 0);
+  const Bits m_exponent = static_cast<Bits>(Traits<T>::kExponentBias - (above_sqrt2 ? 1 : 0));
+  const T m = bit_cast<T>(static_cast<Bits>(mantissa | (m_exponent << kShift)));
   const T s = (m - T(1)) / (m + T(1));
   const T s2 = s * s;
   T series = T(1) / T(2 * Traits<T>::kLogTerms - 1);
+  PRIVLEAK_UNROLL
   for (int k = Traits<T>::kLogTerms - 2; k >= 0; --k) series = T(1) / T(2 * k + 1) + s2 * series;
   const T e = static_cast<T>(exponent);
   return e * T(kLn2Hi) + (T(2) * s * series + e * T(kLn2Lo));
@@ -74,17 +78,17 @@ PRIVLEAK_HOST_DEVICE void cos_sin_two_pi(T u, T& cos_out, T& sin_out) {
   constexpr int n = Traits<T>::kSinTerms;
   // sin a = a sum (-a^2)^k / (2k+1)!, cos a = sum (-a^2)^k / (2k)!, by Horner from the last term.
   T sin_series = T(1), cos_series = T(1);
+  PRIVLEAK_UNROLL
   for (int k = n - 1; k >= 1; --k) {
     sin_series = T(1) - a2 * sin_series / static_cast<T>((2 * k) * (2 * k + 1));
     cos_series = T(1) - a2 * cos_series / static_cast<T>((2 * k - 1) * (2 * k));
   }
   const T s = a * sin_series, c = cos_series;
-  switch (static_cast<int>(q) & 3) {
-    case 0: cos_out = c; sin_out = s; break;
-    case 1: cos_out = -s; sin_out = c; break;
-    case 2: cos_out = -c; sin_out = -s; break;
-    default: cos_out = s; sin_out = -c; break;
-  }
+  // Quadrant k rotates (c, s) by k quarter turns: (c, s), (-s, c), (-c, -s), (s, -c).
+  const int k = static_cast<int>(q) & 3;
+  const T x = (k & 1) ? s : c, y = (k & 1) ? c : s;
+  cos_out = x * (((k == 1) | (k == 2)) ? T(-1) : T(1));
+  sin_out = y * ((k >= 2) ? T(-1) : T(1));
 }
 
 // Round-to-nearest-even float -> bfloat16 / float16 bit patterns (for finite inputs; overflow

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp_math.h"
 #include "common/hostdevice.h"
@@ -37,10 +38,16 @@ PRIVLEAK_HOST_DEVICE float uniform_open_zero(uint32_t bits) {
   return static_cast<float>(bits) * step + step * 0.5f;
 }
 
-// Uniform on (0, 1) from 64 random bits (53 used).
+// Uniform on (0, 1) from 64 random bits (53 used): (k + 1/2) 2^-53 with k = (hi:lo) >> 11. k is
+// assembled from two exact int32 -> double conversions (x86 before AVX-512 has no vector
+// uint64 -> double), which gives the same double as converting k directly.
+PRIVLEAK_HOST_DEVICE double exact_double(uint32_t v) {
+  return static_cast<double>(static_cast<int32_t>(v ^ 0x80000000u)) + 2147483648.0;
+}
+
 PRIVLEAK_HOST_DEVICE double uniform_open_zero(uint32_t hi, uint32_t lo) {
-  const uint64_t bits53 = ((static_cast<uint64_t>(hi) << 32) | lo) >> 11;
-  return static_cast<double>(bits53) * 1.1102230246251565e-16 + 5.551115123125783e-17;
+  const double k = exact_double(hi) * 2097152.0 + exact_double(lo >> 11);  // hi * 2^21 + lo / 2^11
+  return k * 1.1102230246251565e-16 + 5.551115123125783e-17;
 }
 
 // Box-Muller: r = sqrt(-2 log u1), (z0, z1) = r (cos 2 pi u2, sin 2 pi u2).
@@ -62,27 +69,31 @@ PRIVLEAK_HOST_DEVICE void gaussian_values(const Words4& r, double (&z)[2]) {
   box_muller(uniform_open_zero(r.w[0], r.w[1]), uniform_open_zero(r.w[2], r.w[3]), z[0], z[1]);
 }
 
-// Laplace(0, 1) as a random sign times an Exp(1) draw -log u; the sign takes one bit.
+// Laplace(0, 1) as a random sign times an Exp(1) draw -log u; the sign takes one bit and is
+// applied to the sign bit (a branch-free negation).
 PRIVLEAK_HOST_DEVICE void laplace_values(const Words4& r, float (&z)[4]) {
+  PRIVLEAK_UNROLL
   for (int i = 0; i < 4; ++i) {
     const float magnitude = -fp::log_positive(uniform_open_zero<31>(r.w[i] >> 1));
-    z[i] = (r.w[i] & 1u) ? -magnitude : magnitude;
+    z[i] = fp::bit_cast<float>(fp::bit_cast<uint32_t>(magnitude) ^ ((r.w[i] & 1u) << 31));
   }
 }
 
 PRIVLEAK_HOST_DEVICE void laplace_values(const Words4& r, double (&z)[2]) {
+  PRIVLEAK_UNROLL
   for (int i = 0; i < 2; ++i) {
     const uint32_t hi = r.w[2 * i], lo = r.w[2 * i + 1];
     const double magnitude = -fp::log_positive(uniform_open_zero(hi, lo));
-    z[i] = (lo & 1u) ? -magnitude : magnitude;  // bit 0 is one of the 11 the uniform drops
+    // The sign is bit 0, one of the 11 the uniform drops; flipping the sign bit is exact negation.
+    z[i] = fp::bit_cast<double>(fp::bit_cast<uint64_t>(magnitude) ^ (static_cast<uint64_t>(lo & 1u) << 63));
   }
 }
 
 // The k unit-scale values of block `block`.
-template <class Gen>
-PRIVLEAK_HOST_DEVICE void noise_values(Distribution d, uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>]) {
-  const Words4 r = philox_block(key, noise_stream<Gen>(d), block);
-  if (d == Distribution::gaussian)
+template <Distribution kDist, class Gen>
+PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>]) {
+  const Words4 r = philox_block(key, noise_stream<Gen>(kDist), block);
+  if constexpr (kDist == Distribution::gaussian)
     gaussian_values(r, z);
   else
     laplace_values(r, z);
@@ -113,19 +124,26 @@ template <> struct NoiseStore<Float16> {
 
 // Fills elements [offset, offset + n) of block `block` that fall into the output `out` (whose
 // element 0 is draw element `offset`).
-template <class Out>
-PRIVLEAK_HOST_DEVICE void apply_noise_block(Distribution d, uint64_t key, uint64_t offset, int64_t n,
+template <Distribution kDist, class Out>
+PRIVLEAK_HOST_DEVICE void apply_noise_block(uint64_t key, uint64_t offset, int64_t n,
                                             typename NoiseStore<Out>::Gen scale, bool add, uint64_t block,
                                             Out* out) {
   using Gen = typename NoiseStore<Out>::Gen;
   constexpr int k = kValuesPerBlock<Gen>;
   Gen z[k];
-  noise_values<Gen>(d, key, block, z);
+  noise_values<kDist, Gen>(key, block, z);
   for (int lane = 0; lane < k; ++lane) {
     const uint64_t element = block * k + lane;
     if (element < offset || element - offset >= static_cast<uint64_t>(n)) continue;
     NoiseStore<Out>::apply(out[element - offset], scale * z[lane], add);
   }
+}
+
+// Calls f(std::integral_constant<Distribution, d>{}).
+template <class F>
+decltype(auto) dispatch_distribution(Distribution d, F&& f) {
+  if (d == Distribution::gaussian) return f(std::integral_constant<Distribution, Distribution::gaussian>{});
+  return f(std::integral_constant<Distribution, Distribution::laplace>{});
 }
 
 PRIVLEAK_HOST_DEVICE uint64_t first_noise_block(uint64_t offset, int k) { return offset / k; }

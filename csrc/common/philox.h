@@ -23,6 +23,7 @@ PRIVLEAK_HOST_DEVICE Words4 philox4x32_10(Words4 counter, uint32_t key0, uint32_
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   uint32_t* c = counter.w;
+  PRIVLEAK_UNROLL
   for (int round = 0; round < 10; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
     mul_hi_lo(kMul0, c[0], hi0, lo0);
