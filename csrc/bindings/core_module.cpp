@@ -6,6 +6,7 @@
 #include "bindings/marshal.h"
 #include "cpu/column_stats.h"
 #include "cpu/noise.h"
+#include "cpu/vmf.h"
 #include "cpu/platform.h"
 
 namespace py = pybind11;
@@ -40,6 +41,17 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("add"));
+
+  m.def(
+      "vmf_sample",
+      [](const std::string& dtype, std::uintptr_t mu, int64_t p, double kappa, int64_t n, uint64_t key, uint64_t offset,
+         std::uintptr_t out) {
+        const privleak::DType t = privleak::parse_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cpu::vmf_sample(t, as_pointer(mu), p, kappa, n, key, offset, as_pointer(out));
+      },
+      py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("out"));
 
   m.def("set_num_threads", [](int threads) {
     if (threads < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));

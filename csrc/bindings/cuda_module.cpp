@@ -3,6 +3,7 @@
 #include "bindings/marshal.h"
 #include "cuda/column_stats.h"
 #include "cuda/noise.h"
+#include "cuda/vmf.h"
 #include "cuda/device.h"
 
 namespace py = pybind11;
@@ -44,6 +45,18 @@ PYBIND11_MODULE(_cuda, m) {
       },
       py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("add"), py::arg("device"), py::arg("stream"));
+
+  m.def("vmf_workspace_bytes", &privleak::cuda::vmf_workspace_bytes, py::arg("p"), py::arg("n"));
+  m.def(
+      "vmf_sample",
+      [](const std::string& dtype, std::uintptr_t mu, int64_t p, double kappa, int64_t n, uint64_t key, uint64_t offset,
+         std::uintptr_t out, std::uintptr_t workspace, int device, std::uintptr_t stream) {
+        const privleak::DType t = privleak::parse_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cuda::vmf_sample(t, as_pointer(mu), p, kappa, n, key, offset, as_pointer(out), as_pointer(workspace), device, as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
   m.def("device_count", [] {
     std::string error;

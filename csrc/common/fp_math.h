@@ -67,6 +67,16 @@ PRIVLEAK_HOST_DEVICE T log_positive(T x) {
   return e * T(kLn2Hi) + (T(2) * s * series + e * T(kLn2Lo));
 }
 
+// log(1 + x) for x > -1, accurate for small x: with u = 1 + x rounded, log(u) * x / (u - 1)
+// cancels the rounding of u (Goldberg, "What every computer scientist should know about
+// floating-point arithmetic", 1991, Thm. 4).
+template <class T>
+PRIVLEAK_HOST_DEVICE T log1p_accurate(T x) {
+  const T u = T(1) + x;
+  const T du = u - T(1);
+  return du == T(0) ? x : log_positive(u) * (x / du);
+}
+
 // cos(2 pi u) and sin(2 pi u) for u in [0, 1]. The reduction u*4 = q + r, |r| <= 1/2, is exact,
 // so the series only ever sees |angle| <= pi/4.
 template <class T>

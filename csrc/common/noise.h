@@ -15,6 +15,10 @@ namespace privleak {
 
 enum class Distribution : uint32_t { gaussian = 1, laplace = 2 };
 
+// Philox stream tags. Noise streams are (distribution << 1) | is_double; VMF's own streams come after.
+constexpr uint32_t kVmfTangentStream = 16;  // (| is_double) the Gaussian tangent coordinates
+constexpr uint32_t kVmfScalarStream = 18;   // Wood's rejection step, one sub-stream per sample
+
 // The element types a noise kernel writes; half types are generated in float and rounded.
 enum class NoiseDType { float32, float64, bfloat16, float16 };
 struct BFloat16 { uint16_t bits; };
@@ -89,10 +93,11 @@ PRIVLEAK_HOST_DEVICE void laplace_values(const Words4& r, double (&z)[2]) {
   }
 }
 
-// The k unit-scale values of block `block`.
+// The k unit-scale values of block `block` of `stream` (by default the distribution's own).
 template <Distribution kDist, class Gen>
-PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>]) {
-  const Words4 r = philox_block(key, noise_stream<Gen>(kDist), block);
+PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>],
+                                       uint32_t stream = noise_stream<Gen>(kDist)) {
+  const Words4 r = philox_block(key, stream, block);
   if constexpr (kDist == Distribution::gaussian)
     gaussian_values(r, z);
   else

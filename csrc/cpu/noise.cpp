@@ -14,40 +14,61 @@ namespace {
 constexpr int64_t kBatchBlocks = 64;
 
 template <Distribution kDist, class Gen>
-PRIVLEAK_SIMD_CLONES void noise_batch(uint64_t key, uint64_t first_block, Gen* __restrict values) {
+PRIVLEAK_SIMD_CLONES void noise_batch(uint64_t key, uint32_t stream, uint64_t first_block, Gen* __restrict values) {
   constexpr int k = kValuesPerBlock<Gen>;
   for (int64_t j = 0; j < kBatchBlocks; ++j) {
     Gen z[k];
-    noise_values<kDist, Gen>(key, first_block + j, z);
+    noise_values<kDist, Gen>(key, first_block + j, z, stream);
     for (int lane = 0; lane < k; ++lane) values[j * k + lane] = z[lane];
   }
+}
+
+// Batch `batch` (counted from the one holding element `offset`) of the draw [offset, offset + n).
+template <Distribution kDist, class Out>
+void apply_noise_batch(Out* out, int64_t n, uint64_t key, uint32_t stream, uint64_t offset,
+                       typename NoiseStore<Out>::Gen scale, bool add, int64_t batch,
+                       typename NoiseStore<Out>::Gen* values) {
+  using Gen = typename NoiseStore<Out>::Gen;
+  constexpr int k = kValuesPerBlock<Gen>;
+  const uint64_t block = first_noise_block(offset, k) + static_cast<uint64_t>(batch) * kBatchBlocks;
+  noise_batch<kDist, Gen>(key, stream, block, values);
+  const uint64_t batch_begin = block * k;
+  const uint64_t begin = std::max(batch_begin, offset);
+  const uint64_t end = std::min(batch_begin + kBatchBlocks * k, offset + static_cast<uint64_t>(n));
+  for (uint64_t e = begin; e < end; ++e) NoiseStore<Out>::apply(out[e - offset], scale * values[e - batch_begin], add);
+}
+
+template <class Gen>
+int64_t num_noise_batches(uint64_t offset, int64_t n) {
+  constexpr int k = kValuesPerBlock<Gen>;
+  return static_cast<int64_t>((end_noise_block(offset, n, k) - first_noise_block(offset, k) + kBatchBlocks - 1) /
+                              kBatchBlocks);
 }
 
 template <Distribution kDist, class Out>
 void apply_noise_typed(Out* out, int64_t n, uint64_t key, uint64_t offset, double scale, bool add) {
   using Gen = typename NoiseStore<Out>::Gen;
-  constexpr int k = kValuesPerBlock<Gen>;
-  const uint64_t first = first_noise_block(offset, k);
-  const int64_t num_batches =
-      static_cast<int64_t>((end_noise_block(offset, n, k) - first + kBatchBlocks - 1) / kBatchBlocks);
-  const Gen gen_scale = static_cast<Gen>(scale);
+  const int64_t num_batches = num_noise_batches<Gen>(offset, n);
+  const uint32_t stream = noise_stream<Gen>(kDist);
 #pragma omp parallel
   {
-    Gen values[kBatchBlocks * k];
+    Gen values[kBatchBlocks * kValuesPerBlock<Gen>];
 #pragma omp for schedule(static)
-    for (int64_t batch = 0; batch < num_batches; ++batch) {
-      const uint64_t block = first + static_cast<uint64_t>(batch) * kBatchBlocks;
-      noise_batch<kDist, Gen>(key, block, values);
-      // Elements of this batch that belong to the draw [offset, offset + n).
-      const uint64_t batch_begin = block * k;
-      const uint64_t begin = std::max(batch_begin, offset);
-      const uint64_t end = std::min(batch_begin + kBatchBlocks * k, offset + static_cast<uint64_t>(n));
-      for (uint64_t e = begin; e < end; ++e) NoiseStore<Out>::apply(out[e - offset], gen_scale * values[e - batch_begin], add);
-    }
+    for (int64_t batch = 0; batch < num_batches; ++batch)
+      apply_noise_batch<kDist, Out>(out, n, key, stream, offset, static_cast<Gen>(scale), add, batch, values);
   }
 }
 
 }  // namespace
+
+template <class T>
+void fill_unit_gaussians(uint32_t stream, T* out, int64_t n, uint64_t key, uint64_t offset) {
+  T values[kBatchBlocks * kValuesPerBlock<T>];
+  for (int64_t batch = 0; batch < num_noise_batches<T>(offset, n); ++batch)
+    apply_noise_batch<Distribution::gaussian, T>(out, n, key, stream, offset, T(1), false, batch, values);
+}
+template void fill_unit_gaussians<float>(uint32_t, float*, int64_t, uint64_t, uint64_t);
+template void fill_unit_gaussians<double>(uint32_t, double*, int64_t, uint64_t, uint64_t);
 
 void apply_noise(Distribution distribution, NoiseDType dtype, void* out, int64_t n, uint64_t key,
                  uint64_t offset, double scale, bool add) {
