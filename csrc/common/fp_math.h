@@ -77,6 +77,22 @@ PRIVLEAK_HOST_DEVICE T log1p_accurate(T x) {
   return du == T(0) ? x : log_positive(u) * (x / du);
 }
 
+// Taylor coefficients (-1)^k / (2k+1)! and (-1)^k / (2k)!, as double literals; float rounds them
+// once. privleak/reference.py holds the same literals. (Functions, not arrays: CUDA device code
+// cannot read namespace-scope arrays; unrolled loops fold these calls into constants.)
+PRIVLEAK_HOST_DEVICE constexpr double sin_coefficient(int k) {
+  constexpr double c[10] = {1.0, -0.16666666666666666, 0.008333333333333333, -0.0001984126984126984,
+                            2.7557319223985893e-06, -2.505210838544172e-08, 1.6059043836821613e-10,
+                            -7.647163731819816e-13, 2.8114572543455206e-15, -8.22063524662433e-18};
+  return c[k];
+}
+PRIVLEAK_HOST_DEVICE constexpr double cos_coefficient(int k) {
+  constexpr double c[10] = {1.0, -0.5, 0.041666666666666664, -0.001388888888888889,
+                            2.48015873015873e-05, -2.755731922398589e-07, 2.08767569878681e-09,
+                            -1.1470745597729725e-11, 4.779477332387385e-14, -1.5619206968586225e-16};
+  return c[k];
+}
+
 // cos(2 pi u) and sin(2 pi u) for u in [0, 1]. The reduction u*4 = q + r, |r| <= 1/2, is exact,
 // so the series only ever sees |angle| <= pi/4.
 template <class T>
@@ -86,12 +102,12 @@ PRIVLEAK_HOST_DEVICE void cos_sin_two_pi(T u, T& cos_out, T& sin_out) {
   const T a = (quarter_turns - q) * T(kHalfPi);
   const T a2 = a * a;
   constexpr int n = Traits<T>::kSinTerms;
-  // sin a = a sum (-a^2)^k / (2k+1)!, cos a = sum (-a^2)^k / (2k)!, by Horner from the last term.
-  T sin_series = T(1), cos_series = T(1);
+  // sin a = a sum_k s_k a^2k and cos a = sum_k c_k a^2k, by Horner from the last term.
+  T sin_series = static_cast<T>(sin_coefficient(n - 1)), cos_series = static_cast<T>(cos_coefficient(n - 1));
   PRIVLEAK_UNROLL
-  for (int k = n - 1; k >= 1; --k) {
-    sin_series = T(1) - a2 * sin_series / static_cast<T>((2 * k) * (2 * k + 1));
-    cos_series = T(1) - a2 * cos_series / static_cast<T>((2 * k - 1) * (2 * k));
+  for (int k = n - 2; k >= 0; --k) {
+    sin_series = static_cast<T>(sin_coefficient(k)) + a2 * sin_series;
+    cos_series = static_cast<T>(cos_coefficient(k)) + a2 * cos_series;
   }
   const T s = a * sin_series, c = cos_series;
   // Quadrant k rotates (c, s) by k quarter turns: (c, s), (-s, c), (-c, -s), (s, -c).

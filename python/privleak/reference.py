@@ -53,6 +53,14 @@ def _log_positive(x: np.ndarray) -> np.ndarray:
     return e * t(6.93147180369123816490e-01) + (t(2) * s * series + e * t(1.90821492927058770002e-10))
 
 
+_SIN_COEFFICIENTS = [1.0, -0.16666666666666666, 0.008333333333333333, -0.0001984126984126984,
+                     2.7557319223985893e-06, -2.505210838544172e-08, 1.6059043836821613e-10,
+                     -7.647163731819816e-13, 2.8114572543455206e-15, -8.22063524662433e-18]
+_COS_COEFFICIENTS = [1.0, -0.5, 0.041666666666666664, -0.001388888888888889, 2.48015873015873e-05,
+                     -2.755731922398589e-07, 2.08767569878681e-09, -1.1470745597729725e-11,
+                     4.779477332387385e-14, -1.5619206968586225e-16]
+
+
 def _cos_sin_two_pi(u: np.ndarray):
     t = u.dtype.type
     terms = 5 if u.dtype == np.float32 else 10
@@ -60,10 +68,11 @@ def _cos_sin_two_pi(u: np.ndarray):
     q = np.trunc(quarter_turns + t(0.5))
     a = (quarter_turns - q) * t(1.57079632679489661923)
     a2 = a * a
-    sin_series, cos_series = np.ones_like(u), np.ones_like(u)
-    for k in range(terms - 1, 0, -1):
-        sin_series = t(1) - a2 * sin_series / t((2 * k) * (2 * k + 1))
-        cos_series = t(1) - a2 * cos_series / t((2 * k - 1) * (2 * k))
+    sin_series = np.full_like(u, t(_SIN_COEFFICIENTS[terms - 1]))
+    cos_series = np.full_like(u, t(_COS_COEFFICIENTS[terms - 1]))
+    for k in range(terms - 2, -1, -1):
+        sin_series = t(_SIN_COEFFICIENTS[k]) + a2 * sin_series
+        cos_series = t(_COS_COEFFICIENTS[k]) + a2 * cos_series
     s, c = a * sin_series, cos_series
     quadrant = q.astype(np.int64) & 3
     cos_out = np.choose(quadrant, [c, -s, -c, s])
