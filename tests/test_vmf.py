@@ -110,3 +110,36 @@ def test_bad_arguments_are_rejected(call, error, words):
 def test_cuda_samples_are_bit_identical_to_cpu(p, kappa, n, dtype):
     mu = unit(p, dtype=dtype)
     assert torch.equal(M.vmf_sample(mu, kappa, n, key=8), M.vmf_sample(mu.cuda(), kappa, n, key=8).cpu())
+
+
+@pytest.mark.parametrize("p, kappa", [(2, 0.7), (3, 25.0), (10, 4.0)])
+def test_log_density_matches_scipy(p, kappa):
+    mu = unit(p)
+    y = M.vmf_sample(mu, kappa, 50, key=2)
+    want = scipy.stats.vonmises_fisher(mu.numpy(), kappa).logpdf(y.numpy())
+    np.testing.assert_allclose(M.vmf_log_density(y, mu, kappa).numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_log_density_integrates_to_one_on_the_sphere():
+    # On S^2 with mu = e3: integral over theta of f(cos theta) * 2 pi sin theta.
+    import scipy.integrate
+
+    mu = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
+
+    def integrand(theta):
+        y = torch.tensor([[np.sin(theta), 0.0, np.cos(theta)]], dtype=torch.float64)
+        return float(torch.exp(M.vmf_log_density(y, mu, 40.0))) * 2 * np.pi * np.sin(theta)
+
+    total, _ = scipy.integrate.quad(integrand, 0, np.pi, epsabs=1e-13, points=[0.05, 0.3])
+    assert abs(total - 1) < 1e-10
+
+
+def test_log_density_is_finite_in_a_million_dimensions():
+    p, kappa = 10**6, 1e5
+    mu = unit(p)
+    y = M.vmf_sample(mu, kappa, 2, key=1)
+    log_f = M.vmf_log_density(y, mu, kappa)
+    assert torch.isfinite(log_f).all()
+    # Two samples' log densities differ by kappa times the difference of their cosines.
+    w = y @ mu
+    assert abs(float(log_f[0] - log_f[1]) - kappa * float(w[0] - w[1])) < 1e-6 * kappa

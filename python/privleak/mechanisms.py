@@ -280,6 +280,30 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
     return torch.ops.privleak.vmf_sample(unit, kappa, n, _key_to_int64(key), offset)
 
 
+def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Tensor:
+    """log f(y) = log C_p(kappa) + kappa mu.y for directions y (..., p) under VMF(mu, kappa).
+
+    C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2} I_{p/2-1}(kappa)) (Biswas et al., Appendix A),
+    evaluated by :func:`privleak.special.vmf_log_normaliser`, stable for p up to 10^9 and kappa
+    from 1e-6 to 1e9 where the Bessel function over- or underflows. ``mu`` is normalised as in
+    :func:`vmf_sample`. Returns float64.
+    """
+    from privleak.special import vmf_log_normaliser
+
+    if not isinstance(y, torch.Tensor) or not isinstance(mu, torch.Tensor):
+        raise TypeError("y and mu must be torch tensors")
+    if mu.ndim != 1 or y.shape[-1:] != mu.shape:
+        raise ValueError(f"y must have shape (..., p) with mu of shape (p,), got {tuple(y.shape)} and {tuple(mu.shape)}")
+    kappa = _check_scale(kappa, "kappa")
+    if kappa == 0:
+        raise ValueError("kappa must be > 0")
+    norm = torch.linalg.vector_norm(mu.double())
+    if not torch.isfinite(norm) or norm == 0:
+        raise ValueError(f"mu must be finite and non-zero, got norm {float(norm)}")
+    log_normaliser = float(vmf_log_normaliser(mu.shape[0], kappa))
+    return log_normaliser + kappa * (y.double() @ (mu.double() / norm))
+
+
 _STREAM_DOC = """
     Args:
         generator: a :class:`NoiseGenerator` whose offset the draw advances (default: the
