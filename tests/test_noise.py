@@ -122,9 +122,9 @@ def test_in_place_noise_on_a_non_contiguous_tensor_follows_row_major_order():
 @pytest.mark.parametrize(
     "op, args",
     [
-        (torch.ops.privleak.noise.default, ([4, 3], "gaussian", 1.0, 9, 0, torch.float32, torch.device("cpu"))),
-        (torch.ops.privleak.add_noise.default, (torch.randn(5, 3, requires_grad=True), "gaussian", 0.5, -5, 3)),
-        (torch.ops.privleak.add_noise_.default, (torch.randn(5, 3), "laplace", 0.5, 2**62, 3)),
+        (torch.ops.privleak.noise.default, ([4, 3], "gaussian", 1.0, [9, 0], 0, 0, torch.float32, torch.device("cpu"))),
+        (torch.ops.privleak.add_noise.default, (torch.randn(5, 3, requires_grad=True), "gaussian", 0.5, [5, 7], 3, 0)),
+        (torch.ops.privleak.add_noise_.default, (torch.randn(5, 3), "laplace", 0.5, [0, 2**30], 3, 0)),
     ],
 )
 def test_ops_pass_opcheck(op, args):
@@ -190,4 +190,4 @@ def test_cuda_noise_is_bit_identical_to_cpu(distribution, dtype):
 
 @requires_cuda
 def test_cuda_ops_pass_opcheck():
-    torch.library.opcheck(torch.ops.privleak.add_noise.default, (torch.randn(5, 3, device="cuda"), "gaussian", 0.5, 1, 0))
+    torch.library.opcheck(torch.ops.privleak.add_noise.default, (torch.randn(5, 3, device="cuda"), "gaussian", 0.5, [1, 0], 0, 0))

@@ -82,7 +82,7 @@ def test_bits_do_not_depend_on_threads_or_on_how_a_draw_is_split(threads):
 
 
 def test_vmf_op_passes_opcheck():
-    torch.library.opcheck(torch.ops.privleak.vmf_sample.default, (unit(10), 5.0, 4, 3, 0))
+    torch.library.opcheck(torch.ops.privleak.vmf_sample.default, (unit(10), 5.0, 4, [3, 0], 0))
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,16 @@
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <array>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "bindings/marshal.h"
+#include "common/chacha20.h"
 #include "cpu/column_stats.h"
 #include "cpu/noise.h"
+#include "cpu/secure_noise.h"
 #include "cpu/vmf.h"
 #include "cpu/platform.h"
 
@@ -43,6 +48,19 @@ PYBIND11_MODULE(_core, m) {
       py::arg("scale"), py::arg("add"));
 
   m.def(
+      "apply_secure_noise",
+      [](const std::string& distribution, const std::string& dtype, std::uintptr_t out, int64_t n,
+         const std::array<uint32_t, 8>& key, uint64_t offset, uint64_t scale, int grid_exponent, bool add) {
+        const privleak::Distribution d = marshal::parse_distribution(distribution);
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::ChaChaKey k = marshal::to_chacha_key(key);
+        py::gil_scoped_release release;
+        privleak::cpu::apply_secure_noise(d, t, as_pointer(out), n, k, offset, scale, grid_exponent, add);
+      },
+      py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("scale"), py::arg("grid_exponent"), py::arg("add"));
+
+  m.def(
       "vmf_sample",
       [](const std::string& dtype, std::uintptr_t mu, int64_t p, double kappa, int64_t n, uint64_t key, uint64_t offset,
          std::uintptr_t out) {
@@ -52,6 +70,15 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("out"));
+
+  m.def(
+      "chacha20_block",
+      [](const std::array<uint32_t, 8>& key, uint32_t counter, const std::array<uint32_t, 3>& nonce) {
+        const privleak::Words16 block = privleak::chacha20_block(key.data(), counter, nonce.data());
+        return std::vector<uint32_t>(block.w, block.w + 16);
+      },
+      "The ChaCha20 block function (RFC 8439), exposed for its known-answer test.", py::arg("key"),
+      py::arg("counter"), py::arg("nonce"));
 
   m.def("set_num_threads", [](int threads) {
     if (threads < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));

@@ -7,7 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+#include <array>
+
 #include "common/noise.h"
+#include "common/secure_noise.h"
 
 namespace privleak::bindings {
 
@@ -28,6 +31,12 @@ inline NoiseDType parse_noise_dtype(const std::string& name) {
   if (name == "bfloat16") return NoiseDType::bfloat16;
   if (name == "float16") return NoiseDType::float16;
   throw std::invalid_argument("unsupported noise dtype '" + name + "' (expected float32, float64, bfloat16 or float16)");
+}
+
+inline ChaChaKey to_chacha_key(const std::array<uint32_t, 8>& words) {
+  ChaChaKey key;
+  for (int i = 0; i < 8; ++i) key.w[i] = words[i];
+  return key;
 }
 
 }  // namespace privleak::bindings

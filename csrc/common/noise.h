@@ -104,43 +104,50 @@ PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kV
     laplace_values(r, z);
 }
 
-// Writes (or adds) scale * z to one element, rounding to the output type.
-template <class Out> struct NoiseStore;
-template <> struct NoiseStore<float> {
+// How kernels read and write an output element: in its generation type Gen (float for the half
+// types, which are rounded to nearest even on the way out).
+template <class Out> struct Element;
+template <> struct Element<float> {
   using Gen = float;
-  PRIVLEAK_HOST_DEVICE static void apply(float& out, float noise, bool add) { out = add ? out + noise : noise; }
+  PRIVLEAK_HOST_DEVICE static float load(float v) { return v; }
+  PRIVLEAK_HOST_DEVICE static void store(float& out, float v) { out = v; }
 };
-template <> struct NoiseStore<double> {
+template <> struct Element<double> {
   using Gen = double;
-  PRIVLEAK_HOST_DEVICE static void apply(double& out, double noise, bool add) { out = add ? out + noise : noise; }
+  PRIVLEAK_HOST_DEVICE static double load(double v) { return v; }
+  PRIVLEAK_HOST_DEVICE static void store(double& out, double v) { out = v; }
 };
-template <> struct NoiseStore<BFloat16> {
+template <> struct Element<BFloat16> {
   using Gen = float;
-  PRIVLEAK_HOST_DEVICE static void apply(BFloat16& out, float noise, bool add) {
-    out.bits = fp::float_to_bfloat16_bits(add ? fp::bfloat16_bits_to_float(out.bits) + noise : noise);
-  }
+  PRIVLEAK_HOST_DEVICE static float load(BFloat16 v) { return fp::bfloat16_bits_to_float(v.bits); }
+  PRIVLEAK_HOST_DEVICE static void store(BFloat16& out, float v) { out.bits = fp::float_to_bfloat16_bits(v); }
 };
-template <> struct NoiseStore<Float16> {
+template <> struct Element<Float16> {
   using Gen = float;
-  PRIVLEAK_HOST_DEVICE static void apply(Float16& out, float noise, bool add) {
-    out.bits = fp::float_to_float16_bits(add ? fp::float16_bits_to_float(out.bits) + noise : noise);
-  }
+  PRIVLEAK_HOST_DEVICE static float load(Float16 v) { return fp::float16_bits_to_float(v.bits); }
+  PRIVLEAK_HOST_DEVICE static void store(Float16& out, float v) { out.bits = fp::float_to_float16_bits(v); }
 };
+
+// out = noise, or out += noise in Gen arithmetic with one rounding to the output type.
+template <class Out>
+PRIVLEAK_HOST_DEVICE void set_or_add(Out& out, typename Element<Out>::Gen noise, bool add) {
+  Element<Out>::store(out, add ? Element<Out>::load(out) + noise : noise);
+}
 
 // Fills elements [offset, offset + n) of block `block` that fall into the output `out` (whose
 // element 0 is draw element `offset`).
 template <Distribution kDist, class Out>
 PRIVLEAK_HOST_DEVICE void apply_noise_block(uint64_t key, uint64_t offset, int64_t n,
-                                            typename NoiseStore<Out>::Gen scale, bool add, uint64_t block,
+                                            typename Element<Out>::Gen scale, bool add, uint64_t block,
                                             Out* out) {
-  using Gen = typename NoiseStore<Out>::Gen;
+  using Gen = typename Element<Out>::Gen;
   constexpr int k = kValuesPerBlock<Gen>;
   Gen z[k];
   noise_values<kDist, Gen>(key, block, z);
   for (int lane = 0; lane < k; ++lane) {
     const uint64_t element = block * k + lane;
     if (element < offset || element - offset >= static_cast<uint64_t>(n)) continue;
-    NoiseStore<Out>::apply(out[element - offset], scale * z[lane], add);
+    set_or_add(out[element - offset], scale * z[lane], add);
   }
 }
 

@@ -26,16 +26,16 @@ PRIVLEAK_SIMD_CLONES void noise_batch(uint64_t key, uint32_t stream, uint64_t fi
 // Batch `batch` (counted from the one holding element `offset`) of the draw [offset, offset + n).
 template <Distribution kDist, class Out>
 void apply_noise_batch(Out* out, int64_t n, uint64_t key, uint32_t stream, uint64_t offset,
-                       typename NoiseStore<Out>::Gen scale, bool add, int64_t batch,
-                       typename NoiseStore<Out>::Gen* values) {
-  using Gen = typename NoiseStore<Out>::Gen;
+                       typename Element<Out>::Gen scale, bool add, int64_t batch,
+                       typename Element<Out>::Gen* values) {
+  using Gen = typename Element<Out>::Gen;
   constexpr int k = kValuesPerBlock<Gen>;
   const uint64_t block = first_noise_block(offset, k) + static_cast<uint64_t>(batch) * kBatchBlocks;
   noise_batch<kDist, Gen>(key, stream, block, values);
   const uint64_t batch_begin = block * k;
   const uint64_t begin = std::max(batch_begin, offset);
   const uint64_t end = std::min(batch_begin + kBatchBlocks * k, offset + static_cast<uint64_t>(n));
-  for (uint64_t e = begin; e < end; ++e) NoiseStore<Out>::apply(out[e - offset], scale * values[e - batch_begin], add);
+  for (uint64_t e = begin; e < end; ++e) set_or_add(out[e - offset], scale * values[e - batch_begin], add);
 }
 
 template <class Gen>
@@ -47,7 +47,7 @@ int64_t num_noise_batches(uint64_t offset, int64_t n) {
 
 template <Distribution kDist, class Out>
 void apply_noise_typed(Out* out, int64_t n, uint64_t key, uint64_t offset, double scale, bool add) {
-  using Gen = typename NoiseStore<Out>::Gen;
+  using Gen = typename Element<Out>::Gen;
   const int64_t num_batches = num_noise_batches<Gen>(offset, n);
   const uint32_t stream = noise_stream<Gen>(kDist);
 #pragma omp parallel

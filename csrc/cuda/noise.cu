@@ -15,7 +15,7 @@ constexpr int64_t kMaxGridBlocks = 65536;
 
 template <Distribution kDist, class Out>
 __global__ void apply_noise_kernel(Out* out, int64_t n, uint64_t key, uint64_t offset,
-                                   typename NoiseStore<Out>::Gen scale, bool add, uint64_t first, uint64_t end) {
+                                   typename Element<Out>::Gen scale, bool add, uint64_t first, uint64_t end) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t block = first + static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; block < end;
        block += stride)
@@ -25,7 +25,7 @@ __global__ void apply_noise_kernel(Out* out, int64_t n, uint64_t key, uint64_t o
 template <Distribution kDist, class Out>
 void launch(Out* out, int64_t n, uint64_t key, uint64_t offset, double scale, bool add,
             cudaStream_t stream) {
-  using Gen = typename NoiseStore<Out>::Gen;
+  using Gen = typename Element<Out>::Gen;
   constexpr int k = kValuesPerBlock<Gen>;
   const uint64_t first = first_noise_block(offset, k), end = end_noise_block(offset, n, k);
   const int64_t needed = static_cast<int64_t>((end - first + kThreads - 1) / kThreads);

@@ -19,6 +19,18 @@ bfloat16 and float16 outputs are float32 noise rounded to nearest even; adding n
 tensor adds in float32 and rounds once. The ops are registered with ``torch.library`` (so they
 work under ``torch.compile``), and adding noise out of place passes the gradient through unchanged.
 
+**Secure mode.** With ``generator=SecureNoiseGenerator()`` the same functions draw from ChaCha20
+(RFC 8439) keyed with 256 bits of operating-system entropy (no seed is accepted), and defend
+against floating-point attacks on the noise's low bits (Mironov, CCS 2012; Jin et al., S&P 2022)
+by discretisation (Canonne, Kamath and Steinke, NeurIPS 2020): the input is rounded to the grid
+g Z, g = 2^k with k = floor(log2 scale) - 20, exact discrete Gaussian (variance parameter
+ceil(sigma^2 / g^2)) or discrete Laplace (scale ceil(b / g)) integers are added in integer
+arithmetic, and the sum is converted to floating point once, which is post-processing. The
+discrete Gaussian gives rho-zCDP with rho = Delta^2 / (2 sigma^2) and the discrete Laplace
+(Delta / b)-DP, for Delta the sensitivity on the grid (at most the true one plus g); rounding the
+scale up keeps both at least as private as asked. Secure draws cost a few ChaCha20 blocks per
+element (csrc/common/secure_noise.h).
+
 :func:`vmf_sample` draws directions from the von Mises-Fisher distribution (Alg. 2 of Biswas et al.)
 with Wood's rejection step and a Householder reflection, in O(n p) (csrc/common/vmf.h).
 
@@ -28,6 +40,8 @@ from __future__ import annotations
 
 import math
 import secrets
+import struct
+from fractions import Fraction
 from typing import Optional, Sequence, Union
 
 import torch
@@ -90,6 +104,27 @@ class NoiseGenerator:
         return f"NoiseGenerator(key={self.key:#x}, offset={self.offset})"
 
 
+class SecureNoiseGenerator:
+    """Secure-mode noise: ChaCha20 keyed with 256 bits from the operating system.
+
+    It takes no seed and has no state to get or set: its draws cannot be replayed. Passing it
+    as ``generator`` to the noise functions switches them to discretised noise (module docstring).
+    """
+
+    def __init__(self):
+        self._key_words = list(struct.unpack("<8I", secrets.token_bytes(32)))
+        self._offset = 0
+
+    def claim(self, n: int) -> tuple[list[int], int]:
+        """The key words and offset for a draw of ``n`` elements, advancing past them."""
+        offset = _check_offset(self._offset, n)
+        self._offset += n
+        return self._key_words, offset
+
+    def __repr__(self) -> str:
+        return f"SecureNoiseGenerator(offset={self._offset})"
+
+
 default_generator = NoiseGenerator()
 
 
@@ -126,73 +161,103 @@ def _check_scale(scale: float, name: str) -> float:
     return float(scale)
 
 
-def _resolve_stream(n: int, generator: Optional[NoiseGenerator], key: Optional[int], offset: Optional[int]):
+def _resolve_stream(n: int, generator, key: Optional[int], offset: Optional[int]) -> tuple[list[int], int]:
+    """The noise stream of a draw of n elements, as (key as 32-bit words, offset)."""
     if key is None:
         if offset is not None:
             raise ValueError("offset needs an explicit key; with a generator the offset is the generator's")
-        return (generator or default_generator).claim(n)
+        generator = default_generator if generator is None else generator
+        if not isinstance(generator, (NoiseGenerator, SecureNoiseGenerator)):
+            raise TypeError(f"generator must be a NoiseGenerator or SecureNoiseGenerator, got {type(generator).__name__}")
+        key, offset = generator.claim(n)
+        return (key if isinstance(generator, SecureNoiseGenerator) else _philox_words(key)), offset
     if generator is not None:
         raise ValueError("pass either generator or key (and offset), not both")
-    return _check_key(key), _check_offset(0 if offset is None else offset, n)
+    return _philox_words(_check_key(key)), _check_offset(0 if offset is None else offset, n)
 
 
-# torch's schema carries int64: keys >= 2^63 travel as their two's-complement value.
-def _key_to_int64(key: int) -> int:
-    return key - _U64 if key >= 2**63 else key
+def _philox_words(key: int) -> list[int]:
+    return [key & 0xFFFFFFFF, key >> 32]
 
 
-def _apply(out: torch.Tensor, distribution: str, scale: float, key: int, offset: int, add: bool) -> None:
-    """The kernel call: ``out`` (contiguous) = or += scale * noise elements offset .. offset + numel - 1."""
+def _grid(scale: float) -> int:
+    """k of the secure grid 2^k: 2^20 <= scale / 2^k < 2^21 (about 1e-6 of the noise scale)."""
+    return math.frexp(scale)[1] - 21
+
+
+def _discrete_parameters(distribution: str, scale: float) -> tuple[float, int]:
+    """The integer scale of the discrete noise (rounded up: never less private) and the grid exponent."""
+    if scale == 0:
+        raise ValueError("secure noise needs a scale > 0")
+    k = _grid(scale)
+    in_units = Fraction(scale) / Fraction(2) ** k
+    integer_scale = math.ceil(in_units**2 if distribution == "gaussian" else in_units)
+    return float(integer_scale), k
+
+
+def _apply(out: torch.Tensor, distribution: str, scale: float, key: list[int], offset: int, grid_exponent: int,
+           add: bool) -> None:
+    """The kernel call: ``out`` (contiguous) = or += noise elements offset .. offset + numel - 1."""
     v = _arrays.view(out, "x", dtypes=NOISE_DTYPES)
-    args = (distribution, v.dtype, v.address, out.numel(), key % _U64, offset, scale, add)
-    if v.is_cuda:
-        _backend.cuda().apply_noise(*args, v.device_index, v.stream)
+    if distribution.startswith("discrete_"):
+        name, args = "apply_secure_noise", (distribution.removeprefix("discrete_"), v.dtype, v.address, out.numel(),
+                                           key, offset, int(scale), grid_exponent, add)
     else:
-        _backend.core.apply_noise(*args)
+        name, args = "apply_noise", (distribution, v.dtype, v.address, out.numel(), key[0] | (key[1] << 32), offset,
+                                     scale, add)
+    if v.is_cuda:
+        getattr(_backend.cuda(), name)(*args, v.device_index, v.stream)
+    else:
+        getattr(_backend.core, name)(*args)
 
 
+# The ops' arguments: distribution ("gaussian", "laplace", or in secure mode "discrete_gaussian",
+# "discrete_laplace"), scale (std or Laplace scale; for discrete noise the integer scale in grid
+# units), key (32-bit words: 2 for Philox, 8 for ChaCha20), offset, grid exponent (discrete only).
 @torch.library.custom_op("privleak::noise", mutates_args=())
-def _noise_op(size: Sequence[int], distribution: str, scale: float, key: int, offset: int,
-              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _noise_op(size: Sequence[int], distribution: str, scale: float, key: Sequence[int], offset: int,
+              grid_exponent: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.empty(size, dtype=dtype, device=device)
-    _apply(out, distribution, scale, key, offset, add=False)
+    _apply(out, distribution, scale, list(key), offset, grid_exponent, add=False)
     return out
 
 
 @_noise_op.register_fake
-def _(size, distribution, scale, key, offset, dtype, device):
+def _(size, distribution, scale, key, offset, grid_exponent, dtype, device):
     return torch.empty(size, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("privleak::add_noise_", mutates_args={"x"})
-def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: int, offset: int) -> None:
+def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
+                          grid_exponent: int) -> None:
     if x.is_contiguous():
-        _apply(x, distribution, scale, key, offset, add=True)
+        _apply(x, distribution, scale, list(key), offset, grid_exponent, add=True)
     else:  # noise element i goes to x's i-th element in row-major order, as for contiguous x
         dense = x.contiguous()
-        _apply(dense, distribution, scale, key, offset, add=True)
+        _apply(dense, distribution, scale, list(key), offset, grid_exponent, add=True)
         x.copy_(dense)
 
 
 @_add_noise_inplace_op.register_fake
-def _(x, distribution, scale, key, offset):
+def _(x, distribution, scale, key, offset, grid_exponent):
     return None
 
 
 @torch.library.custom_op("privleak::add_noise", mutates_args=())
-def _add_noise_op(x: torch.Tensor, distribution: str, scale: float, key: int, offset: int) -> torch.Tensor:
+def _add_noise_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
+                  grid_exponent: int) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    _apply(out, distribution, scale, key, offset, add=True)
+    _apply(out, distribution, scale, list(key), offset, grid_exponent, add=True)
     return out
 
 
 @_add_noise_op.register_fake
-def _(x, distribution, scale, key, offset):
+def _(x, distribution, scale, key, offset, grid_exponent):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _add_noise_backward(ctx, grad):
-    return grad, None, None, None, None
+    return grad, None, None, None, None, None
 
 
 _add_noise_op.register_autograd(_add_noise_backward)
@@ -205,6 +270,13 @@ def _size(size: Union[int, Sequence[int]]) -> list[int]:
     return dims
 
 
+def _op_parameters(distribution: str, scale: float, generator) -> tuple[str, float, int]:
+    """(op distribution, op scale, grid exponent) for the generator's kind."""
+    if isinstance(generator, SecureNoiseGenerator):
+        return ("discrete_" + distribution, *_discrete_parameters(distribution, scale))
+    return distribution, scale, 0
+
+
 def _draw(distribution: str, size, scale: float, scale_name: str, generator, key, offset, dtype, device) -> torch.Tensor:
     dims = _size(size)
     scale = _check_scale(scale, scale_name)
@@ -214,8 +286,9 @@ def _draw(distribution: str, size, scale: float, scale_name: str, generator, key
     device = torch.device("cpu" if device is None else device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device}")
-    key, offset = _resolve_stream(math.prod(dims), generator, key, offset)
-    return torch.ops.privleak.noise(dims, distribution, scale, _key_to_int64(key), offset, dtype, device)
+    op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
+    words, offset = _resolve_stream(math.prod(dims), generator, key, offset)
+    return torch.ops.privleak.noise(dims, op_distribution, op_scale, words, offset, grid, dtype, device)
 
 
 def _add(distribution: str, x: torch.Tensor, scale: float, scale_name: str, generator, key, offset, inplace: bool):
@@ -223,19 +296,26 @@ def _add(distribution: str, x: torch.Tensor, scale: float, scale_name: str, gene
         raise TypeError(f"x must be a torch tensor, got {type(x).__name__}")
     _arrays.view(x, "x", dtypes=NOISE_DTYPES)  # dtype and device checks
     scale = _check_scale(scale, scale_name)
-    key, offset = _resolve_stream(x.numel(), generator, key, offset)
+    op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
+    if grid and x.numel():  # secure mode computes round(x / 2^grid) in int64
+        largest = float(x.detach().abs().max())
+        if not math.isfinite(largest):
+            raise ValueError("x must be finite for secure noise")
+        if largest >= 2.0 ** (grid + 61):
+            raise ValueError(f"x is too large for secure noise of scale {scale}: |x| must stay below 2^61 grid steps")
+    words, offset = _resolve_stream(x.numel(), generator, key, offset)
     if inplace:
-        torch.ops.privleak.add_noise_(x, distribution, scale, _key_to_int64(key), offset)
+        torch.ops.privleak.add_noise_(x, op_distribution, op_scale, words, offset, grid)
         return x
-    return torch.ops.privleak.add_noise(x, distribution, scale, _key_to_int64(key), offset)
+    return torch.ops.privleak.add_noise(x, op_distribution, op_scale, words, offset, grid)
 
 
 @torch.library.custom_op("privleak::vmf_sample", mutates_args=())
-def _vmf_op(mu: torch.Tensor, kappa: float, n: int, key: int, offset: int) -> torch.Tensor:
+def _vmf_op(mu: torch.Tensor, kappa: float, n: int, key: Sequence[int], offset: int) -> torch.Tensor:
     p = mu.shape[0]
     out = torch.empty(n, p, dtype=mu.dtype, device=mu.device)
     v = _arrays.view(mu, "mu", ndim=1)
-    args = (v.dtype, v.address, p, kappa, n, key % _U64, offset, out.data_ptr())
+    args = (v.dtype, v.address, p, kappa, n, key[0] | (key[1] << 32), offset, out.data_ptr())
     if v.is_cuda:
         cuda = _backend.cuda()
         workspace = torch.empty(cuda.vmf_workspace_bytes(p, n), dtype=torch.uint8, device=mu.device)
@@ -276,8 +356,10 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
     if not torch.isfinite(norm) or norm == 0:
         raise ValueError(f"mu must be finite and non-zero, got norm {float(norm)}")
     unit = (mu.double() / norm).to(mu.dtype).contiguous()
-    key, offset = _resolve_stream(n, generator, key, offset)
-    return torch.ops.privleak.vmf_sample(unit, kappa, n, _key_to_int64(key), offset)
+    if isinstance(generator, SecureNoiseGenerator):
+        raise ValueError("vmf_sample has no secure mode yet: pass a NoiseGenerator or a key")
+    words, offset = _resolve_stream(n, generator, key, offset)
+    return torch.ops.privleak.vmf_sample(unit, kappa, n, words, offset)
 
 
 def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Tensor:
@@ -307,7 +389,8 @@ def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Te
 _STREAM_DOC = """
     Args:
         generator: a :class:`NoiseGenerator` whose offset the draw advances (default: the
-            module's default generator). Or, instead:
+            module's default generator), or a :class:`SecureNoiseGenerator` for secure mode
+            (discretised noise from ChaCha20, see the module docstring). Or, instead:
         key, offset: an explicit position in the noise stream, key in [0, 2^64), offset >= 0;
             element i is then noise element offset + i of the key's stream."""
 

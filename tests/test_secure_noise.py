@@ -1,0 +1,144 @@
+"""Secure mode: ChaCha20 against RFC 8439 and the cryptography package, the exact discrete
+samplers against their probability mass functions, and the grid that defeats low-bit attacks."""
+import math
+import struct
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+from privleak import _backend
+from privleak import mechanisms as M
+from conftest import requires_cuda
+
+
+def test_chacha20_matches_rfc8439_section_2_3_2():
+    key = list(struct.unpack("<8I", bytes(range(32))))
+    nonce = list(struct.unpack("<3I", bytes.fromhex("000000090000004a00000000")))
+    want = [0xE4E7F110, 0x15593BD1, 0x1FDD0F50, 0xC47120A3, 0xC7F4D1C7, 0x0368C033, 0x9AAA2204, 0x4E6CD4C3,
+            0x466482D2, 0x09AA9F07, 0x05D7C214, 0xA2028BD9, 0xD19C12B5, 0xB94E16DE, 0xE883D0CB, 0x4E3C50A2]
+    assert _backend.core.chacha20_block(key, 1, nonce) == want
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chacha20_matches_the_cryptography_keystream(seed):
+    rng = np.random.default_rng(seed)
+    key_bytes, nonce_bytes = rng.bytes(32), rng.bytes(12)
+    counter = int(rng.integers(0, 2**32 - 4))
+    # cryptography's ChaCha20 takes a 16-byte nonce: the 32-bit block counter, then the RFC nonce.
+    encryptor = Cipher(algorithms.ChaCha20(key_bytes, struct.pack("<I", counter) + nonce_bytes), mode=None).encryptor()
+    keystream = encryptor.update(bytes(64 * 3))
+    key, nonce = list(struct.unpack("<8I", key_bytes)), list(struct.unpack("<3I", nonce_bytes))
+    ours = b"".join(struct.pack("<16I", *_backend.core.chacha20_block(key, counter + i, nonce)) for i in range(3))
+    assert ours == keystream
+
+
+def integer_draws(distribution, scale, n, key=(1, 2, 3, 4, 5, 6, 7, 8)):
+    """Raw discrete samples: grid 2^0, nothing added."""
+    out = np.empty(n)
+    _backend.core.apply_secure_noise(distribution, "float64", out.ctypes.data, n, list(key), 0, scale, 0, False)
+    return out.astype(np.int64)
+
+
+def chi_square_pvalue(samples, log_weight, support):
+    """Pearson's test of the samples against pmf proportional to exp(log_weight(y)) on |y| <= support,
+    pooling the tails beyond the central bins with an expected count of at least 5."""
+    ys = np.arange(-support, support + 1)
+    pmf = np.exp(log_weight(ys) - log_weight(ys).max())
+    pmf /= pmf.sum()
+    expected = pmf * len(samples)
+    keep = expected >= 5
+    lo, hi = ys[keep].min(), ys[keep].max()
+    bins = np.arange(lo, hi + 1)
+    observed = np.array([(samples < lo).sum()] + [(samples == y).sum() for y in bins] + [(samples > hi).sum()])
+    expected = np.concatenate([[expected[ys < lo].sum()], expected[(ys >= lo) & (ys <= hi)], [expected[ys > hi].sum()]])
+    return scipy.stats.chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("sigma2", [1, 3, 50])
+def test_discrete_gaussian_has_the_exact_pmf(sigma2):
+    samples = integer_draws("gaussian", sigma2, 200_000)
+    support = int(40 * math.sqrt(sigma2)) + 10
+    assert chi_square_pvalue(samples, lambda y: -(y.astype(float) ** 2) / (2 * sigma2), support) > 1e-3
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_discrete_laplace_has_the_exact_pmf(t):
+    samples = integer_draws("laplace", t, 200_000, key=(9, 9, 9, 9, 1, 2, 3, 4))
+    assert chi_square_pvalue(samples, lambda y: -np.abs(y).astype(float) / t, 60 * t) > 1e-3
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "laplace"])
+def test_secure_noise_lies_on_the_grid_and_has_the_requested_scale(distribution):
+    scale = 0.37
+    fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
+    z = fn(200_000, scale, generator=M.SecureNoiseGenerator(), dtype=torch.float64).numpy()
+    units = z / 2.0 ** M._grid(scale)
+    np.testing.assert_array_equal(units, np.round(units))
+    std = scale if distribution == "gaussian" else math.sqrt(2) * scale
+    assert abs(z.std() / std - 1) < 0.01 and abs(z.mean()) < 5 * std / math.sqrt(len(z))
+
+
+def test_adding_secure_noise_rounds_the_input_to_the_grid_first():
+    x = torch.randn(10_000, dtype=torch.float64) * 3
+    y = M.add_gaussian_noise(x, 0.5, generator=M.SecureNoiseGenerator())
+    g = 2.0 ** M._grid(0.5)
+    noise_units = y.numpy() / g - np.floor(x.numpy() / g + 0.5)
+    np.testing.assert_array_equal(noise_units, np.round(noise_units))
+    assert abs(noise_units.std() * g / 0.5 - 1) < 0.03
+
+
+def test_the_discrete_scale_is_rounded_up():
+    for scale in (1e-9, 0.3, 1.0, 7.77e5):
+        sigma2_units, k = M._discrete_parameters("gaussian", scale)
+        assert sigma2_units * 4.0**k >= scale**2 and sigma2_units * 4.0**k < scale**2 * (1 + 2**-19)
+        t_units, k = M._discrete_parameters("laplace", scale)
+        assert scale <= t_units * 2.0**k < scale * (1 + 2**-19)
+
+
+def test_secure_generators_take_no_seed_and_never_repeat():
+    with pytest.raises(TypeError):
+        M.SecureNoiseGenerator(5)
+    g = M.SecureNoiseGenerator()
+    a, b = M.gaussian_noise(64, generator=g), M.gaussian_noise(64, generator=g)
+    c = M.gaussian_noise(64, generator=M.SecureNoiseGenerator())
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_secure_noise_on_low_precision_tensors_is_finite(dtype):
+    x = (torch.randn(5000) * 100).to(dtype)
+    y = M.add_laplace_noise_(x.clone(), 1.0, generator=M.SecureNoiseGenerator())
+    assert torch.isfinite(y).all() and y.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda g: M.gaussian_noise(3, 0.0, generator=g), "secure noise needs a scale > 0"),
+        (lambda g: M.add_gaussian_noise(torch.tensor([1.0, float("nan")]), 1.0, generator=g), "x must be finite"),
+        (lambda g: M.add_gaussian_noise(torch.tensor([1e30], dtype=torch.float64), 1e-9, generator=g), "too large"),
+        (lambda g: M.vmf_sample(torch.ones(3), 1.0, generator=g), "no secure mode"),
+    ],
+)
+def test_bad_secure_arguments_are_rejected(call, words):
+    with pytest.raises(ValueError, match=words):
+        call(M.SecureNoiseGenerator())
+
+
+def test_secure_op_passes_opcheck():
+    key = list(range(8))
+    torch.library.opcheck(torch.ops.privleak.add_noise.default,
+                          (torch.randn(6, 2, requires_grad=True), "discrete_gaussian", 2.0**40, key, 5, -21))
+
+
+@requires_cuda
+@pytest.mark.parametrize("distribution", ["discrete_gaussian", "discrete_laplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cuda_secure_noise_is_bit_identical_to_cpu(distribution, dtype):
+    key, grid = [7, 1, 2, 3, 4, 5, 6, 7], -20
+    args = ([100_003], distribution, float(2**41), key, 11, grid, dtype)
+    cpu = torch.ops.privleak.noise(*args, torch.device("cpu"))
+    assert torch.equal(cpu, torch.ops.privleak.noise(*args, torch.device("cuda")).cpu())
