@@ -8,6 +8,7 @@
 
 #include "bindings/marshal.h"
 #include "common/chacha20.h"
+#include "cpu/clip.h"
 #include "cpu/column_stats.h"
 #include "cpu/noise.h"
 #include "cpu/secure_noise.h"
@@ -70,6 +71,33 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("out"));
+
+  m.def(
+      "per_sample_sum_of_squares",
+      [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
+         int64_t batch, std::uintptr_t out) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const auto tensors = marshal::per_sample_grads<privleak::cpu::PerSampleGrads>(grads, numels);
+        py::gil_scoped_release release;
+        privleak::cpu::per_sample_sum_of_squares(t, tensors, batch, as_pointer<double>(out));
+      },
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("batch"), py::arg("out"));
+
+  m.def(
+      "clip_accumulate",
+      [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
+         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t factors, double noise_std,
+         uint64_t key, uint64_t offset, double scale) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const auto tensors = marshal::per_sample_grads<privleak::cpu::PerSampleGrads>(grads, numels);
+        std::vector<float*> out_pointers;
+        for (std::uintptr_t o : outs) out_pointers.push_back(as_pointer<float>(o));
+        py::gil_scoped_release release;
+        privleak::cpu::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const float>(factors), noise_std,
+                                       key, offset, scale);
+      },
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("factors"),
+      py::arg("noise_std"), py::arg("key"), py::arg("offset"), py::arg("scale"));
 
   m.def(
       "chacha20_block",

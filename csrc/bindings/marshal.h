@@ -8,6 +8,7 @@
 #include <string>
 
 #include <array>
+#include <vector>
 
 #include "common/noise.h"
 #include "common/secure_noise.h"
@@ -31,6 +32,15 @@ inline NoiseDType parse_noise_dtype(const std::string& name) {
   if (name == "bfloat16") return NoiseDType::bfloat16;
   if (name == "float16") return NoiseDType::float16;
   throw std::invalid_argument("unsupported noise dtype '" + name + "' (expected float32, float64, bfloat16 or float16)");
+}
+
+template <class PerSampleGrads>
+std::vector<PerSampleGrads> per_sample_grads(const std::vector<std::uintptr_t>& grads,
+                                             const std::vector<int64_t>& numels) {
+  if (grads.size() != numels.size()) throw std::invalid_argument("one numel per gradient tensor is needed");
+  std::vector<PerSampleGrads> tensors;
+  for (size_t i = 0; i < grads.size(); ++i) tensors.push_back({as_pointer<const void>(grads[i]), numels[i]});
+  return tensors;
 }
 
 inline ChaChaKey to_chacha_key(const std::array<uint32_t, 8>& words) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/element.h"
 #include "common/fp_math.h"
 #include "common/hostdevice.h"
 #include "common/philox.h"
@@ -21,8 +22,6 @@ constexpr uint32_t kVmfScalarStream = 18;   // Wood's rejection step, one sub-st
 
 // The element types a noise kernel writes; half types are generated in float and rounded.
 enum class NoiseDType { float32, float64, bfloat16, float16 };
-struct BFloat16 { uint16_t bits; };
-struct Float16 { uint16_t bits; };
 
 template <class Gen>
 constexpr int kValuesPerBlock = sizeof(Gen) == 4 ? 4 : 2;
@@ -103,30 +102,6 @@ PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kV
   else
     laplace_values(r, z);
 }
-
-// How kernels read and write an output element: in its generation type Gen (float for the half
-// types, which are rounded to nearest even on the way out).
-template <class Out> struct Element;
-template <> struct Element<float> {
-  using Gen = float;
-  PRIVLEAK_HOST_DEVICE static float load(float v) { return v; }
-  PRIVLEAK_HOST_DEVICE static void store(float& out, float v) { out = v; }
-};
-template <> struct Element<double> {
-  using Gen = double;
-  PRIVLEAK_HOST_DEVICE static double load(double v) { return v; }
-  PRIVLEAK_HOST_DEVICE static void store(double& out, double v) { out = v; }
-};
-template <> struct Element<BFloat16> {
-  using Gen = float;
-  PRIVLEAK_HOST_DEVICE static float load(BFloat16 v) { return fp::bfloat16_bits_to_float(v.bits); }
-  PRIVLEAK_HOST_DEVICE static void store(BFloat16& out, float v) { out.bits = fp::float_to_bfloat16_bits(v); }
-};
-template <> struct Element<Float16> {
-  using Gen = float;
-  PRIVLEAK_HOST_DEVICE static float load(Float16 v) { return fp::float16_bits_to_float(v.bits); }
-  PRIVLEAK_HOST_DEVICE static void store(Float16& out, float v) { out.bits = fp::float_to_float16_bits(v); }
-};
 
 // out = noise, or out += noise in Gen arithmetic with one rounding to the output type.
 template <class Out>

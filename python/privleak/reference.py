@@ -124,3 +124,27 @@ def noise(distribution: str, n: int, key: int, offset: int = 0, dtype=np.float32
     flat = np.stack(values, axis=-1).reshape(-1)
     start = offset - first * per_block
     return flat[start:start + n]
+
+
+# ----------------------------------------------------------------------------- DP-SGD clipping
+
+
+def clip_and_accumulate(per_sample_grads, clip_norms, per_layer, noise=None, batch_size=None):
+    """Reference for :func:`privleak.dpsgd.clip_and_accumulate`, in float64 torch: returns the
+    list of (sum_b clip(g_b) + noise) / L, with ``noise`` a list of tensors (or None)."""
+    import torch
+
+    grads = [g.double().reshape(g.shape[0], -1) for g in per_sample_grads]
+    squares = torch.stack([(g * g).sum(dim=1) for g in grads], dim=1)
+    norms = squares.sqrt() if per_layer else squares.sum(dim=1, keepdim=True).sqrt()
+    c = torch.tensor(clip_norms, dtype=torch.float64)
+    factors = torch.where(norms > c, c / norms, torch.ones_like(norms)).float().double()
+    factors = factors.expand(-1, len(grads))
+    scale = grads[0].shape[0] if batch_size is None else batch_size
+    outs = []
+    for t, g in enumerate(grads):
+        total = (factors[:, t:t + 1] * g).sum(dim=0)
+        if noise is not None:
+            total = total + noise[t].double().reshape(-1)
+        outs.append((total / scale).reshape(per_sample_grads[t].shape[1:]))
+    return outs

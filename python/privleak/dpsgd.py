@@ -1,0 +1,182 @@
+"""DP-SGD building blocks: fused per-sample clipping, summation and noise.
+
+DP-SGD (Abadi et al., CCS 2016; Alg. 1 of Biswas et al.) releases, for a batch of per-sample
+gradients g_1 .. g_B and expected batch size L,
+
+    g~ = (sum_b clip_c(g_b) + N(0, c^2 sigma^2 I)) / L,     clip_c(g) = g min(1, c / |g|_2).
+
+With flat clipping |g| is the norm over all parameter tensors together; with per-layer clipping
+each tensor t is clipped to its own c_t. :func:`clip_and_accumulate` does this in two passes over
+the per-sample gradients: pass 1 computes each sample's squared norm per tensor, pass 2 forms
+the clipped sum, adds the noise (privleak's counter-based Gaussian, the same bits as
+:func:`privleak.mechanisms.gaussian_noise`) and scales, writing each output element once.
+
+Non-finite per-sample gradients never reach the update. By default they raise a ValueError
+naming the samples (a NaN or inf gradient is a bug upstream, and silently dropping data changes
+what is being trained on); ``non_finite="drop"`` instead gives those samples weight 0, i.e.
+treats them as absent from the batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from privleak import _arrays, _backend
+from privleak import mechanisms as _mechanisms
+
+GRAD_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _cuda_or_cpu(tensor: torch.Tensor):
+    return _backend.cuda() if tensor.is_cuda else _backend.core
+
+
+@torch.library.custom_op("privleak::per_sample_sum_of_squares", mutates_args=())
+def _sum_of_squares_op(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    batch = grads[0].shape[0]
+    out = torch.empty(batch, len(grads), dtype=torch.float64, device=grads[0].device)
+    module = _cuda_or_cpu(grads[0])
+    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads],
+            [g[0].numel() for g in grads], batch, out.data_ptr())
+    if grads[0].is_cuda:
+        module.per_sample_sum_of_squares(*args, grads[0].device.index, torch.cuda.current_stream(grads[0].device).cuda_stream)
+    else:
+        module.per_sample_sum_of_squares(*args)
+    return out
+
+
+@_sum_of_squares_op.register_fake
+def _(grads):
+    return grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)
+
+
+@torch.library.custom_op("privleak::clip_accumulate", mutates_args=())
+def _clip_accumulate_op(grads: Sequence[torch.Tensor], factors: torch.Tensor, noise_std: float, key: Sequence[int],
+                        offset: int, scale: float) -> list[torch.Tensor]:
+    outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
+    module = _cuda_or_cpu(grads[0])
+    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], [g[0].numel() for g in grads],
+            [o.data_ptr() for o in outs], grads[0].shape[0], factors.data_ptr(), noise_std, key[0] | (key[1] << 32),
+            offset, scale)
+    if grads[0].is_cuda:
+        module.clip_accumulate(*args, grads[0].device.index, torch.cuda.current_stream(grads[0].device).cuda_stream)
+    else:
+        module.clip_accumulate(*args)
+    return outs
+
+
+@_clip_accumulate_op.register_fake
+def _(grads, factors, noise_std, key, offset, scale):
+    return [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
+
+
+class ClippedSum(NamedTuple):
+    """Result of :func:`clip_and_accumulate`."""
+
+    grads: list  #: float32 tensors shaped like one sample of each input: the noisy clipped average
+    norms: torch.Tensor  #: per-sample norms before clipping, float64: (B,) flat, (B, T) per layer
+    dropped: torch.Tensor  #: (B,) bool, samples left out for non-finite gradients
+
+
+def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(per_sample_grads, torch.Tensor) or not per_sample_grads:
+        raise TypeError("per_sample_grads must be a non-empty sequence of tensors, one per parameter")
+    grads = list(per_sample_grads)
+    first = None
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"per_sample_grads[{i}] must be a torch tensor, got {type(g).__name__}")
+        view = _arrays.view(g, f"per_sample_grads[{i}]", dtypes=GRAD_DTYPES)
+        first = first or view
+        if g.ndim < 1 or g.shape[0] < 1:
+            raise ValueError(f"per_sample_grads[{i}] must have a leading batch dimension of at least 1, got {tuple(g.shape)}")
+        if not g.is_contiguous():
+            raise ValueError(f"per_sample_grads[{i}] must be contiguous (call .contiguous())")
+        if g.shape[0] != grads[0].shape[0] or g.dtype != grads[0].dtype:
+            raise ValueError(f"per_sample_grads[{i}] has batch {g.shape[0]} and dtype {g.dtype}; "
+                             f"per_sample_grads[0] has {grads[0].shape[0]} and {grads[0].dtype}")
+        _arrays.require_same_device(view, f"per_sample_grads[{i}]", first, "per_sample_grads[0]")
+    return grads
+
+
+def _clip_norms(clip_norm, count: int, per_layer: bool) -> list[float]:
+    norms = list(clip_norm) if isinstance(clip_norm, (list, tuple)) else [clip_norm]
+    if len(norms) != 1 and (not per_layer or len(norms) != count):
+        raise ValueError(f"clip_norm must be one number, or (per_layer=True) one per tensor: {count}, got {len(norms)}")
+    for c in norms:
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise ValueError(f"clip_norm must be finite and > 0, got {c!r}")
+    return [float(c) for c in norms] * (count if per_layer and len(norms) == 1 else 1)
+
+
+def clip_factors(norms: torch.Tensor, clip_norms: Sequence[float]) -> torch.Tensor:
+    """min(1, c / |g|) as float32, 1 for a zero gradient; ``norms`` is (B,) flat or (B, T) per layer."""
+    c = torch.tensor(clip_norms, dtype=torch.float64, device=norms.device)
+    return torch.where(norms > c, c / norms, torch.ones_like(norms)).to(torch.float32)
+
+
+def clip_and_accumulate(
+    per_sample_grads: Sequence[torch.Tensor],
+    clip_norm: Union[float, Sequence[float]],
+    *,
+    per_layer: bool = False,
+    noise_std: float = 0.0,
+    batch_size: Optional[float] = None,
+    generator=None,
+    key: Optional[int] = None,
+    offset: Optional[int] = None,
+    non_finite: str = "raise",
+) -> ClippedSum:
+    """(sum_b clip(g_b) + N(0, noise_std^2 I)) / batch_size for per-sample gradients, fused.
+
+    Args:
+        per_sample_grads: one tensor per parameter, each (B, *param.shape), contiguous, float32,
+            bfloat16 or float16, all with the same B, dtype and device (CPU or CUDA).
+        clip_norm: c. With ``per_layer`` a single c applies to each tensor, or give one c_t per tensor.
+        noise_std: standard deviation of the Gaussian noise added to the clipped sum: c sigma for
+            Alg. 1 with noise multiplier sigma (flat clipping), sigma |(c_t)|_2 per layer.
+        batch_size: the L that divides the sum: the expected batch size (Poisson sampling) or the
+            fixed one; default B.
+        generator, key, offset: the noise stream, as in :mod:`privleak.mechanisms`. With a
+            :class:`~privleak.mechanisms.SecureNoiseGenerator` the sum is formed by the kernel and
+            the secure (discretised) noise is added to it before scaling.
+        non_finite: "raise" (default) or "drop"; see the module docstring.
+
+    Returns:
+        :class:`ClippedSum` with the float32 noisy average per tensor, the norms, the dropped samples.
+    """
+    grads = _check_grads(per_sample_grads)
+    norms_allowed = _clip_norms(clip_norm, len(grads), per_layer)
+    if non_finite not in ("raise", "drop"):
+        raise ValueError(f"non_finite must be 'raise' or 'drop', got {non_finite!r}")
+    noise_std = _mechanisms._check_scale(noise_std, "noise_std")
+    batch = grads[0].shape[0]
+    scale_by = float(batch if batch_size is None else batch_size)
+    if not math.isfinite(scale_by) or scale_by <= 0:
+        raise ValueError(f"batch_size must be finite and > 0, got {batch_size!r}")
+
+    squares = torch.ops.privleak.per_sample_sum_of_squares(grads)
+    norms = (squares if per_layer else squares.sum(dim=1)).sqrt()
+    bad = ~torch.isfinite(squares).all(dim=1)
+    if bool(bad.any()) and non_finite == "raise":
+        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite; "
+                         "pass non_finite='drop' to leave such samples out")
+    factors = clip_factors(norms, norms_allowed if per_layer else norms_allowed[:1])
+    factors = torch.where(bad[:, None] if per_layer else bad, torch.zeros_like(factors), factors)
+    factors = (factors if per_layer else factors[:, None].expand(batch, len(grads))).contiguous()
+
+    secure_noise = noise_std > 0 and isinstance(generator, _mechanisms.SecureNoiseGenerator)
+    kernel_noise = 0.0 if secure_noise else noise_std
+    words, stream_offset = [0, 0], 0
+    if kernel_noise > 0:
+        total = sum(g[0].numel() for g in grads)
+        words, stream_offset = _mechanisms._resolve_stream(total, generator, key, offset)
+    outs = torch.ops.privleak.clip_accumulate(grads, factors, kernel_noise, words, stream_offset,
+                                              1.0 if secure_noise else 1.0 / scale_by)
+    if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
+        for out in outs:
+            _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
+            out.mul_(1.0 / scale_by)
+    return ClippedSum(list(outs), norms, bad)

@@ -1,0 +1,145 @@
+"""Fused per-sample clipping against the float64 torch reference (privleak.reference)."""
+import pytest
+import torch
+
+from privleak import dpsgd, reference
+from privleak import mechanisms as M
+from conftest import requires_cuda
+
+SHAPES = [[(5, 3), (7,), (2, 4, 6)], [(1,)], [(3000,), (1030, 7)], [(5000,)]]
+
+
+def per_sample(shapes, batch, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    # Varied norms, so that some samples are clipped and some are not.
+    return [(torch.randn(batch, *s, generator=g) * torch.rand(batch, *([1] * len(s)), generator=g) * 3)
+            .to(dtype).to(device) for s in shapes]
+
+
+def split_noise(grads, std, key, offset=0):
+    """The noise the kernel adds: the float Gaussian stream over the concatenated tensors."""
+    z = M.gaussian_noise(sum(g[0].numel() for g in grads), key=key, offset=offset)
+    parts, start = [], 0
+    for g in grads:
+        parts.append(std * z[start:start + g[0].numel()].double())
+        start += g[0].numel()
+    return parts
+
+
+def assert_close(got, want, rtol=1e-5):
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=rtol * float(b.abs().max()) + 1e-12)
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("noise_std", [0.0, 0.7])
+def test_fused_clipping_matches_the_reference(shapes, per_layer, noise_std):
+    grads = per_sample(shapes, batch=33)
+    got = dpsgd.clip_and_accumulate(grads, 1.5, per_layer=per_layer, noise_std=noise_std, key=3, offset=11,
+                                    batch_size=40.0)
+    noise = split_noise(grads, noise_std, key=3, offset=11) if noise_std else None
+    assert_close(got.grads, reference.clip_and_accumulate(grads, [1.5], per_layer, noise, 40.0))
+
+
+def test_per_layer_clip_norms_apply_tensor_by_tensor():
+    grads = per_sample(SHAPES[0], batch=20)
+    got = dpsgd.clip_and_accumulate(grads, [0.5, 2.0, 1.0], per_layer=True)
+    assert_close(got.grads, reference.clip_and_accumulate(grads, [0.5, 2.0, 1.0], True))
+    norms = torch.stack([g.double().reshape(20, -1).norm(dim=1) for g in grads], dim=1)
+    torch.testing.assert_close(got.norms, norms)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_are_accumulated_in_float32(dtype):
+    grads = per_sample(SHAPES[2], batch=16, dtype=dtype)
+    got = dpsgd.clip_and_accumulate(grads, 1.0)
+    assert_close(got.grads, reference.clip_and_accumulate(grads, [1.0], False), rtol=1e-4)
+
+
+def test_non_finite_samples_raise_or_are_dropped():
+    grads = per_sample(SHAPES[0], batch=10)
+    grads[1][3, 2] = float("nan")
+    grads[2][7, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"samples \[3, 7\] are not finite"):
+        dpsgd.clip_and_accumulate(grads, 1.0)
+    got = dpsgd.clip_and_accumulate(grads, 1.0, non_finite="drop", batch_size=10)
+    assert got.dropped.tolist() == [i in (3, 7) for i in range(10)]
+    kept = [g[[i for i in range(10) if i not in (3, 7)]] for g in grads]
+    assert_close(got.grads, reference.clip_and_accumulate(kept, [1.0], False, None, 10))
+    assert all(torch.isfinite(g).all() for g in got.grads)
+
+
+def test_zero_gradients_are_left_alone():
+    grads = [torch.zeros(4, 10)]
+    got = dpsgd.clip_and_accumulate(grads, 1.0)
+    assert torch.equal(got.grads[0], torch.zeros(10))
+
+
+def test_bits_do_not_depend_on_thread_count(threads):
+    grads = per_sample(SHAPES[2], batch=64)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(dpsgd.clip_and_accumulate(grads, 1.0, noise_std=0.3, key=5))
+    for a, b in zip(results[0].grads, results[1].grads):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0].norms, results[1].norms)
+
+
+def test_noise_comes_from_the_generator_stream():
+    grads = per_sample(SHAPES[0], batch=4)
+    g1, g2 = M.NoiseGenerator(9), M.NoiseGenerator(9)
+    a = dpsgd.clip_and_accumulate(grads, 1.0, noise_std=1.0, generator=g1)
+    b = dpsgd.clip_and_accumulate(grads, 1.0, noise_std=1.0, key=9, offset=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.grads, b.grads))
+    assert g1.offset == sum(g[0].numel() for g in grads) and g2.offset == 0
+
+
+def test_secure_noise_is_added_to_the_sum_on_its_grid():
+    grads = per_sample(SHAPES[0], batch=8)
+    clean = dpsgd.clip_and_accumulate(grads, 1.0, batch_size=8.0)
+    noisy = dpsgd.clip_and_accumulate(grads, 1.0, noise_std=0.5, generator=M.SecureNoiseGenerator(), batch_size=8.0)
+    for c, n in zip(clean.grads, noisy.grads):
+        assert not torch.equal(c, n) and torch.isfinite(n).all()
+        assert float((n - c).abs().max()) < 8 * 0.5 / 8 * 2  # the noise is of the requested size
+
+
+def test_ops_pass_opcheck():
+    grads = per_sample(SHAPES[0], batch=3)
+    torch.library.opcheck(torch.ops.privleak.per_sample_sum_of_squares.default, (grads,))
+    factors = torch.rand(3, 3)
+    torch.library.opcheck(torch.ops.privleak.clip_accumulate.default, (grads, factors, 0.5, [1, 2], 0, 0.25))
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda g: dpsgd.clip_and_accumulate(g, 0.0), ValueError, "clip_norm must be finite and > 0"),
+        (lambda g: dpsgd.clip_and_accumulate(g, [1.0, 2.0]), ValueError, "clip_norm must be one number"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, non_finite="ignore"), ValueError, "non_finite must be"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=0), ValueError, "batch_size must be"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, noise_std=-1.0), ValueError, "noise_std must be finite"),
+        (lambda g: dpsgd.clip_and_accumulate([g[0].double()], 1.0), TypeError, "must have dtype"),
+        (lambda g: dpsgd.clip_and_accumulate([g[0].transpose(1, 2)], 1.0), ValueError, "must be contiguous"),
+        (lambda g: dpsgd.clip_and_accumulate([g[0], g[1][:2]], 1.0), ValueError, "has batch 2"),
+        (lambda g: dpsgd.clip_and_accumulate(g[0], 1.0), TypeError, "non-empty sequence"),
+        (lambda g: dpsgd.clip_and_accumulate([], 1.0), TypeError, "non-empty sequence"),
+    ],
+)
+def test_bad_arguments_are_rejected(call, error, words):
+    with pytest.raises(error, match=words):
+        call(per_sample(SHAPES[0], batch=4))
+
+
+@requires_cuda
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu(per_layer, dtype):
+    grads = per_sample(SHAPES[2], batch=64, dtype=dtype)
+    cpu = dpsgd.clip_and_accumulate(grads, 1.0, per_layer=per_layer, noise_std=0.4, key=2)
+    gpu = dpsgd.clip_and_accumulate([g.cuda() for g in grads], 1.0, per_layer=per_layer, noise_std=0.4, key=2)
+    assert torch.equal(cpu.norms, gpu.norms.cpu())
+    for a, b in zip(cpu.grads, gpu.grads):
+        assert torch.equal(a, b.cpu())
