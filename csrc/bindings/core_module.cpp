@@ -77,7 +77,7 @@ PYBIND11_MODULE(_core, m) {
       [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
          int64_t batch, std::uintptr_t out) {
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
-        const auto tensors = marshal::per_sample_grads<privleak::cpu::PerSampleGrads>(grads, numels);
+        const auto tensors = marshal::per_sample_grads(grads, numels);
         py::gil_scoped_release release;
         privleak::cpu::per_sample_sum_of_squares(t, tensors, batch, as_pointer<double>(out));
       },
@@ -89,7 +89,7 @@ PYBIND11_MODULE(_core, m) {
          const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t factors, double noise_std,
          uint64_t key, uint64_t offset, double scale) {
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
-        const auto tensors = marshal::per_sample_grads<privleak::cpu::PerSampleGrads>(grads, numels);
+        const auto tensors = marshal::per_sample_grads(grads, numels);
         std::vector<float*> out_pointers;
         for (std::uintptr_t o : outs) out_pointers.push_back(as_pointer<float>(o));
         py::gil_scoped_release release;

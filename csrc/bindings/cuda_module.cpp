@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/marshal.h"
+#include "cuda/clip.h"
 #include "cuda/column_stats.h"
 #include "cuda/noise.h"
 #include "cuda/secure_noise.h"
@@ -72,6 +73,38 @@ PYBIND11_MODULE(_cuda, m) {
       },
       py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def("sum_of_squares_workspace_bytes", &privleak::cuda::sum_of_squares_workspace_bytes, py::arg("numels"),
+        py::arg("batch"));
+
+  m.def(
+      "per_sample_sum_of_squares",
+      [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
+         int64_t batch, std::uintptr_t out, std::uintptr_t workspace, int device, std::uintptr_t stream) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const auto tensors = marshal::per_sample_grads(grads, numels);
+        py::gil_scoped_release release;
+        privleak::cuda::per_sample_sum_of_squares(t, tensors, batch, as_pointer<double>(out), as_pointer(workspace),
+                                                  device, as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("batch"), py::arg("out"), py::arg("workspace"),
+      py::arg("device"), py::arg("stream"));
+
+  m.def(
+      "clip_accumulate",
+      [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
+         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t factors, double noise_std,
+         uint64_t key, uint64_t offset, double scale, int device, std::uintptr_t stream) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const auto tensors = marshal::per_sample_grads(grads, numels);
+        std::vector<float*> out_pointers;
+        for (std::uintptr_t o : outs) out_pointers.push_back(as_pointer<float>(o));
+        py::gil_scoped_release release;
+        privleak::cuda::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const float>(factors), noise_std,
+                                        key, offset, scale, device, as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("factors"),
+      py::arg("noise_std"), py::arg("key"), py::arg("offset"), py::arg("scale"), py::arg("device"), py::arg("stream"));
 
   m.def("device_count", [] {
     std::string error;

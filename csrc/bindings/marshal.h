@@ -10,6 +10,7 @@
 #include <array>
 #include <vector>
 
+#include "common/clip.h"
 #include "common/noise.h"
 #include "common/secure_noise.h"
 
@@ -34,8 +35,7 @@ inline NoiseDType parse_noise_dtype(const std::string& name) {
   throw std::invalid_argument("unsupported noise dtype '" + name + "' (expected float32, float64, bfloat16 or float16)");
 }
 
-template <class PerSampleGrads>
-std::vector<PerSampleGrads> per_sample_grads(const std::vector<std::uintptr_t>& grads,
+inline std::vector<PerSampleGrads> per_sample_grads(const std::vector<std::uintptr_t>& grads,
                                              const std::vector<int64_t>& numels) {
   if (grads.size() != numels.size()) throw std::invalid_argument("one numel per gradient tensor is needed");
   std::vector<PerSampleGrads> tensors;

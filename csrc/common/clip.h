@@ -14,6 +14,12 @@
 
 namespace privleak {
 
+// One parameter's per-sample gradients: `batch` rows of `numel` contiguous elements.
+struct PerSampleGrads {
+  const void* grads;
+  int64_t numel;
+};
+
 constexpr int64_t kClipChunk = 4096;
 constexpr int kClipLanes = 16;
 

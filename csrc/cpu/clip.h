@@ -3,15 +3,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/clip.h"
 #include "common/noise.h"
 
 namespace privleak::cpu {
-
-// One parameter's per-sample gradients: `batch` rows of `numel` contiguous elements.
-struct PerSampleGrads {
-  const void* grads;
-  int64_t numel;
-};
 
 // out[b * T + t] = |g_t[b]|^2 for T = tensors.size() (common/clip.h). dtype: float32, bfloat16, float16.
 void per_sample_sum_of_squares(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, int64_t batch,

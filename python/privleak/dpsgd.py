@@ -41,7 +41,10 @@ def _sum_of_squares_op(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads],
             [g[0].numel() for g in grads], batch, out.data_ptr())
     if grads[0].is_cuda:
-        module.per_sample_sum_of_squares(*args, grads[0].device.index, torch.cuda.current_stream(grads[0].device).cuda_stream)
+        workspace = torch.empty(module.sum_of_squares_workspace_bytes(args[2], batch), dtype=torch.uint8,
+                                device=grads[0].device)
+        module.per_sample_sum_of_squares(*args, workspace.data_ptr(), grads[0].device.index,
+                                         torch.cuda.current_stream(grads[0].device).cuda_stream)
     else:
         module.per_sample_sum_of_squares(*args)
     return out
