@@ -183,3 +183,111 @@ def clip_and_accumulate(
             _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
             out.mul_(1.0 / scale_by)
     return ClippedSum(list(outs), norms, bad)
+
+
+# ----------------------------------------------------------------------------- the DP-SGD step
+
+
+def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> list:
+    """Per-sample gradients of ``loss_fn(model(x_b), y_b)`` for every trainable parameter.
+
+    Computed with ``torch.func`` (``vmap`` of ``grad`` over a ``functional_call``), so any model
+    without batch-coupled layers (BatchNorm in training mode) works. Returns one (B, *p.shape)
+    tensor per parameter with ``requires_grad``, in ``model.parameters()`` order.
+    """
+    from torch.func import functional_call, grad, vmap
+
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    buffers = {name: b.detach() for name, b in model.named_buffers()}
+
+    def loss_of_one(params, x, y):
+        out = functional_call(model, (params, buffers), (x.unsqueeze(0),))
+        return loss_fn(out, y.unsqueeze(0))
+
+    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    return [grads[name].contiguous() for name in names]
+
+
+def sample_batch(num_examples: int, batch_size: int, sampling: str = "poisson",
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Indices of one DP-SGD batch: Poisson sampling (each example independently with rate
+    batch_size / num_examples; the batch size varies, the accountant's assumption for
+    amplification by subsampling) or a fixed-size sample without replacement."""
+    if not (isinstance(num_examples, int) and isinstance(batch_size, int) and 0 < batch_size <= num_examples):
+        raise ValueError(f"need 0 < batch_size <= num_examples, got {batch_size} and {num_examples}")
+    if sampling == "poisson":
+        return torch.nonzero(torch.rand(num_examples, generator=generator) < batch_size / num_examples).flatten()
+    if sampling == "fixed":
+        return torch.randperm(num_examples, generator=generator)[:batch_size]
+    raise ValueError(f"sampling must be 'poisson' or 'fixed', got {sampling!r}")
+
+
+class DPSGDConfig(NamedTuple):
+    """How one DP-SGD step privatises the gradient.
+
+    ``mechanism="gaussian"`` is Alg. 1 (Abadi et al.): clip to ``clip_norm``, sum, add
+    N(0, (noise_multiplier c)^2 I), divide by the expected batch size; with per-layer clipping to
+    (c_t) the noise std is noise_multiplier |(c_t)|_2 (the sensitivity of the concatenation).
+    ``mechanism="vmf"`` is Alg. 2 of Biswas et al.: clip, average, scale to unit length, release a
+    draw of VMF(that direction, ``kappa``).
+    """
+
+    clip_norm: Union[float, Sequence[float]]
+    mechanism: str = "gaussian"
+    noise_multiplier: float = 1.0
+    kappa: Optional[float] = None
+    per_layer: bool = False
+    non_finite: str = "raise"
+
+
+def privatize(per_sample_grads: Sequence[torch.Tensor], config: DPSGDConfig, expected_batch_size: float,
+              generator=None) -> list:
+    """The update DP-SGD leaks for one batch (what an honest-but-curious server sees), per tensor."""
+    if config.mechanism == "gaussian":
+        clip = _clip_norms(config.clip_norm, len(per_sample_grads), config.per_layer)
+        noise_std = config.noise_multiplier * math.sqrt(sum(c * c for c in clip)) if config.per_layer else \
+            config.noise_multiplier * clip[0]
+        return clip_and_accumulate(per_sample_grads, config.clip_norm, per_layer=config.per_layer,
+                                   noise_std=noise_std, batch_size=expected_batch_size, generator=generator,
+                                   non_finite=config.non_finite).grads
+    if config.mechanism == "vmf":
+        if config.kappa is None:
+            raise ValueError("the VMF mechanism needs kappa")
+        average = clip_and_accumulate(per_sample_grads, config.clip_norm, per_layer=config.per_layer,
+                                      batch_size=expected_batch_size, non_finite=config.non_finite).grads
+        flat = torch.cat([a.reshape(-1) for a in average])
+        if not bool(flat.any()):
+            raise ValueError("the clipped average gradient is zero: Alg. 2 has no direction to perturb")
+        direction = _mechanisms.vmf_sample(flat, config.kappa, 1, generator=generator)[0]
+        return [part.reshape(a.shape) for part, a in zip(direction.split([a.numel() for a in average]), average)]
+    raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {config.mechanism!r}")
+
+
+class DPOptimizer:
+    """DP-SGD around any torch optimizer.
+
+    ``step(per_sample_grads)`` privatises the per-sample gradients (:func:`privatize`), writes the
+    result into the parameters' ``.grad`` and steps the wrapped optimizer; it returns the leaked
+    update. Per-sample gradients come in the order of the optimizer's parameters.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: DPSGDConfig, expected_batch_size: float,
+                 generator=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.expected_batch_size = expected_batch_size
+        self.generator = generator
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, per_sample_grads: Sequence[torch.Tensor]) -> list:
+        if len(per_sample_grads) != len(self.params):
+            raise ValueError(f"got {len(per_sample_grads)} per-sample gradients for {len(self.params)} parameters")
+        update = privatize(per_sample_grads, self.config, self.expected_batch_size, self.generator)
+        for p, u in zip(self.params, update):
+            p.grad = u.to(p.dtype).reshape(p.shape)
+        self.optimizer.step()
+        return update

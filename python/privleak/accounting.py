@@ -1,0 +1,115 @@
+"""Differential-privacy accounting for DP-SGD runs, Gaussian (Alg. 1) and von Mises-Fisher (Alg. 2).
+
+Gaussian runs are accounted by Google's ``dp-accounting`` library (privacy loss distributions
+and Renyi DP), which is made for exactly this. The VMF mechanism has no accountant there, so its
+accounting is privleak's own, built from three facts:
+
+* **Per step.** VMF(mu, kappa) has density C exp(kappa mu.y) on the unit sphere, so for two means
+  f(y | mu) / f(y | mu') = exp(kappa (mu - mu').y) <= exp(kappa |mu - mu'|_2): kappa-metric DP in
+  the Euclidean distance of the means, and, as unit means are at most 2 apart, 2 kappa-DP (pure,
+  local). Both bounds are attained (y along mu - mu'). In Alg. 2 the mean is the normalised
+  clipped average, which one example can turn anywhere, so 2 kappa is the per-step epsilon.
+* **Subsampling.** Poisson sampling with rate q amplifies an eps-DP step to
+  log(1 + q (e^eps - 1))-DP (Balle, Barthe and Gaboardi, NeurIPS 2018, add/remove neighbours).
+* **Composition.** T steps are composed with the privacy loss distribution that dominates any
+  pure-DP mechanism (dp-accounting's ``from_privacy_parameters``), which is the optimal
+  composition for pure DP (Kairouz, Oh and Viswanath, ICML 2015); with delta = 0 it is T eps.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from dp_accounting import dp_event, pld, privacy_accountant, rdp
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import privacy_loss_distribution
+
+
+def _check_positive(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def _check_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    return steps
+
+
+def _check_delta(delta) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < 1:
+        raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+    return float(delta)
+
+
+def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampling_rate: float = 1.0,
+                     sampling: str = "poisson", dataset_size: int | None = None, accountant: str = "pld") -> float:
+    """epsilon(delta) of T steps of DP-SGD with Gaussian noise (Alg. 1), by dp-accounting.
+
+    Args:
+        noise_multiplier: sigma, the noise std over the clip norm.
+        steps: T.
+        delta: the target delta.
+        sampling_rate: q = L / N for Poisson sampling (1 = the full batch every step).
+        sampling: "poisson" (add/remove neighbours; PLD or RDP) or "fixed", a sample of
+            q N examples without replacement (replace-one neighbours; RDP only, as dp-accounting has it).
+        dataset_size: N, needed for ``sampling="fixed"``.
+        accountant: "pld" (tight) or "rdp".
+    """
+    sigma = _check_positive(noise_multiplier, "noise_multiplier")
+    steps, delta = _check_steps(steps), _check_delta(delta)
+    q = _check_positive(sampling_rate, "sampling_rate")
+    if q > 1:
+        raise ValueError(f"sampling_rate must be <= 1, got {q}")
+    if accountant not in ("pld", "rdp"):
+        raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+    step = dp_event.GaussianDpEvent(sigma)
+    if sampling == "poisson":
+        event = dp_event.PoissonSampledDpEvent(q, step) if q < 1 else step
+        engine = pld.PLDAccountant() if accountant == "pld" else rdp.RdpAccountant()
+    elif sampling == "fixed":
+        if accountant != "rdp":
+            raise ValueError("fixed-size sampling is accounted with accountant='rdp' (dp-accounting's PLD lacks it)")
+        if not isinstance(dataset_size, int) or dataset_size < 1:
+            raise ValueError(f"fixed-size sampling needs dataset_size, an int >= 1, got {dataset_size!r}")
+        event = dp_event.SampledWithoutReplacementDpEvent(dataset_size, max(1, round(q * dataset_size)), step)
+        engine = rdp.RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+    else:
+        raise ValueError(f"sampling must be 'poisson' or 'fixed', got {sampling!r}")
+    engine.compose(dp_event.SelfComposedDpEvent(event, steps))
+    return float(engine.get_epsilon(delta))
+
+
+def _amplified_by_poisson_sampling(epsilon: float, q: float) -> float:
+    """log(1 + q (e^eps - 1)), written as eps + log(q + (1 - q) e^-eps) where e^eps would overflow."""
+    if epsilon <= 1.0:
+        return math.log1p(q * math.expm1(epsilon))
+    return epsilon + math.log(q + (1.0 - q) * math.exp(-epsilon))
+
+
+class VMFPrivacy(NamedTuple):
+    """Privacy of a VMF DP-SGD run (module docstring)."""
+
+    metric_epsilon: float  #: per step, per unit of Euclidean distance between the means: kappa
+    step_epsilon: float  #: per step, pure (local) DP: 2 kappa
+    epsilon: float  #: over the run, with subsampling and composition, at ``delta``
+    delta: float
+
+
+def vmf_privacy(kappa: float, steps: int = 1, delta: float = 0.0, *, sampling_rate: float = 1.0) -> VMFPrivacy:
+    """Metric-DP and pure-DP epsilon of the VMF mechanism per step, and epsilon(delta) over a run."""
+    kappa = _check_positive(kappa, "kappa")
+    steps, delta = _check_steps(steps), _check_delta(delta)
+    q = _check_positive(sampling_rate, "sampling_rate")
+    if q > 1:
+        raise ValueError(f"sampling_rate must be <= 1, got {q}")
+    step = 2.0 * kappa
+    amplified = _amplified_by_poisson_sampling(step, q)
+    if delta == 0.0:
+        total = steps * amplified
+    else:
+        loss = privacy_loss_distribution.from_privacy_parameters(
+            pld_common.DifferentialPrivacyParameters(amplified, 0.0))
+        total = min(steps * amplified, float(loss.self_compose(steps).get_epsilon_for_delta(delta)))
+    return VMFPrivacy(kappa, step, total, delta)
