@@ -1,0 +1,144 @@
+"""The DP-SGD step against a hand-written DP-SGD, and privleak inside Opacus against Opacus."""
+import warnings
+
+import pytest
+import torch
+from torch.nn.functional import cross_entropy
+
+from privleak import dpsgd
+from privleak import mechanisms as M
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def data(n=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def loop_per_sample_gradients(model, x, y):
+    """One backward pass per example: the independent reference for torch.func's vmap."""
+    grads = []
+    for i in range(len(x)):
+        model.zero_grad()
+        cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+    return [torch.stack(per_param) for per_param in zip(*grads)]
+
+
+def test_per_sample_gradients_match_one_backward_per_example():
+    model, (x, y) = small_model(), data()
+    for got, want in zip(dpsgd.per_sample_gradients(model, cross_entropy, x, y), loop_per_sample_gradients(model, x, y)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_gaussian_step_matches_a_hand_written_dp_sgd_step():
+    model, (x, y) = small_model(), data()
+    c, sigma, lr, expected = 0.5, 1.2, 0.1, 30.0
+    before = [p.detach().clone().double() for p in model.parameters()]
+    grads = loop_per_sample_gradients(model, x, y)
+    # By hand: clip each example to c over all parameters, sum, add N(0, (sigma c)^2) noise from the
+    # same stream, divide by the expected batch size, descend.
+    norms = torch.sqrt(sum(g.double().reshape(len(x), -1).pow(2).sum(1) for g in grads))
+    factors = torch.clamp(c / norms, max=1.0)
+    z = M.gaussian_noise(sum(p.numel() for p in model.parameters()), key=42).double()
+    want, start = [], 0
+    for p0, g in zip(before, grads):
+        noisy = (factors.view(-1, *[1] * (g.ndim - 1)) * g.double()).sum(0) + sigma * c * z[start:start + p0.numel()].view_as(p0)
+        want.append(p0 - lr * noisy / expected)
+        start += p0.numel()
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                  dpsgd.DPSGDConfig(clip_norm=c, noise_multiplier=sigma), expected,
+                                  generator=M.NoiseGenerator(42))
+    optimizer.step(dpsgd.per_sample_gradients(model, cross_entropy, x, y))
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_vmf_step_releases_a_unit_direction_around_the_clipped_average():
+    model, (x, y) = small_model(), data()
+    grads = dpsgd.per_sample_gradients(model, cross_entropy, x, y)
+    config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=50.0)
+    update = torch.cat([u.reshape(-1) for u in dpsgd.privatize(grads, config, 24.0, generator=M.NoiseGenerator(3))])
+    average = torch.cat([a.reshape(-1) for a in dpsgd.clip_and_accumulate(grads, 1.0).grads])
+    torch.testing.assert_close(update, M.vmf_sample(average, 50.0, 1, key=3)[0])
+    assert abs(float(update.norm()) - 1) < 1e-6
+
+
+def test_sampling_is_poisson_or_fixed():
+    g = torch.Generator().manual_seed(0)
+    sizes = [len(dpsgd.sample_batch(1000, 50, "poisson", g)) for _ in range(400)]
+    assert abs(sum(sizes) / 400 - 50) < 5 * (50 ** 0.5) / 20 and len(set(sizes)) > 5
+    fixed = dpsgd.sample_batch(1000, 50, "fixed", g)
+    assert len(fixed) == 50 and len(set(fixed.tolist())) == 50
+    with pytest.raises(ValueError, match="sampling must be"):
+        dpsgd.sample_batch(10, 5, "bernoulli")
+
+
+# ------------------------------------------------------------------------------- Opacus interop
+
+opacus = pytest.importorskip("opacus", reason="Opacus interop needs opacus (a test dependency)")
+from privleak.opacus_interop import PrivleakDPOptimizer  # noqa: E402
+
+
+def opacus_grads(optimizer_factory, noise_multiplier):
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    model, (x, y) = small_model(), data()
+    module = GradSampleModule(model)
+    opacus_optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), noise_multiplier=noise_multiplier,
+                                   max_grad_norm=0.5, expected_batch_size=24)
+    optimizer = optimizer_factory(opacus_optimizer)
+    cross_entropy(module(x), y).backward()
+    grad_samples = [p.grad_sample.clone() for p in module.parameters()]
+    optimizer.pre_step()
+    return [p.grad.clone() for p in module.parameters()], grad_samples
+
+
+def test_privleak_inside_opacus_gives_opacus_update_without_noise():
+    want, _ = opacus_grads(lambda o: o, 0.0)
+    got, _ = opacus_grads(PrivleakDPOptimizer.from_opacus, 0.0)
+    for a, b in zip(got, want):  # Opacus clips to c / (norm + 1e-6), privleak to c / norm
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_privleak_noise_inside_opacus_is_privleaks_noise():
+    got, grad_samples = opacus_grads(lambda o: PrivleakDPOptimizer.from_opacus(o, noise_generator=M.NoiseGenerator(5)), 1.3)
+    want = dpsgd.clip_and_accumulate(grad_samples, 0.5, noise_std=1.3 * 0.5, key=5, batch_size=24.0).grads
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b.view_as(a), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")  # Opacus's hooks on a model whose inputs need no grad
+@pytest.mark.parametrize("mechanism, kwargs", [("gaussian", {}), ("vmf", {"kappa": 200.0})])
+def test_opacus_trains_with_privleak(mechanism, kwargs):
+    from opacus import PrivacyEngine
+
+    model = small_model()
+    x, y = data(n=512, seed=4)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # a learnable rule
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns about its secure RNG and the accountant's defaults
+        model, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5 if mechanism == "gaussian" else 0.05),
+            data_loader=loader, noise_multiplier=0.3, max_grad_norm=1.0)
+    optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism=mechanism, noise_generator=M.NoiseGenerator(0),
+                                                **kwargs)
+    def loss():
+        with torch.no_grad():  # a forward with grad would leave Opacus hooks activations to pair with a backward
+            return float(cross_entropy(model(x), y))
+
+    first = loss()
+    for _ in range(8):
+        for xb, yb in loader:
+            if len(xb) == 0:
+                continue
+            optimizer.zero_grad()
+            cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    assert loss() < 0.8 * first
