@@ -142,3 +142,22 @@ def test_opacus_trains_with_privleak(mechanism, kwargs):
             cross_entropy(model(xb), yb).backward()
             optimizer.step()
     assert loss() < 0.8 * first
+
+
+def test_privacy_report_puts_epsilon_next_to_capacity():
+    from privleak import accounting, capacity
+
+    model, (x, y) = small_model(), data()
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=1.1), 24, generator=M.NoiseGenerator(0))
+    for _ in range(3):
+        optimizer.step(dpsgd.per_sample_gradients(model, cross_entropy, x, y))
+    report = optimizer.privacy_report(dataset_size=600, delta=1e-5)
+    dim = sum(p.numel() for p in model.parameters())
+    assert report.steps == 3
+    assert report.epsilon == accounting.gaussian_epsilon(1.1, 3, 1e-5, sampling_rate=24 / 600)
+    assert report.capacity_bits == capacity.dpsgd_gaussian(dim, 1.0, 1.1, 24).log_capacity().bits
+    vmf = dpsgd.privacy_report(dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=30.0), [(5, 6), (5,)],
+                               expected_batch_size=24, dataset_size=600, steps=10, delta=1e-5)
+    assert vmf.epsilon == accounting.vmf_privacy(30.0, 10, 1e-5, sampling_rate=0.04).epsilon
+    assert vmf.capacity_log == capacity.vmf_log_capacity(35, 30.0).log

@@ -264,6 +264,47 @@ def privatize(per_sample_grads: Sequence[torch.Tensor], config: DPSGDConfig, exp
     raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {config.mechanism!r}")
 
 
+class PrivacyReport(NamedTuple):
+    """A DP-SGD run's privacy, as epsilon and as the Bayes capacity of one leaked update."""
+
+    epsilon: float  #: epsilon(delta) over the run (accounting module)
+    delta: float
+    steps: int
+    capacity_bits: float  #: log2 Bayes capacity of one leaked update (capacity module)
+    capacity_log: float  #: the same, natural log
+
+
+def privacy_report(config: DPSGDConfig, parameter_shapes: Sequence[Sequence[int]], *, expected_batch_size: float,
+                   dataset_size: int, steps: int, delta: float) -> PrivacyReport:
+    """epsilon of ``steps`` DP-SGD steps with Poisson sampling (rate expected_batch_size /
+    dataset_size) next to the Bayes capacity of the channel one step's update goes through.
+
+    Gaussian (Alg. 1): dp-accounting's PLD epsilon; the capacity of N(x, (sigma c / L)^2 I) over
+    the ball of radius c (flat clipping), or over the product of per-layer balls. VMF (Alg. 2):
+    privleak's VMF accounting; the capacity of VMF(kappa) on the sphere.
+    """
+    from privleak import accounting, capacity
+
+    q = expected_batch_size / dataset_size
+    sizes = [math.prod(shape) for shape in parameter_shapes]
+    if config.mechanism == "vmf":
+        if config.kappa is None:
+            raise ValueError("the VMF mechanism needs kappa")
+        epsilon = accounting.vmf_privacy(config.kappa, steps, delta, sampling_rate=q).epsilon
+        log_capacity = capacity.dpsgd_vmf(sum(sizes), config.kappa).log_capacity()
+    elif config.mechanism == "gaussian":
+        epsilon = accounting.gaussian_epsilon(config.noise_multiplier, steps, delta, sampling_rate=q)
+        clip = _clip_norms(config.clip_norm, len(sizes), config.per_layer)
+        if config.per_layer:
+            mechanism = capacity.dpsgd_gaussian_per_layer(sizes, clip, config.noise_multiplier, expected_batch_size)
+        else:
+            mechanism = capacity.dpsgd_gaussian(sum(sizes), clip[0], config.noise_multiplier, expected_batch_size)
+        log_capacity = mechanism.log_capacity()
+    else:
+        raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {config.mechanism!r}")
+    return PrivacyReport(epsilon, delta, steps, log_capacity.bits, log_capacity.log)
+
+
 class DPOptimizer:
     """DP-SGD around any torch optimizer.
 
@@ -279,6 +320,12 @@ class DPOptimizer:
         self.expected_batch_size = expected_batch_size
         self.generator = generator
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.steps = 0
+
+    def privacy_report(self, dataset_size: int, delta: float) -> PrivacyReport:
+        """:func:`privacy_report` for the steps taken so far."""
+        return privacy_report(self.config, [p.shape for p in self.params], expected_batch_size=self.expected_batch_size,
+                              dataset_size=dataset_size, steps=max(self.steps, 1), delta=delta)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -290,4 +337,5 @@ class DPOptimizer:
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype).reshape(p.shape)
         self.optimizer.step()
+        self.steps += 1
         return update
