@@ -16,6 +16,15 @@ from discrete_channels import channels, channels_with_prior, gains, priors
 FAST = settings(deadline=None, max_examples=100)
 
 
+@pytest.fixture(autouse=True)
+def one_kernel_thread(threads):
+    """These tests check formulas on channels of a few entries, calling the kernel thousands of
+    times; a parallel region per call costs more than the work, and on an oversubscribed 2-core
+    machine each one can stall for a scheduler tick (a 5x slower run). Thread-count independence
+    of the kernel is tested in test_column_stats.py."""
+    threads(1)
+
+
 def close(a, b, rel=1e-9):
     return a == b or math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 

@@ -31,14 +31,14 @@ def prior_closeness(prior):
 
 
 def witness_channel(ratios, prior):
-    """Two observations; the first has p(y0) = t and posterior ratios P(x|y0) / P(x) = ratios.
+    """Two observations; the first has a small p(y0) = t and posterior ratios P(x|y0) / P(x) = ratios.
 
     The second takes the remaining mass, so its ratios are within about t of 1 and all the
-    extremes sit in the first column.
+    extremes sit in the first column. Needs ratios of pi-mean 1.
     """
     ratios = np.asarray(ratios, dtype=float)
     assert abs(prior @ ratios - 1) < 1e-12
-    first = 1e-3 / ratios.max() * ratios
+    first = 1e-3 / ratios.max() * ratios  # t = 1e-3 / max(ratios)
     return np.column_stack([first, 1 - first])
 
 
