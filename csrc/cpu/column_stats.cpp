@@ -15,8 +15,10 @@
 namespace privleak::cpu {
 namespace {
 
-// 512 float32 columns read 2 KiB of each row; the tile's accumulators (12 KiB) stay in L1.
-constexpr int64_t kBlockCols = 512;
+// A tile reads 16 KiB (float32) of each row: long enough runs for the hardware prefetcher, which
+// 2 KiB runs at a 16 KiB stride defeat (a 4000 x 4000 max took 2.4x numpy's time with 512 columns,
+// 1.2x with 4096). The accumulators (up to 128 KiB) stay in L2.
+constexpr int64_t kBlockCols = 4096;
 
 // Structure of arrays, so that the update below is a branch-free, vectorisable loop.
 template <class T>
@@ -98,8 +100,9 @@ void column_stats_typed(const T* matrix, int64_t rows, int64_t cols, int64_t row
     return;
   }
 
-  // Few, tall column blocks: reduce (chunk, block) tiles in parallel, then fold each column's
-  // chunk partials in chunk order. Partials take at most 1024 x cols entries, and cols is small here.
+  // Fewer column blocks than threads: reduce (chunk, block) tiles in parallel, then fold each
+  // column's chunk partials in chunk order. Partials take at most 1024 x cols entries, and here
+  // cols < 4096 x threads.
   std::vector<ColumnPartial<T>> partials(static_cast<size_t>(plan.num_chunks * cols));
   const int64_t num_tiles = plan.num_chunks * num_blocks;
 #pragma omp parallel
