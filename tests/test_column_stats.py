@@ -81,7 +81,7 @@ def test_zero_columns_give_empty_results():
     assert all(len(s) == 0 for s in stats)
 
 
-@pytest.mark.parametrize("shape", [(20000, 5), (600, 9000)])  # one column block; several
+@pytest.mark.parametrize("shape", [(300_000, 5), (600, 9000)])  # one column block; several (>= 2^20: parallel)
 def test_result_bits_do_not_depend_on_thread_count(shape, threads):
     matrix = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     results = []
@@ -153,8 +153,8 @@ def test_cuda_reads_row_stride_views():
     "stats", [("max",), ("argmax",), ("min",), ("sum",), ("max", "min"), ("min", "sum"), ("argmax", "sum")]
 )
 def test_subsets_of_statistics_match_the_full_pass(stats, dtype, threads):
-    matrix = np.random.default_rng(5).random((3000, 300)).astype(dtype)
-    weights = np.random.default_rng(6).random(3000)
+    matrix = np.random.default_rng(5).random((4000, 300)).astype(dtype)  # >= 2^20 elements: parallel
+    weights = np.random.default_rng(6).random(4000)
     for n in (1, 2):  # one column block: the column-block schedule, then the row-chunk one
         threads(n)
         for w in (None, weights):

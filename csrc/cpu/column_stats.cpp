@@ -64,10 +64,15 @@ void reduce_tile(const T* matrix, int64_t row_stride, const T* row_weights, int6
     add_row<kStats, T, kWeighted>(row(r), weight(r), width, r, tile.max, tile.argmax, tile.min, tile.sum);
 }
 
+// Below this many elements a parallel region costs more than it saves (and on a busy machine a
+// descheduled thread stalls the barrier for a whole scheduler tick).
+constexpr int64_t kParallelElements = int64_t(1) << 20;
+
 template <unsigned kStats, class T, bool kWeighted>
 void column_stats_typed(const T* matrix, int64_t rows, int64_t cols, int64_t row_stride,
                         const T* row_weights, ColumnStatsOutput<T> out) {
   const ColumnStatsPlan plan = plan_column_stats(rows);
+  const bool parallel = rows * cols >= kParallelElements;
   const int64_t num_blocks = (cols + kBlockCols - 1) / kBlockCols;
   auto width = [&](int64_t block) { return std::min(kBlockCols, cols - block * kBlockCols); };
   auto reduce = [&](int64_t chunk, int64_t block, Tile<T>& tile) {
@@ -77,9 +82,10 @@ void column_stats_typed(const T* matrix, int64_t rows, int64_t cols, int64_t row
                                       block * kBlockCols, width(block), tile);
   };
 
-  if (num_blocks >= max_threads() || plan.num_chunks == 1) {
-    // Enough column blocks to keep every thread busy: each folds its chunks as it goes.
-#pragma omp parallel
+  if (num_blocks >= max_threads() || plan.num_chunks == 1 || !parallel) {
+    // Enough column blocks to keep every thread busy (or a small matrix): each block folds its
+    // chunks as it goes.
+#pragma omp parallel if (parallel)
     {
       auto tile = std::make_unique<Tile<T>>();
       std::vector<ColumnPartial<T>> acc(kBlockCols);
