@@ -8,8 +8,10 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 
 #include "common/element.h"
+#include "common/noise.h"
 #include "common/hostdevice.h"
 
 namespace privleak {
@@ -44,5 +46,17 @@ PRIVLEAK_HOST_DEVICE double chunk_sum_of_squares(const In* x, int64_t n) {
 }
 
 PRIVLEAK_HOST_DEVICE int64_t clip_chunks(int64_t numel) { return (numel + kClipChunk - 1) / kClipChunk; }
+
+// Calls f(In{}) with In the element type of the per-sample gradients.
+template <class F>
+void dispatch_grad_dtype(NoiseDType dtype, F&& f) {
+  switch (dtype) {
+    case NoiseDType::float32: return f(float{});
+    case NoiseDType::bfloat16: return f(BFloat16{});
+    case NoiseDType::float16: return f(Float16{});
+    case NoiseDType::float64: break;
+  }
+  throw std::invalid_argument("per-sample gradients must be float32, bfloat16 or float16");
+}
 
 }  // namespace privleak

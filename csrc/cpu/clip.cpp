@@ -95,17 +95,6 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
   }
 }
 
-template <class F>
-void dispatch_grad_dtype(NoiseDType dtype, F&& f) {
-  switch (dtype) {
-    case NoiseDType::float32: return f(float{});
-    case NoiseDType::bfloat16: return f(BFloat16{});
-    case NoiseDType::float16: return f(Float16{});
-    case NoiseDType::float64: break;
-  }
-  throw std::invalid_argument("per-sample gradients must be float32, bfloat16 or float16");
-}
-
 }  // namespace
 
 void per_sample_sum_of_squares(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, int64_t batch,

@@ -128,17 +128,6 @@ unsigned blocks_for(int64_t threads) {
   return static_cast<unsigned>(std::min<int64_t>((threads + kThreads - 1) / kThreads, 1 << 30));
 }
 
-template <class F>
-void dispatch_grad_dtype(NoiseDType dtype, F&& f) {
-  switch (dtype) {
-    case NoiseDType::float32: return f(float{});
-    case NoiseDType::bfloat16: return f(BFloat16{});
-    case NoiseDType::float16: return f(Float16{});
-    case NoiseDType::float64: break;
-  }
-  throw std::invalid_argument("per-sample gradients must be float32, bfloat16 or float16");
-}
-
 }  // namespace
 
 int64_t sum_of_squares_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch) {
