@@ -43,15 +43,15 @@ def test_kernel_bits_equal_the_numpy_reference(distribution, dtype, offset, n):
 
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 def test_bits_do_not_depend_on_threads_or_on_how_a_draw_is_split(distribution, threads):
-    whole = draw(distribution, 50_001, key=11)
+    whole = draw(distribution, 300_001, key=11)  # above the parallel threshold
     threads(1)
-    assert torch.equal(whole, draw(distribution, 50_001, key=11))
+    assert torch.equal(whole, draw(distribution, 300_001, key=11))
     threads(2)
-    pieces = [draw(distribution, n, key=11, offset=start) for start, n in ((0, 3), (3, 20_000), (20_003, 29_998))]
+    pieces = [draw(distribution, n, key=11, offset=start) for start, n in ((0, 3), (3, 20_000), (20_003, 279_998))]
     assert torch.equal(whole, torch.cat(pieces))
     generator = M.NoiseGenerator(11)
     fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
-    assert torch.equal(whole, torch.cat([fn(n, generator=generator) for n in (1, 49_999, 1)]))
+    assert torch.equal(whole, torch.cat([fn(n, generator=generator) for n in (1, 299_999, 1)]))
 
 
 def test_streams_are_independent_across_distributions_and_dtypes():

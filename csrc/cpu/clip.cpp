@@ -33,7 +33,9 @@ void sum_of_squares_typed(const std::vector<PerSampleGrads>& tensors, int64_t ba
   for (const auto& t : tensors) counts.push_back(batch * clip_chunks(t.numel));
   const ItemIndex items(counts);
   std::vector<double> partials(static_cast<size_t>(items.total()));
-#pragma omp parallel for schedule(static)
+  int64_t elements = 0;
+  for (const auto& t : tensors) elements += batch * t.numel;
+#pragma omp parallel for schedule(static) if (elements >= kMinParallelWork)
   for (int64_t item = 0; item < items.total(); ++item) {
     const auto [t, local] = items.locate(item);
     const int64_t chunks = clip_chunks(tensors[t].numel), b = local / chunks, c = local % chunks;
@@ -71,7 +73,9 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
   }
   const ItemIndex items(blocks);
   const float std_f = static_cast<float>(noise_std), scale_f = static_cast<float>(scale);
-#pragma omp parallel
+  int64_t elements = 0;
+  for (const auto& t : tensors) elements += batch * t.numel;
+#pragma omp parallel if (elements >= kMinParallelWork)
   {
     float acc[kBlock], noise[kBlock];
 #pragma omp for schedule(static)

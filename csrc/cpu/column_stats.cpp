@@ -64,15 +64,11 @@ void reduce_tile(const T* matrix, int64_t row_stride, const T* row_weights, int6
     add_row<kStats, T, kWeighted>(row(r), weight(r), width, r, tile.max, tile.argmax, tile.min, tile.sum);
 }
 
-// Below this many elements a parallel region costs more than it saves (and on a busy machine a
-// descheduled thread stalls the barrier for a whole scheduler tick).
-constexpr int64_t kParallelElements = int64_t(1) << 20;
-
 template <unsigned kStats, class T, bool kWeighted>
 void column_stats_typed(const T* matrix, int64_t rows, int64_t cols, int64_t row_stride,
                         const T* row_weights, ColumnStatsOutput<T> out) {
   const ColumnStatsPlan plan = plan_column_stats(rows);
-  const bool parallel = rows * cols >= kParallelElements;
+  const bool parallel = rows * cols >= kMinParallelWork;
   const int64_t num_blocks = (cols + kBlockCols - 1) / kBlockCols;
   auto width = [&](int64_t block) { return std::min(kBlockCols, cols - block * kBlockCols); };
   auto reduce = [&](int64_t chunk, int64_t block, Tile<T>& tile) {

@@ -50,7 +50,7 @@ void apply_noise_typed(Out* out, int64_t n, uint64_t key, uint64_t offset, doubl
   using Gen = typename Element<Out>::Gen;
   const int64_t num_batches = num_noise_batches<Gen>(offset, n);
   const uint32_t stream = noise_stream<Gen>(kDist);
-#pragma omp parallel
+#pragma omp parallel if (n >= kMinParallelWork)
   {
     Gen values[kBatchBlocks * kValuesPerBlock<Gen>];
 #pragma omp for schedule(static)

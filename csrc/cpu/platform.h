@@ -2,6 +2,8 @@
 // run on one thread and give the same bits.
 #pragma once
 
+#include <cstdint>
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -15,6 +17,11 @@
 #endif
 
 namespace privleak::cpu {
+
+// Work (elements touched) below which a parallel region costs more than it saves, and on a busy
+// machine a descheduled thread can stall its barrier for a whole scheduler tick. Splitting work
+// never changes results, so this only decides speed.
+constexpr int64_t kMinParallelWork = int64_t(1) << 18;
 
 inline int max_threads() {
 #if defined(_OPENMP)

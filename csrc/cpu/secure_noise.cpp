@@ -11,7 +11,7 @@ namespace {
 template <bool kGaussian, class Out>
 void apply_typed(Out* out, int64_t n, const ChaChaKey& key, uint64_t offset, uint64_t scale, int grid_exponent,
                  bool add) {
-#pragma omp parallel for schedule(static, 1024)
+#pragma omp parallel for schedule(static, 1024) if (n >= 1024)  // several ChaCha20 blocks an element
   for (int64_t i = 0; i < n; ++i) {
     using Gen = typename Element<Out>::Gen;
     const double x = add ? static_cast<double>(Element<Out>::load(out[i])) : 0.0;
