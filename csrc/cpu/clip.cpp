@@ -12,7 +12,7 @@
 namespace privleak::cpu {
 namespace {
 
-constexpr int64_t kBlock = 1024;  // output elements a pass-2 item owns: 4 KiB of accumulators
+constexpr int64_t kBlock = 8192;  // output elements a pass-2 item owns: 32 KiB runs of each sample row
 
 // Item i of a list of per-tensor counts: (tensor, index within it).
 struct ItemIndex {
@@ -60,6 +60,22 @@ PRIVLEAK_SIMD_CLONES void accumulate_row(const In* __restrict row, float factor,
   for (int64_t j = 0; j < width; ++j) acc[j] += factor * Element<In>::load(row[j]);
 }
 
+// Four rows per sweep over the accumulators, added in row order: the same sums as four calls of
+// accumulate_row, with a quarter of the accumulator traffic.
+template <class In>
+PRIVLEAK_SIMD_CLONES void accumulate_four_rows(const In* __restrict r0, const In* __restrict r1,
+                                               const In* __restrict r2, const In* __restrict r3, const float* f,
+                                               int64_t width, float* __restrict acc) {
+  for (int64_t j = 0; j < width; ++j) {
+    float a = acc[j];
+    a += f[0] * Element<In>::load(r0[j]);
+    a += f[1] * Element<In>::load(r1[j]);
+    a += f[2] * Element<In>::load(r2[j]);
+    a += f[3] * Element<In>::load(r3[j]);
+    acc[j] = a;
+  }
+}
+
 template <class In>
 void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
                            int64_t batch, const float* factors, double noise_std, uint64_t key, uint64_t offset,
@@ -72,6 +88,11 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
     if (t + 1 < tensors.size()) base[t + 1] = base[t] + static_cast<uint64_t>(tensors[t].numel);
   }
   const ItemIndex items(blocks);
+  auto factor = [&](int64_t b, size_t t) { return factors[b * num_tensors + static_cast<int64_t>(t)]; };
+  std::vector<std::vector<int64_t>> active(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t)
+    for (int64_t b = 0; b < batch; ++b)
+      if (factor(b, t) != 0.0f) active[t].push_back(b);
   const float std_f = static_cast<float>(noise_std), scale_f = static_cast<float>(scale);
   int64_t elements = 0;
   for (const auto& t : tensors) elements += batch * t.numel;
@@ -84,10 +105,14 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
       const int64_t begin = block * kBlock, width = std::min(kBlock, tensors[t].numel - begin);
       std::fill(acc, acc + width, 0.0f);
       const In* grads = static_cast<const In*>(tensors[t].grads);
-      for (int64_t b = 0; b < batch; ++b) {
-        const float factor = factors[b * num_tensors + static_cast<int64_t>(t)];
-        if (factor != 0.0f) accumulate_row(grads + b * tensors[t].numel + begin, factor, width, acc);
+      auto row = [&](int64_t b) { return grads + b * tensors[t].numel + begin; };
+      const std::vector<int64_t>& kept = active[t];  // samples with a non-zero factor, in order
+      size_t k = 0;
+      for (; k + 4 <= kept.size(); k += 4) {
+        const float f[4] = {factor(kept[k], t), factor(kept[k + 1], t), factor(kept[k + 2], t), factor(kept[k + 3], t)};
+        accumulate_four_rows(row(kept[k]), row(kept[k + 1]), row(kept[k + 2]), row(kept[k + 3]), f, width, acc);
       }
+      for (; k < kept.size(); ++k) accumulate_row(row(kept[k]), factor(kept[k], t), width, acc);
       if (noise_std > 0.0) {
         fill_unit_gaussians<float>(noise_stream<float>(Distribution::gaussian), noise, width, key,
                                    offset + base[t] + static_cast<uint64_t>(begin));
