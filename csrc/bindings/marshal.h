@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/nearest.h"
 #include "common/noise.h"
 
 namespace privleak::bindings {
@@ -28,6 +29,13 @@ inline NoiseDType parse_noise_dtype(const std::string& name) {
   if (name == "bfloat16") return NoiseDType::bfloat16;
   if (name == "float16") return NoiseDType::float16;
   throw std::invalid_argument("unsupported noise dtype '" + name + "' (expected float32, float64, bfloat16 or float16)");
+}
+
+inline NearestMetric parse_metric(const std::string& name) {
+  if (name == "inner_product") return NearestMetric::inner_product;
+  if (name == "squared_l2") return NearestMetric::squared_l2;
+  if (name == "l1") return NearestMetric::l1;
+  throw std::invalid_argument("unknown metric '" + name + "' (expected inner_product, squared_l2 or l1)");
 }
 
 }  // namespace privleak::bindings
