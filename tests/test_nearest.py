@@ -137,7 +137,8 @@ def call_core(queries, inputs, metric, force_portable):
 
 @pytest.mark.parametrize("metric", NEAREST_METRICS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(37, 251, 64), (20, 130, 300)])  # one and several coordinate blocks
+# One and several coordinate blocks; one query block (inputs packed as they go) and two (packed once).
+@pytest.mark.parametrize("shape", [(37, 251, 64), (20, 130, 300), (600, 130, 300)])
 def test_simd_kernel_gives_the_portable_kernels_bits(shape, dtype, metric):
     # The portable kernel is common/nearest.h written out; the AVX2 kernel must match it exactly.
     rng = np.random.default_rng(5)

@@ -10,9 +10,10 @@
 // the fused reduction costs a few instructions per tile.
 //
 // Blocking: a thread owns a block of up to kQueryBlock queries and a range of inputs; it walks the
-// inputs in blocks of kInputBlock and the coordinates in blocks of kDepthBlock, packing both into
-// its own buffers (the queries once for all coordinates when they fit). The packed query tile
-// (16 KiB) stays in L1 while the input block (120 KiB) streams from L2. When p exceeds kDepthBlock, accumulators are parked in `partial` between
+// inputs in blocks of kInputBlock and the coordinates in blocks of kDepthBlock. The inputs are
+// packed once for everyone when they fit (else by each thread, block by block), the queries by
+// their thread (once for all coordinates when they fit). The packed query tile (16 KiB) stays in
+// L1 while the input block (120 KiB) streams from L2. When p exceeds kDepthBlock, accumulators are parked in `partial` between
 // coordinate blocks; they round to nothing on the way (they are T either way).
 //
 // Determinism: every pair's score is computed by the operations of common/nearest.h in
@@ -64,6 +65,10 @@ constexpr int64_t kQueryBlock = 512;
 // The query block is packed once for all p coordinates when it takes at most this many elements
 // (4 MiB of float32); beyond, it is packed again for each block of inputs and coordinates.
 constexpr int64_t kPackedQueryBudget = int64_t(1) << 20;
+// The inputs are packed once, for all threads and query blocks, when more than one query block
+// reads them and they take at most this many bytes; otherwise each thread packs each input
+// block as it goes, and each query block pays for a pass over the inputs.
+constexpr int64_t kPackedInputBudgetBytes = int64_t(512) << 20;
 // The tile kernels keep indices relative to the start of a range of inputs in lanes as wide as
 // T: 32 bits for float32. Larger input sets are cut into ranges.
 constexpr int64_t kMaxRange = int64_t(1) << 30;
@@ -328,10 +333,10 @@ struct Workspace {
   std::unique_ptr<T[], FreeDeleter> queries, inputs, partial, best_score;
   std::unique_ptr<LaneIndex<T>[], FreeDeleter> best_index;
 
-  Workspace(int64_t query_block, int64_t p)
+  Workspace(int64_t query_block, int64_t p, bool inputs_packed)
       : queries_packed_once(packs_queries_once(query_block, p)),
         queries(aligned_buffer<T>(query_block * (queries_packed_once ? p : kDepthBlock<T>))),
-        inputs(aligned_buffer<T>(kInputBlock * kDepthBlock<T>)),
+        inputs(aligned_buffer<T>(inputs_packed ? 0 : kInputBlock * kDepthBlock<T>)),
         partial(aligned_buffer<T>(p > kDepthBlock<T> ? query_block * kInputBlock : 0)),
         best_score(aligned_buffer<T>(query_block)),
         best_index(aligned_buffer<LaneIndex<T>>(query_block)) {}
@@ -343,9 +348,35 @@ struct Problem {
   int64_t n_queries, query_stride;
   const T* inputs;
   int64_t n_inputs, input_stride, p;
-  const T* center;       // squared L2, else null
-  const T* input_norms;  // squared L2, else null
+  const T* center;        // squared L2, else null
+  const T* input_norms;   // squared L2, else null
+  const T* packed_inputs;  // all inputs packed (pack_all_inputs), or null
 };
+
+// Where input block b (inputs b * kInputBlock on), coordinates [k0, k0 + depth), starts in the
+// packed inputs: whole blocks before it hold kInputBlock * p elements, and within the block each
+// coordinate block holds its panels (the block's inputs rounded up to a tile) times its depth.
+template <class T>
+int64_t packed_input_offset(const Problem<T>& pr, int64_t block, int64_t k0) {
+  const int64_t block_inputs = std::min(kInputBlock, pr.n_inputs - block * kInputBlock);
+  return block * kInputBlock * pr.p + round_up(block_inputs, kInputTile) * k0;
+}
+
+template <class T>
+std::unique_ptr<T[], FreeDeleter> pack_all_inputs(const Problem<T>& pr) {
+  const int64_t blocks = ceil_div(pr.n_inputs, kInputBlock);
+  const int64_t depth_blocks = ceil_div(pr.p, kDepthBlock<T>);
+  auto packed = aligned_buffer<T>(round_up(pr.n_inputs, kInputTile) * pr.p);
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < blocks * depth_blocks; ++item) {
+    const int64_t block = item / depth_blocks, k0 = (item % depth_blocks) * kDepthBlock<T>;
+    pack_panels<kInputTile>(pr.inputs + block * kInputBlock * pr.input_stride, pr.input_stride,
+                            std::min(kInputBlock, pr.n_inputs - block * kInputBlock), k0,
+                            std::min(kDepthBlock<T>, pr.p - k0), pr.center,
+                            packed.get() + packed_input_offset(pr, block, k0));
+  }
+  return packed;
+}
 
 // The best input in [x_begin, x_begin + x_count) of each query in [q_begin, q_begin + q_count),
 // into best_score / best_index (absolute).
@@ -369,14 +400,18 @@ void reduce_block(const Problem<T>& pr, TileKernel<T> tile, int64_t q_begin, int
       const int64_t depth = std::min(kDepthBlock<T>, pr.p - k0);
       if (!queries_packed_once)
         pack_panels<Q>(queries, pr.query_stride, q_count, k0, depth, pr.center, ws.queries.get());
-      pack_panels<kInputTile>(pr.inputs + (x_begin + xb) * pr.input_stride, pr.input_stride, block_inputs, k0, depth,
-                              pr.center, ws.inputs.get());
+      const T* input_panels = ws.inputs.get();
+      if (pr.packed_inputs)
+        input_panels = pr.packed_inputs + packed_input_offset(pr, (x_begin + xb) / kInputBlock, k0);
+      else
+        pack_panels<kInputTile>(pr.inputs + (x_begin + xb) * pr.input_stride, pr.input_stride, block_inputs, k0,
+                                depth, pr.center, ws.inputs.get());
       for (int64_t t = 0; t < query_tiles; ++t) {
         for (int64_t u = 0; u < input_tiles; ++u) {
           const int64_t first = xb + u * kInputTile;  // relative to x_begin
           const T* query_panel = queries_packed_once ? ws.queries.get() + (t * pr.p + k0) * Q
                                                      : ws.queries.get() + t * Q * depth;
-          tile({query_panel, ws.inputs.get() + u * kInputTile * depth, depth,
+          tile({query_panel, input_panels + u * kInputTile * depth, depth,
                 ws.partial.get() + (t * input_tiles + u) * Q * kInputTile, k0 == 0, k0 + depth == pr.p,
                 pr.input_norms ? pr.input_norms + x_begin + first : nullptr,
                 static_cast<int>(std::min<int64_t>(kInputTile, block_inputs - u * kInputTile)),
@@ -412,13 +447,19 @@ void nearest_typed(Problem<T> pr, double* out_value, int64_t* out_index, bool fo
   const int64_t range_length = round_up(ceil_div(pr.n_inputs, ranges), kInputBlock);
   ranges = ceil_div(pr.n_inputs, range_length);
 
+  std::unique_ptr<T[], FreeDeleter> packed_inputs;
+  if (query_blocks > 1 && round_up(pr.n_inputs, kInputTile) * pr.p * int64_t(sizeof(T)) <= kPackedInputBudgetBytes) {
+    packed_inputs = pack_all_inputs(pr);
+    pr.packed_inputs = packed_inputs.get();
+  }
+
   // Each range's winners, range-major; folded in range order below.
   std::vector<T> range_score(static_cast<size_t>(ranges * pr.n_queries));
   std::vector<int64_t> range_index(static_cast<size_t>(ranges * pr.n_queries));
   const int64_t items = query_blocks * ranges;
 #pragma omp parallel
   {
-    Workspace<T> ws(query_block, pr.p);
+    Workspace<T> ws(query_block, pr.p, pr.packed_inputs != nullptr);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / ranges, r = item % ranges;
@@ -457,7 +498,8 @@ void nearest(DType dtype, NearestMetric metric, const void* queries, int64_t n_q
     using T = decltype(zero);
     const Problem<T> problem{static_cast<const T*>(queries), n_queries, query_stride, static_cast<const T*>(inputs),
                              n_inputs, input_stride, p,
-                             metric == NearestMetric::squared_l2 ? static_cast<const T*>(center) : nullptr, nullptr};
+                             metric == NearestMetric::squared_l2 ? static_cast<const T*>(center) : nullptr, nullptr,
+                             nullptr};
     dispatch_metric(metric, [&](auto m) {
       nearest_typed<decltype(m)::value, T>(problem, out_value, out_index, force_portable);
     });

@@ -333,6 +333,9 @@ def dpsgd_vmf(dim: int, kappa: float) -> VMFMechanism:
 #
 # A noise family gives log f(x)(y) = log Z + e(x, y), with the normaliser Z the same for every
 # input, so that sup_x f(x)(y) / q(y) for a mixture q of the family depends on exponents only.
+# Each family has: `metric`, the privleak.nearest reduction whose value v gives the sup of e;
+# `exponent(v)`, that sup; `pairwise_exponents(outputs, inputs)`, e for all pairs (float64, for
+# the mixture); `sample(means, rng)`, one output drawn around each row of `means`.
 
 
 @dataclass(frozen=True)
