@@ -10,6 +10,7 @@
 #include "common/chacha20.h"
 #include "cpu/clip.h"
 #include "cpu/column_stats.h"
+#include "cpu/nearest.h"
 #include "cpu/noise.h"
 #include "cpu/secure_noise.h"
 #include "cpu/vmf.h"
@@ -35,6 +36,22 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("stats"), py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
       py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"));
+
+  m.def(
+      "nearest",
+      [](const std::string& metric, const std::string& dtype, std::uintptr_t queries, int64_t n_queries,
+         int64_t query_stride, std::uintptr_t inputs, int64_t n_inputs, int64_t input_stride, int64_t p,
+         std::uintptr_t center, std::uintptr_t out_value, std::uintptr_t out_index, bool force_portable) {
+        const privleak::NearestMetric m = marshal::parse_metric(metric);
+        const privleak::DType type = privleak::parse_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cpu::nearest(type, m, as_pointer(queries), n_queries, query_stride, as_pointer(inputs), n_inputs,
+                               input_stride, p, as_pointer(center), as_pointer<double>(out_value),
+                               as_pointer<int64_t>(out_index), force_portable);
+      },
+      py::arg("metric"), py::arg("dtype"), py::arg("queries"), py::arg("n_queries"), py::arg("query_stride"),
+      py::arg("inputs"), py::arg("n_inputs"), py::arg("input_stride"), py::arg("p"), py::arg("center"),
+      py::arg("out_value"), py::arg("out_index"), py::arg("force_portable") = false);
 
   m.def(
       "apply_noise",

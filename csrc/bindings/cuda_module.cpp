@@ -4,6 +4,7 @@
 #include "bindings/marshal.h"
 #include "cuda/clip.h"
 #include "cuda/column_stats.h"
+#include "cuda/nearest.h"
 #include "cuda/noise.h"
 #include "cuda/secure_noise.h"
 #include "cuda/vmf.h"
@@ -36,6 +37,35 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("stats"), py::arg("matrix"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"), py::arg("dtype"),
       py::arg("row_weights"), py::arg("out_max"), py::arg("out_argmax"), py::arg("out_min"), py::arg("out_sum"),
       py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def(
+      "nearest_workspace_bytes",
+      [](const std::string& metric, const std::string& dtype, int64_t n_queries, int64_t n_inputs, bool tensor_cores,
+         int device) {
+        return privleak::cuda::nearest_workspace_bytes(privleak::parse_dtype(dtype), marshal::parse_metric(metric),
+                                                       n_queries, n_inputs, tensor_cores, device);
+      },
+      py::arg("metric"), py::arg("dtype"), py::arg("n_queries"), py::arg("n_inputs"), py::arg("tensor_cores"),
+      py::arg("device"));
+
+  m.def(
+      "nearest",
+      [](const std::string& metric, const std::string& dtype, std::uintptr_t queries, int64_t n_queries,
+         int64_t query_stride, std::uintptr_t inputs, int64_t n_inputs, int64_t input_stride, int64_t p,
+         std::uintptr_t center, std::uintptr_t out_value, std::uintptr_t out_index, bool tensor_cores,
+         std::uintptr_t workspace, int device, std::uintptr_t stream) {
+        const privleak::NearestMetric m = marshal::parse_metric(metric);
+        const privleak::DType type = privleak::parse_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cuda::nearest(type, m, as_pointer(queries), n_queries, query_stride, as_pointer(inputs), n_inputs,
+                                input_stride, p, as_pointer(center), as_pointer<double>(out_value),
+                                as_pointer<int64_t>(out_index), tensor_cores, as_pointer(workspace), device,
+                                as_pointer(stream));
+      },
+      py::arg("metric"), py::arg("dtype"), py::arg("queries"), py::arg("n_queries"), py::arg("query_stride"),
+      py::arg("inputs"), py::arg("n_inputs"), py::arg("input_stride"), py::arg("p"), py::arg("center"),
+      py::arg("out_value"), py::arg("out_index"), py::arg("tensor_cores"), py::arg("workspace"), py::arg("device"),
+      py::arg("stream"));
 
   m.def(
       "apply_noise",

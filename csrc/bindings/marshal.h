@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/clip.h"
+#include "common/nearest.h"
 #include "common/noise.h"
 #include "common/secure_noise.h"
 
@@ -47,6 +48,13 @@ inline ChaChaKey to_chacha_key(const std::array<uint32_t, 8>& words) {
   ChaChaKey key;
   for (int i = 0; i < 8; ++i) key.w[i] = words[i];
   return key;
+}
+
+inline NearestMetric parse_metric(const std::string& name) {
+  if (name == "inner_product") return NearestMetric::inner_product;
+  if (name == "squared_l2") return NearestMetric::squared_l2;
+  if (name == "l1") return NearestMetric::l1;
+  throw std::invalid_argument("unknown metric '" + name + "' (expected inner_product, squared_l2 or l1)");
 }
 
 }  // namespace privleak::bindings

@@ -5,6 +5,6 @@
 __version__ = "0.1.0"
 
 from privleak._backend import info, num_threads, set_num_threads
-from privleak.reductions import ColumnStats, column_stats
+from privleak.reductions import ColumnStats, Nearest, column_stats, nearest
 
-__all__ = ["__version__", "info", "num_threads", "set_num_threads", "column_stats", "ColumnStats"]
+__all__ = ["__version__", "info", "num_threads", "set_num_threads", "column_stats", "ColumnStats", "nearest", "Nearest"]

@@ -13,6 +13,25 @@ def column_stats(matrix: np.ndarray, row_weights: np.ndarray | None = None):
     return values.max(axis=0), values.argmax(axis=0), values.min(axis=0), values.sum(axis=0, dtype=np.float64)
 
 
+def nearest(queries: np.ndarray, inputs: np.ndarray, metric: str):
+    """Reference for :func:`privleak.reductions.nearest`: (value, index) per query, by brute force
+    in float64 over the full matrix of <x, y>, ||x - y||^2 or ||x - y||_1 (direct differences,
+    no expansion), with numpy's argmax/argmin (the first of equal values)."""
+    x = inputs.astype(np.float64)
+    value, index = np.empty(len(queries)), np.empty(len(queries), dtype=np.int64)
+    for start in range(0, len(queries), 16):  # 16 queries at a time bounds the temporary
+        y = queries[start:start + 16].astype(np.float64)
+        if metric == "inner_product":
+            values = y @ x.T
+            best = values.argmax(axis=1)
+        else:
+            differences = y[:, None, :] - x[None, :, :]
+            values = (differences**2).sum(axis=-1) if metric == "squared_l2" else np.abs(differences).sum(axis=-1)
+            best = values.argmin(axis=1)
+        value[start:start + 16], index[start:start + 16] = values[np.arange(len(y)), best], best
+    return value, index
+
+
 # ----------------------------------------------------------------------------- counter-based noise
 # These mirror csrc/common/{philox,fp_math,noise}.h operation for operation in numpy's IEEE
 # float32/float64 arithmetic, so the kernels must match them bit for bit.

@@ -1,0 +1,240 @@
+"""privleak.nearest against the numpy brute-force reference (privleak.reference.nearest).
+
+The reference forms the full float64 matrix of <x, y>, ||x - y||^2 (by direct differences) or
+||x - y||_1. The kernels choose winners by scores in the data's dtype (for squared L2 the
+expanded form), so a winner may differ from the reference's only between inputs whose values
+are within the scores' rounding error; the returned value must be the chosen input's exact value.
+"""
+import numpy as np
+import pytest
+import torch
+
+import privleak
+from privleak import _backend, reference
+from privleak.reductions import NEAREST_METRICS
+from conftest import requires_cuda
+
+# (n_queries, n_inputs, p): single rows and columns, sizes off the kernels' tiles (16 or 8
+# queries x 6 inputs) and blocks (120 inputs, 256 or 128 coordinates), several input blocks.
+SHAPES = [(1, 1, 1), (1, 7, 1), (5, 1, 3), (17, 121, 2), (37, 500, 64), (9, 250, 257), (40, 130, 300), (600, 61, 20)]
+
+
+def direct_values(queries, chosen, metric):
+    """<x, y>, ||x - y||^2 or ||x - y||_1 of each query and its chosen input, in float64."""
+    y, x = queries.astype(np.float64), chosen.astype(np.float64)
+    if metric == "inner_product":
+        return (y * x).sum(axis=1)
+    return ((y - x) ** 2).sum(axis=1) if metric == "squared_l2" else np.abs(y - x).sum(axis=1)
+
+
+def score_error_bound(queries, inputs, metric):
+    """A bound, generous by a factor of a few, on the rounding error of the kernels' scores."""
+    eps = np.finfo(queries.dtype).eps
+    p = queries.shape[1]
+    y, x = queries.astype(np.float64), inputs.astype(np.float64)
+    if metric == "inner_product":
+        scale = np.linalg.norm(y, axis=1).max() * np.linalg.norm(x, axis=1).max()
+    elif metric == "squared_l2":
+        c = x.mean(axis=0)
+        scale = (np.linalg.norm(y - c, axis=1).max() + np.linalg.norm(x - c, axis=1).max()) ** 2
+    else:
+        scale = np.abs(y).sum(axis=1).max() + np.abs(x).sum(axis=1).max()
+    return 4 * p * eps * scale
+
+
+def assert_matches_reference(result, queries, inputs, metric):
+    value, index = np.asarray(result.value), np.asarray(result.index)
+    assert value.dtype == np.float64 and index.dtype == np.int64
+    assert ((0 <= index) & (index < len(inputs))).all()
+    exact = direct_values(queries, inputs[index], metric)
+    np.testing.assert_allclose(value, exact, rtol=1e-12, atol=1e-12)
+    want_value, want_index = reference.nearest(queries, inputs, metric)
+    tolerance = score_error_bound(queries, inputs, metric)
+    differs = index != want_index
+    # A different winner is allowed only as a near-tie with the reference's.
+    np.testing.assert_allclose(value[differs], want_value[differs], rtol=0, atol=tolerance)
+    assert differs.mean() <= 0.01
+
+
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_random_points_match_numpy(shape, dtype, metric):
+    n_queries, n_inputs, p = shape
+    rng = np.random.default_rng(n_queries * 1000 + n_inputs + p)
+    queries = rng.standard_normal((n_queries, p)).astype(dtype)
+    inputs = rng.standard_normal((n_inputs, p)).astype(dtype)
+    assert_matches_reference(privleak.nearest(queries, inputs, metric), queries, inputs, metric)
+
+
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_duplicated_inputs_go_to_the_lowest_index(dtype, metric):
+    # Every input appears twice, at j and at 2n - 1 - j: the copies have bit-identical scores,
+    # across input blocks and ranges, and the earlier copy must win.
+    rng = np.random.default_rng(1)
+    inputs = rng.standard_normal((1000, 24)).astype(dtype)
+    queries = rng.standard_normal((40, 24)).astype(dtype)
+    once = privleak.nearest(queries, inputs, metric)
+    twice = privleak.nearest(queries, np.concatenate([inputs, inputs[::-1]]), metric)
+    np.testing.assert_array_equal(twice.index, once.index)
+    np.testing.assert_array_equal(twice.value, once.value)
+
+
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+def test_exact_ties_between_distinct_inputs_go_to_the_lowest_index(metric):
+    # Dyadic coordinates and a centre of 0: every score is exact, so these ties are exact.
+    inputs = np.array([[0.0, -1.0], [1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    queries = np.array([[0.0, 0.0], [0.5, 0.5], [-0.25, -0.25], [3.0, 3.0]], dtype=np.float32)
+    # Under every metric: all four inputs tie for the first query, (1, 0) and (0, 1) for the
+    # second and fourth, (0, -1) and (-1, 0) for the third.
+    np.testing.assert_array_equal(privleak.nearest(queries, inputs, metric).index, [0, 1, 0, 1])
+
+
+def test_points_far_from_the_origin_keep_their_nearest_neighbours():
+    # float32 points near (1000, ..., 1000): uncentred, ||x||^2 - 2 <x, y> would carry errors of
+    # about p eps ||x||^2 = 16 * 6e-8 * 1.6e7 = 15, as large as the nearest distances; centring at
+    # the inputs' mean brings them down to about 1e-5.
+    rng = np.random.default_rng(2)
+    inputs = (1000.0 + rng.standard_normal((300, 16))).astype(np.float32)
+    queries = (1000.0 + rng.standard_normal((50, 16))).astype(np.float32)
+    result = privleak.nearest(queries, inputs, "squared_l2")
+    np.testing.assert_array_equal(result.index, reference.nearest(queries, inputs, "squared_l2")[1])
+
+
+def test_a_query_equal_to_an_input_finds_it_at_distance_zero():
+    rng = np.random.default_rng(3)
+    inputs = rng.standard_normal((500, 33)).astype(np.float32)
+    result = privleak.nearest(inputs[::7], inputs, "squared_l2")
+    np.testing.assert_array_equal(result.index, np.arange(0, 500, 7))
+    np.testing.assert_array_equal(result.value, 0.0)
+
+
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+@pytest.mark.parametrize("shape", [(700, 2000, 40), (3, 5000, 300)])  # many query blocks; input ranges
+def test_result_bits_do_not_depend_on_thread_count(shape, metric, threads):
+    n_queries, n_inputs, p = shape
+    rng = np.random.default_rng(4)
+    queries = rng.standard_normal((n_queries, p)).astype(np.float32)
+    inputs = rng.standard_normal((n_inputs, p)).astype(np.float32)
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        results.append(privleak.nearest(queries, inputs, metric))
+    for other in results[1:]:
+        assert other.index.tobytes() == results[0].index.tobytes()
+        assert other.value.tobytes() == results[0].value.tobytes()
+
+
+def call_core(queries, inputs, metric, force_portable):
+    value, index = np.empty(len(queries)), np.empty(len(queries), dtype=np.int64)
+    center = inputs.mean(axis=0).astype(inputs.dtype)
+    _backend.core.nearest(metric, queries.dtype.name, queries.ctypes.data, len(queries), queries.shape[1],
+                          inputs.ctypes.data, len(inputs), inputs.shape[1], queries.shape[1], center.ctypes.data,
+                          value.ctypes.data, index.ctypes.data, force_portable)
+    return value, index
+
+
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+# One and several coordinate blocks; one query block (inputs packed as they go) and two (packed once).
+@pytest.mark.parametrize("shape", [(37, 251, 64), (20, 130, 300), (600, 130, 300)])
+def test_simd_kernel_gives_the_portable_kernels_bits(shape, dtype, metric):
+    # The portable kernel is common/nearest.h written out; the AVX2 kernel must match it exactly.
+    rng = np.random.default_rng(5)
+    queries = rng.standard_normal(shape[::2]).astype(dtype)
+    inputs = rng.standard_normal(shape[1:]).astype(dtype)
+    simd = call_core(queries, inputs, metric, force_portable=False)
+    portable = call_core(queries, inputs, metric, force_portable=True)
+    assert simd[0].tobytes() == portable[0].tobytes() and simd[1].tobytes() == portable[1].tobytes()
+
+
+def test_row_stride_views_are_read_in_place():
+    rng = np.random.default_rng(6)
+    big = rng.standard_normal((400, 90))
+    for queries, inputs in ((big[::3, 5:40], big[1::2, 50:85]), (big[::-2, :7], big[7:8, 60:67])):
+        for metric in NEAREST_METRICS:
+            assert_matches_reference(privleak.nearest(queries, inputs, metric), np.ascontiguousarray(queries),
+                                     np.ascontiguousarray(inputs), metric)
+
+
+def test_no_queries_give_empty_results():
+    result = privleak.nearest(np.empty((0, 3)), np.ones((4, 3)), "l1")
+    assert result.value.shape == (0,) and result.index.shape == (0,)
+
+
+def test_torch_cpu_tensors_give_torch_results():
+    queries = torch.randn(30, 12, generator=torch.Generator().manual_seed(7))
+    inputs = torch.randn(90, 12, generator=torch.Generator().manual_seed(8))
+    result = privleak.nearest(queries, inputs, "squared_l2")
+    assert isinstance(result.value, torch.Tensor) and result.index.dtype == torch.int64
+    assert_matches_reference(result, queries.numpy(), inputs.numpy(), "squared_l2")
+
+
+GOOD = np.ones((3, 4))
+
+
+@pytest.mark.parametrize(
+    "queries, inputs, metric, kwargs, error, words",
+    [
+        (GOOD, GOOD, "cosine", {}, ValueError, "metric must be one of"),
+        (np.ones((3, 4), dtype=np.int64), GOOD, "l1", {}, TypeError, "queries must have dtype float32 or float64"),
+        (GOOD, GOOD.astype(np.float32), "l1", {}, TypeError, "inputs has dtype float32 but queries has dtype float64"),
+        (GOOD, np.ones((3, 5)), "l1", {}, ValueError, "same number of columns"),
+        (np.ones((3, 0)), np.ones((3, 0)), "l1", {}, ValueError, "at least one column"),
+        (GOOD, np.ones((0, 4)), "l1", {}, ValueError, "inputs must have at least one row"),
+        (np.ones(4), GOOD, "l1", {}, ValueError, "queries must be 2-D"),
+        (GOOD, np.ones((4, 3)).T, "l1", {}, ValueError, "inputs must have contiguous rows"),
+        (GOOD, np.array([[1.0, np.nan, 0, 0]]), "l1", {}, ValueError, "inputs must be finite"),
+        (np.array([[np.inf, 0, 0, 0]]), GOOD, "squared_l2", {}, ValueError, "queries must be finite"),
+        (np.full((1, 4), 1e30, dtype=np.float32), np.ones((2, 4), dtype=np.float32), "inner_product", {},
+         ValueError, "would overflow float32"),
+        (GOOD, GOOD, "l1", {"tensor_cores": True}, ValueError, "tensor_cores=True needs CUDA float32"),
+        (GOOD, GOOD, "l1", {"tensor_cores": 1}, TypeError, "tensor_cores must be a bool"),
+        ("points", GOOD, "l1", {}, TypeError, "queries must be a numpy array or a torch tensor"),
+        (GOOD, torch.ones(3, 4, device="meta"), "l1", {}, ValueError, "inputs is on device meta"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_argument_named(queries, inputs, metric, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        privleak.nearest(queries, inputs, metric, **kwargs)
+
+
+@requires_cuda
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (37, 500, 64), (9, 250, 257), (600, 61, 20), (3, 5000, 40)])
+def test_cuda_matches_cpu_bit_for_bit(shape, dtype, metric):
+    n_queries, n_inputs, p = shape
+    generator = torch.Generator().manual_seed(9)
+    queries = torch.randn(n_queries, p, dtype=dtype, generator=generator)
+    inputs = torch.randn(n_inputs, p, dtype=dtype, generator=generator)
+    cpu = privleak.nearest(queries, inputs, metric)
+    gpu = privleak.nearest(queries.cuda(), inputs.cuda(), metric)
+    assert gpu.value.is_cuda
+    assert torch.equal(cpu.index, gpu.index.cpu()) and torch.equal(cpu.value, gpu.value.cpu())
+
+
+@requires_cuda
+@pytest.mark.parametrize("metric", ["inner_product", "squared_l2"])
+def test_cuda_tensor_cores_find_the_winners_up_to_tf32_rounding(metric):
+    generator = torch.Generator().manual_seed(10)
+    queries = torch.randn(300, 96, generator=generator)
+    inputs = torch.randn(2000, 96, generator=generator)
+    result = privleak.nearest(queries.cuda(), inputs.cuda(), metric, tensor_cores=True)
+    value, index = result.value.cpu().numpy(), result.index.cpu().numpy()
+    np.testing.assert_allclose(value, direct_values(queries.numpy(), inputs.numpy()[index], metric), rtol=1e-12)
+    want_value, want_index = reference.nearest(queries.numpy(), inputs.numpy(), metric)
+    # TF32 keeps 11 significant bits: scores are off by about 2^-11 ||x|| ||y|| (x, y centred).
+    tolerance = 4 * 2.0**-11 * 96 * 4
+    np.testing.assert_allclose(value, want_value, rtol=0, atol=tolerance)
+    assert (index == want_index).mean() > 0.9
+
+
+@requires_cuda
+def test_cuda_tensor_cores_need_float32_and_a_product():
+    x = torch.ones(4, 3, device="cuda", dtype=torch.float64)
+    with pytest.raises(ValueError, match="tensor_cores=True needs CUDA float32"):
+        privleak.nearest(x, x, "inner_product", tensor_cores=True)
+    with pytest.raises(ValueError, match="tensor_cores=True needs CUDA float32"):
+        privleak.nearest(x.float(), x.float(), "l1", tensor_cores=True)
