@@ -13,8 +13,9 @@
 // inputs in blocks of kInputBlock and the coordinates in blocks of kDepthBlock. The inputs are
 // packed once for everyone when they fit (else by each thread, block by block), the queries by
 // their thread (once for all coordinates when they fit). The packed query tile (16 KiB) stays in
-// L1 while the input block (120 KiB) streams from L2. When p exceeds kDepthBlock, accumulators are parked in `partial` between
-// coordinate blocks; they round to nothing on the way (they are T either way).
+// L1 while the input block (120 KiB) streams from L2. When p exceeds kDepthBlock, accumulators
+// are parked in `partial` between coordinate blocks, which changes no bit: they are T in
+// registers too.
 //
 // Determinism: every pair's score is computed by the operations of common/nearest.h in
 // coordinate order, whatever the blocks, and each thread visits its inputs in increasing order
@@ -59,8 +60,8 @@ constexpr int64_t kDepthBlock = 1024 / sizeof(T);
 // Inputs per block: the packed input block (kInputBlock x kDepthBlock) takes 120 KiB of L2, so
 // that two threads sharing a core's L2 (SMT) still fit.
 constexpr int64_t kInputBlock = 20 * kInputTile;
-// Queries per block: each packed input block is reused by this many queries, which makes its
-// packing (a read of the inputs from memory) a small part of the work.
+// Queries per block: each input block, read from memory (and packed, when the inputs are not
+// packed once), serves this many queries from L2.
 constexpr int64_t kQueryBlock = 512;
 // The query block is packed once for all p coordinates when it takes at most this many elements
 // (4 MiB of float32); beyond, it is packed again for each block of inputs and coordinates.
@@ -457,9 +458,12 @@ void nearest_typed(Problem<T> pr, double* out_value, int64_t* out_index, bool fo
   std::vector<T> range_score(static_cast<size_t>(ranges * pr.n_queries));
   std::vector<int64_t> range_index(static_cast<size_t>(ranges * pr.n_queries));
   const int64_t items = query_blocks * ranges;
+  // Allocated here: an exception (bad_alloc) must not leave an OpenMP region.
+  std::vector<Workspace<T>> workspaces;
+  for (int64_t t = 0; t < threads; ++t) workspaces.emplace_back(query_block, pr.p, pr.packed_inputs != nullptr);
 #pragma omp parallel
   {
-    Workspace<T> ws(query_block, pr.p, pr.packed_inputs != nullptr);
+    Workspace<T>& ws = workspaces[thread_index()];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / ranges, r = item % ranges;

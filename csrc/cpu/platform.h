@@ -35,6 +35,15 @@ inline int max_threads() {
 #endif
 }
 
+// The calling thread's number within the current parallel region (0 outside one).
+inline int thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
 inline void set_num_threads(int threads) {
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
