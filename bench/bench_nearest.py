@@ -49,15 +49,16 @@ GPU_PEAKS = [("H100 PCIe", 51.2, 378.0), ("H100 NVL", 60.0, 417.5), ("H100", 67.
 
 
 def best_times(runs: dict, warm_ups: dict, repeat: int, sync=lambda: None, min_seconds: float = 2.0,
-               max_seconds: float = 30.0) -> dict:
-    """Best wall time of each of `runs`, after one call of its warm-up. The runs take turns, round
-    by round, so that all meet the same load (this machine may be shared; the best run is the
-    least disturbed one). Each run goes `repeat` times, more while it has run less than
-    `min_seconds` in all (at most 20 times), and stops once it has run `max_seconds`."""
+               max_seconds: float = 30.0) -> tuple[dict, dict]:
+    """Best wall time and last result of each of `runs`, after one call of its warm-up. The runs
+    take turns, round by round, so that all meet the same load (this machine may be shared; the
+    best run is the least disturbed one). Each run goes `repeat` times, more while it has run
+    less than `min_seconds` in all (at most 20 times), and stops once it has run `max_seconds`."""
     for warm_up in warm_ups.values():
         warm_up()
     sync()
     best = {name: float("inf") for name in runs}
+    results = {}
     spent = {name: 0.0 for name in runs}
     count = {name: 0 for name in runs}
 
@@ -70,13 +71,13 @@ def best_times(runs: dict, warm_ups: dict, repeat: int, sync=lambda: None, min_s
         for name, run in runs.items():
             if wants_more(name):
                 start = time.perf_counter()
-                run()
+                results[name] = run()
                 sync()
                 elapsed = time.perf_counter() - start
                 best[name] = min(best[name], elapsed)
                 spent[name] += elapsed
                 count[name] += 1
-    return best
+    return best, results
 
 
 def sgemm_runs(torch) -> dict:
@@ -158,29 +159,27 @@ def main() -> None:
             few = queries[:256]
             for metric in args.metrics:
                 flops = FLOPS_PER_COORDINATE[metric] * n * n * p
-                ours = privleak.nearest(queries, inputs, metric)
-                runs = {"privleak": lambda: privleak.nearest(queries, inputs, metric), **sgemm}
+                # Each run returns its best inputs' indices, to check that the libraries agree.
+                runs = {"privleak": lambda: privleak.nearest(queries, inputs, metric).index, **sgemm}
                 warm_ups = {"privleak": lambda: privleak.nearest(few, inputs, metric)}
-                answers = {}
                 if torch is not None:
                     tq, tx = torch.from_numpy(queries), torch.from_numpy(inputs)
-                    runs["torch"] = lambda: torch_nearest(torch, tq, tx, metric)
+                    runs["torch"] = lambda: torch_nearest(torch, tq, tx, metric).numpy()
                     warm_ups["torch"] = lambda: torch_nearest(torch, tq[:256], tx, metric)
-                    answers["torch"] = lambda: torch_nearest(torch, tq, tx, metric).numpy()
                 if faiss is not None:
                     index = faiss_index(faiss, inputs, metric)
-                    runs["faiss"] = lambda: index.search(queries, 1)
+                    runs["faiss"] = lambda: index.search(queries, 1)[1][:, 0]
                     warm_ups["faiss"] = lambda: index.search(few, 1)
-                    answers["faiss"] = lambda: index.search(queries, 1)[1][:, 0]
-                seconds = best_times(runs, warm_ups, args.repeat)
+                seconds, indices = best_times(runs, warm_ups, args.repeat)
                 t_ours = seconds["privleak"]
                 sgemm_rate = 2 * SGEMM_SIDE**3 / min(seconds[name] for name in sgemm)
                 row = {"metric": METRIC_NAMES[metric], "N": n, "p": p, "privleak s": f"{t_ours:.3f}",
                        "GFLOP/s": f"{flops / t_ours / 1e9:.1f}", "sgemm GFLOP/s": f"{sgemm_rate / 1e9:.1f}",
                        "of sgemm": f"{flops / t_ours / sgemm_rate:.0%}"}
-                for name, answer in answers.items():
-                    row.update({f"{name} s": f"{seconds[name]:.3f}", f"vs {name}": f"{seconds[name] / t_ours:.2f}x",
-                                f"same as {name}": f"{(answer() == ours.index).mean():.2%}"})
+                for name in ("torch", "faiss"):
+                    if name in runs:
+                        row.update({f"{name} s": f"{seconds[name]:.3f}", f"vs {name}": f"{seconds[name] / t_ours:.2f}x",
+                                    f"same as {name}": f"{(indices[name] == indices['privleak']).mean():.2%}"})
                 rows.append(row)
                 print("  ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr, flush=True)
                 if cuda:
@@ -198,7 +197,7 @@ def gpu_measurements(torch, queries, inputs, metric, flops, repeat):
     rows = []
     for tensor_cores in ([False, True] if metric != "l1" else [False]):
         torch.backends.cuda.matmul.allow_tf32 = tensor_cores
-        seconds = best_times(
+        seconds, _ = best_times(
             {"privleak": lambda: privleak.nearest(gq, gx, metric, tensor_cores=tensor_cores),
              "torch": lambda: torch_nearest(torch, gq, gx, metric)},
             {"privleak": lambda: privleak.nearest(gq[:256], gx, metric, tensor_cores=tensor_cores),
