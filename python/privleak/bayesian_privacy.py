@@ -312,7 +312,7 @@ class ABPEstimate:
         return _difference(2.0 * self.c1, self.c2, _check_tv(tv_distance))
 
     def epsilon_p_interval(self, tv_distance: float) -> tuple[float, float]:
-        """Holds 2 C1 - C2 TV with probability >= ``confidence`` (Thm D.2, corrected: see :func:`epsilon_p_error_bound`)."""
+        """Holds 2 C1 - C2 TV with probability >= ``confidence`` (Thm D.2: see :func:`epsilon_p_error_bound`)."""
         tv = _check_tv(tv_distance)
         return (_difference(2.0 * self.c1_interval[0], self.c2_interval[1], tv),
                 _difference(2.0 * self.c1_interval[1], self.c2_interval[0], tv))
