@@ -98,15 +98,16 @@ def test_posterior_sampling_attack_end_to_end():
     guesses = np.array([rng.choice(3, size=trials, p=POSTERIOR[w]) for w in releases])
     distances = np.abs(guesses[:, :, None] - np.arange(3)).astype(float)  # scores[m, t, d]
     counts = bp.count_recoveries(distances, "below", 0.5, batch_size=1)  # success: the guess is d
-    for m, w in enumerate(releases):
+    for m in range(len(releases)):
         np.testing.assert_array_equal(counts.successes[m], np.bincount(guesses[m], minlength=3))
     mbp = bp.estimate_mbp(counts, PRIOR)
     abp = bp.estimate_abp(counts, PRIOR)
     assert mbp.contains(xi_over(np.unique(releases))) and mbp.contains(TRUE_XI)
     assert abp.c1_interval[0] <= TRUE_C1 <= abp.c1_interval[1]
-    # xi^ is a maximum over 900 noisy cells, 200 of them estimating the worst one: biased upward
-    # (1.92 for 1.30 here), which the interval accounts for. C1^ averages and has no such bias.
-    assert mbp.xi > TRUE_XI + 0.3 and abs(abp.c1 - TRUE_C1) < 0.01
+    # xi^ is a maximum over 900 noisy cells, about 200 of them estimating the worst one (log of a
+    # posterior 1/9 from 200 runs, standard deviation sqrt(8 / 200) = 0.2): the largest of 200 such
+    # draws lies about 2.7 standard deviations up. docs/bayesian_privacy.md quotes this run.
+    assert mbp.xi > TRUE_XI + 1.5 * math.sqrt(8 / 200)
 
 
 # --- the estimators are exact where the counts are --------------------------------------------
@@ -117,7 +118,7 @@ def test_estimators_equal_the_exact_mbp_and_abp_on_expected_counts():
     every = bp.RecoveryCounts(JOINT.T, trials=9, batch_size=1)  # row w: the counts 9 P(. | w)
     mbp = bp.estimate_mbp(every, PRIOR)
     assert mbp.xi == pytest.approx(TRUE_XI, rel=1e-12)
-    assert mbp.xi == pytest.approx(ch.mbp_xi(CHANNEL, PRIOR), rel=1e-12)
+    assert mbp.xi == pytest.approx(max(ref.lip_epsilons(CHANNEL, list(PRIOR))), rel=1e-12)
     proportional = bp.RecoveryCounts(JOINT.T[PROPORTIONAL_RELEASES], trials=9, batch_size=1)
     abp = bp.estimate_abp(proportional, PRIOR)
     assert abp.c1 == pytest.approx(TRUE_C1, rel=1e-12)
@@ -166,8 +167,8 @@ def test_xi_estimate_converges_like_one_over_sqrt_trials():
             errors.append(estimate.xi - TRUE_XI)
             misses += not estimate.contains(TRUE_XI)
         rms = math.sqrt(np.mean(np.square(errors)))
-        # The RMS of 400 draws is within 10% of its mean with probability > 0.999; 5% more for the
-        # O(1/T) terms of the delta method.
+        # The RMS of 400 draws has a relative standard deviation of about 1/sqrt(800) = 3.5%: 15%
+        # leaves four of them for the noise and the O(1/T) terms of the delta method.
         assert abs(math.sqrt(trials) * rms / asymptotic - 1) < 0.15, (trials, math.sqrt(trials) * rms)
         assert_coverage(misses, repetitions, confidence)
 

@@ -151,7 +151,7 @@ def count_recoveries(scores: Any, criterion: Criterion, threshold: float, *, bat
         recovered = values > threshold if criterion == "above" else values < threshold
     else:
         raise ValueError(f"criterion must be 'above', 'below' or a function, got {criterion!r}")
-    n_releases, trials, n_samples = values.shape
+    _, trials, n_samples = values.shape
     return RecoveryCounts(recovered.sum(axis=1), trials, n_samples if batch_size is None else batch_size)
 
 
