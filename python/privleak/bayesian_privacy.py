@@ -56,6 +56,7 @@ from privleak.channels import as_prior, mbp_xi
 from privleak.relations import mbp_from_ldp
 
 Criterion = Union[str, Callable[[np.ndarray, float], Any]]
+_REAL = (int, float, np.integer, np.floating)
 
 
 # --- counting recoveries ([000] C.1) -----------------------------------------------------------
@@ -140,7 +141,7 @@ def count_recoveries(scores: Any, criterion: Criterion, threshold: float, *, bat
         raise ValueError(f"scores must have shape (n_releases, trials, n_samples), none 0, got {values.shape}")
     if np.isnan(values).any():
         raise ValueError("scores has NaN entries: map failed attack runs to a score that fails the criterion")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+    if isinstance(threshold, bool) or not isinstance(threshold, _REAL) or not math.isfinite(threshold):
         raise ValueError(f"threshold must be a finite number, got {threshold!r}")
     if callable(criterion):
         recovered = np.asarray(criterion(values, threshold))
@@ -475,13 +476,13 @@ def _check_count(value: Any, name: str) -> int:
 
 
 def _check_nonnegative(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, _REAL) or not value >= 0:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     return float(value)
 
 
 def _check_confidence(confidence: Any) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float, np.floating)) or not 0 < confidence < 1:
+    if isinstance(confidence, bool) or not isinstance(confidence, _REAL) or not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
     return float(confidence)
 
