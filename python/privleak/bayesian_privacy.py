@@ -1,0 +1,494 @@
+"""Maximum and Average Bayesian Privacy measured from how often an attack recovers the data.
+
+The estimators of [000] Zhang, Fei, Chen, Jin (Appendix C and D) and [001] Zhang, Chen
+(Appendix E-I, the same estimators), with confidence intervals that hold as stated. A mechanism
+releases models (or updates) w_1..w_M from the private data; the attack runs T times on each
+release; a run recovers data sample d when its score passes a success criterion Omega with
+threshold t. With M_d^m the number of runs on w_m that recover d and S the number of samples one
+run reconstructs (the batch size of [000] C.1):
+
+    f^(d | w_m) = M_d^m / (S T)                                         [000] C.1
+    f^O(d)      = (1/M) sum_m f^(d | w_m)                               [000] Eq. 17
+    xi^         = max_{m, d} |log(f^(d | w_m) / f_D(d))|                [000] Eq. 10 and 12
+    C1^         = sqrt(JS(f^O || f^B)),  f^B = f_D, the attacker's prior [000] D.1
+    C2^         = (e^(2 xi^) - 1) / 2                                   [000] Eq. 20
+    eps_p^      = 2 C1^ - C2^ TV(P^O || P^D)                            [000] App. D, from Zhang et al. 2023d
+
+S f(d | w) is the probability that one run on w recovers d. For the Bayes-optimal attack that
+draws its guess from the posterior (S = 1), f(. | w) is that posterior and the estimators converge
+to the exact MBP xi and ABP of :mod:`privleak.channels`.
+
+What differs from the papers (each checked numerically in ``tests/test_bayesian_privacy.py``; the
+numbers are in ``docs/bayesian_privacy.md``):
+
+* Lemma C.1 (multiplicative Chernoff, P(|k^ - k| > eps k) <= 2 exp(-eps^2 T k / 3)) needs
+  eps <= 1, which it does not state; beyond, it fails. Its exponent T k is the expected count for
+  f(d | w) at one fixed release (S T k when a run reconstructs S samples), but not for f^O, the
+  only k1 the papers define: f^O averages over releases, so its error depends on the number M of
+  releases and does not vanish as T grows with M fixed. privleak uses the Chernoff tails
+  exp(-D^2 / (2 mu + D)) (upper, every D > 0) and exp(-D^2 / (2 mu)) (lower), valid for sums of
+  independent [0, 1] variables, with T terms for f(d | w_m) and M terms for f^O (M T terms
+  when the releases are fixed rather than drawn: see :func:`estimate_abp`).
+* Theorem D.1 holds for eps < 1 but is loose (4.5 times the truth or more; 13 times at eps = 0.1)
+  and undefined for eps >= 1. The sharp bound is
+  |C1^ - C1| <= sqrt(K max(js(1 + eps, 1), js(1 - min(eps, 1), 1))), K = sum_d f^O(d) <= 1, js
+  the Jensen-Shannon summand; it is reached.
+* Theorem D.2 is cut off after "We have that" in both papers. With C2 known (as they assume),
+  |eps_p^ - eps_p| = 2 |C1^ - C1|, so privleak's bound is twice that of D.1.
+* No error bound is given for xi^. privleak gives one from simultaneous intervals for every
+  f(d | w_m).
+
+A count of zero gives log 0: xi^ is then inf, the plug-in value (no smoothing, which would bias
+every estimate to hide one), and the interval says how large xi can be. C1^ stays finite.
+All epsilons use natural logarithms.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import numpy as np
+from scipy.special import rel_entr
+
+from privleak import _arrays
+from privleak.channels import as_prior, mbp_xi
+from privleak.relations import mbp_from_ldp
+
+Criterion = Union[str, Callable[[np.ndarray, float], Any]]
+_REAL = (int, float, np.integer, np.floating)
+
+
+# --- counting recoveries ([000] C.1) -----------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RecoveryCounts:
+    """How often the attack recovered each data sample: ``successes[m, d]`` of ``trials`` runs on release m.
+
+    ``batch_size`` is S of [000] C.1, the number of samples one run reconstructs: the batch size
+    when each run reconstructs a whole batch (each sample is then recovered at most once a run),
+    1 when each run outputs one guess. The runs on one release must be independent given the
+    release (fresh attack randomness each run) for the confidence intervals to hold.
+
+    Raises ValueError naming the field for a shape other than (M, n) with M, n >= 1, counts that
+    are negative, not integers or above ``trials``, or a release whose counts add up to more than
+    ``batch_size * trials`` (more recoveries than the runs reconstruct samples).
+    """
+
+    successes: np.ndarray
+    trials: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        trials = _check_count(self.trials, "trials")
+        batch_size = _check_count(self.batch_size, "batch_size")
+        values = _as_numpy(self.successes, "successes")
+        if values.ndim != 2 or 0 in values.shape:
+            raise ValueError(f"successes must have shape (n_releases >= 1, n_samples >= 1), got {values.shape}")
+        if values.dtype.kind not in "iuf" or (values.dtype.kind == "f" and not (values == np.round(values)).all()):
+            raise ValueError("successes must hold whole numbers of recoveries")
+        if (values < 0).any() or (values > trials).any():
+            raise ValueError(f"successes must lie in [0, trials = {trials}]")
+        if (values.sum(axis=1) > batch_size * trials).any():
+            raise ValueError(f"a release has more recoveries than batch_size * trials = {batch_size * trials}: "
+                             "batch_size must be the number of samples one attack run reconstructs")
+        values = values.astype(np.int64)
+        values.flags.writeable = False
+        object.__setattr__(self, "successes", values)
+        object.__setattr__(self, "trials", trials)
+        object.__setattr__(self, "batch_size", batch_size)
+
+    @property
+    def n_releases(self) -> int:
+        """M, the number of released models."""
+        return self.successes.shape[0]
+
+    @property
+    def n_samples(self) -> int:
+        """n, the number of data samples whose recovery is counted."""
+        return self.successes.shape[1]
+
+    @property
+    def posteriors(self) -> np.ndarray:
+        """f^(d | w_m) = M_d^m / (S T) ([000] C.1), shape (M, n)."""
+        return self.successes / (self.batch_size * self.trials)
+
+    @property
+    def belief(self) -> np.ndarray:
+        """f^O(d) = (1/M) sum_m f^(d | w_m), the attacker's average belief after a release ([000] Eq. 17)."""
+        return self.posteriors.mean(axis=0)
+
+
+def count_recoveries(scores: Any, criterion: Criterion, threshold: float, *, batch_size: int | None = None
+                     ) -> RecoveryCounts:
+    """Count the attack runs that recover each data sample ([000] C.1: M_d^m).
+
+    ``scores[m, t, d]`` scores run t on release m against data sample d (an MSE, a PSNR, an SSIM,
+    a 0/1 match, ...). Run t recovers d when ``criterion`` says so:
+
+    - ``"above"``: score > threshold (the paper's Omega > t; SSIM, PSNR),
+    - ``"below"``: score < threshold (MSE, a distance),
+    - a function ``criterion(scores, threshold)`` returning a boolean array of the scores' shape.
+
+    ``batch_size`` (S) defaults to the number of samples: every run reconstructs the whole batch.
+    Raises ValueError naming the argument for scores that are not a 3-D array with no empty axis,
+    NaN scores (decide first whether a diverged run failed), a non-finite threshold, an unknown
+    criterion or one that returns the wrong shape or dtype.
+    """
+    values = _as_numpy(scores, "scores").astype(np.float64)
+    if values.ndim != 3 or 0 in values.shape:
+        raise ValueError(f"scores must have shape (n_releases, trials, n_samples), none 0, got {values.shape}")
+    if np.isnan(values).any():
+        raise ValueError("scores has NaN entries: map failed attack runs to a score that fails the criterion")
+    if isinstance(threshold, bool) or not isinstance(threshold, _REAL) or not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    if callable(criterion):
+        recovered = np.asarray(criterion(values, threshold))
+        if recovered.shape != values.shape or recovered.dtype != np.bool_:
+            raise ValueError(f"criterion must return a boolean array of shape {values.shape}, "
+                             f"got {recovered.dtype} of shape {recovered.shape}")
+    elif isinstance(criterion, str) and criterion in ("above", "below"):
+        recovered = values > threshold if criterion == "above" else values < threshold
+    else:
+        raise ValueError(f"criterion must be 'above', 'below' or a function, got {criterion!r}")
+    _, trials, n_samples = values.shape
+    return RecoveryCounts(recovered.sum(axis=1), trials, n_samples if batch_size is None else batch_size)
+
+
+# --- Lemma C.1, corrected: Chernoff bounds for a count -------------------------------------------
+
+
+def chernoff_relative_error(expected_successes: float, confidence: float) -> float:
+    """The relative error eps of a count's mean: P(|X - mu| > eps mu) <= 1 - confidence ([000] Lemma C.1).
+
+    X is a sum of independent [0, 1] variables with mean mu = ``expected_successes``. For an
+    estimate f^(d | w) from T runs on one release, mu = S T f(d | w); for f^O(d) over M releases
+    drawn independently, X = sum_m M_d^m / T and mu = M S f^O(d), whatever T is. With
+    L = log(2 / (1 - confidence)):
+
+        eps = (L + sqrt(L^2 + 8 L mu)) / (2 mu)
+
+    from the upper tail P(X >= (1 + eps) mu) <= exp(-eps^2 mu / (2 + eps)), for every eps > 0;
+    the lower tail exp(-eps^2 mu / 2) is smaller. Lemma C.1 states
+    1 - 2 exp(-eps^2 T k1 / 3), i.e. eps = sqrt(3 L / (T k1)): true for eps <= 1 (and then larger
+    than the eps here), false beyond (e.g. T = 100, k1 = 0.001, eps = 18: promised failure
+    probability 4.1e-5, exact 4.6e-3), and with T in place of M for f^O. Returns inf for mu = 0.
+    """
+    mu = _check_nonnegative(expected_successes, "expected_successes")
+    log_term = _tail_log(1.0 - _check_confidence(confidence))
+    if mu == 0.0:
+        return math.inf
+    return (log_term + math.sqrt(log_term * (log_term + 8.0 * mu))) / (2.0 * mu)
+
+
+def chernoff_interval(successes: Any, n_terms: int, confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """Confidence interval for the average mean p of ``n_terms`` independent [0, 1] variables from their sum.
+
+    Inverts the two Chernoff tails of :func:`chernoff_relative_error`, each given half of
+    1 - confidence: the p whose tails both accept the observed sum X form [lo, hi], with
+    L = log(2 / (1 - confidence)) and N = ``n_terms``,
+
+        N lo = 2 X (X - L) / (2 X + L + sqrt(L^2 + 8 L X))   (0 when X <= L),
+        N hi = ((sqrt(2 L) + sqrt(2 L + 4 X)) / 2)^2         (at most N).
+
+    For T runs on one release, X = M_d^m and p = S f(d | w_m); for f^O over M releases,
+    X = sum_m M_d^m / T and p = S f^O(d). Elementwise over array-like ``successes``; each interval
+    holds with probability >= ``confidence`` on its own.
+    """
+    totals = _as_numpy(successes, "successes").astype(np.float64)
+    if not (np.isfinite(totals).all() and (totals >= 0).all()):
+        raise ValueError("successes must be finite and >= 0")
+    n_terms = _check_count(n_terms, "n_terms")
+    if (totals > n_terms).any():
+        raise ValueError(f"successes must be at most n_terms = {n_terms}")
+    return _mean_interval(totals, n_terms, 1.0 - _check_confidence(confidence))
+
+
+# --- Maximum Bayesian Privacy ([000] App. C) -----------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class MBPEstimate:
+    """xi^ with its confidence interval (see :func:`estimate_mbp`)."""
+
+    xi: float
+    """max_{m, d} |log(f^(d | w_m) / f_D(d))| ([000] Eq. 10, 12); inf if some count is 0."""
+    log_ratios: np.ndarray
+    """log(f^(d | w_m) / f_D(d)), shape (M, n); -inf where a sample was never recovered."""
+    worst: tuple[int, int]
+    """(m, d) where xi^ is attained."""
+    interval: tuple[float, float]
+    """Holds the MBP over the released models with probability >= ``confidence``."""
+    confidence: float
+
+    def contains(self, xi: float) -> bool:
+        """Whether a mechanism's exact MBP (e.g. :func:`implied_mbp`) is consistent with this estimate."""
+        return self.interval[0] <= xi <= self.interval[1]
+
+    def exceeds(self, bound: float) -> bool:
+        """Whether the measured leakage refutes an MBP upper bound (e.g. :func:`implied_mbp_bound`)."""
+        return self.interval[0] > bound
+
+
+def estimate_mbp(counts: RecoveryCounts, prior: Any = None, *, confidence: float = 0.95) -> MBPEstimate:
+    """Estimate Maximum Bayesian Privacy xi from recovery counts ([000] App. C, [001] Eq. 23-26, App. E-F).
+
+        xi^ = max_{m, d} |log(f^(d | w_m) / f_D(d))|,   f^(d | w_m) = M_d^m / (S T).
+
+    ``prior`` is f_D, the attacker's prior over the n samples (default uniform), which must give
+    every sample positive mass. The papers take the single release w* that leaks most
+    (Assumption D.1, Eq. 12); without knowing it, the maximum over the released models is Eq. 10
+    restricted to them, and equals Eq. 12 when w* is among them (pass the counts of one release to
+    get Eq. 12 for it).
+
+    The interval holds xi_released = max_{m, d} |log(f(d | w_m) / f_D(d))| with probability
+    >= ``confidence`` given the releases: every f(d | w_m) lies in its :func:`chernoff_interval`
+    (T terms) at once, each at failure probability (1 - confidence) / (M n). It is [0, inf) at
+    worst; its upper end is inf when some count is 0 (the data cannot exclude a posterior of 0).
+
+    xi^ is biased upward, being the largest of M n noisy cells: with many releases of similar
+    leakage it picks the luckiest (synthetic test: 300 releases of 3 values, T = 200, xi^ = 1.92
+    for xi = 1.30, inside the interval [0.67, 5.95]). Read it with its interval, and grow T with M.
+    """
+    counts = _check_counts(counts)
+    prior_mass = _check_sample_prior(prior, counts.n_samples)
+    confidence = _check_confidence(confidence)
+    with np.errstate(divide="ignore"):
+        log_ratios = np.log(counts.posteriors) - np.log(prior_mass)
+    worst = np.unravel_index(int(np.argmax(np.abs(log_ratios))), log_ratios.shape)
+    failure = (1.0 - confidence) / counts.successes.size
+    low, high = _mean_interval(counts.successes.astype(np.float64), counts.trials, failure)
+    with np.errstate(divide="ignore"):
+        log_low = np.log(low / counts.batch_size) - np.log(prior_mass)
+        log_high = np.log(high / counts.batch_size) - np.log(prior_mass)
+    # |log ratio| over [log_low, log_high] ranges from 0 (if the interval holds 0) to its larger end.
+    smallest = np.where((log_low <= 0) & (log_high >= 0), 0.0, np.minimum(np.abs(log_low), np.abs(log_high)))
+    largest = np.maximum(np.abs(log_low), np.abs(log_high))
+    return MBPEstimate(xi=float(np.abs(log_ratios[worst])), log_ratios=log_ratios,
+                       worst=(int(worst[0]), int(worst[1])),
+                       interval=(float(smallest.max()), float(largest.max())), confidence=confidence)
+
+
+def implied_mbp(channel: Any, prior: Any) -> float:
+    """The MBP xi of a discrete mechanism, :func:`privleak.channels.mbp_xi`, as the estimators see it.
+
+    xi^ converges to it when the attack draws its guess from the Bayes posterior under ``prior``
+    (``batch_size`` 1, success = the guess is the sample) and every observation with p(y) > 0 is
+    among the releases. Compare with :meth:`MBPEstimate.contains`.
+    """
+    return mbp_xi(channel, prior)
+
+
+def implied_mbp_bound(ldp_epsilon: float, prior: Any = None) -> float:
+    """An upper bound on MBP from an LDP epsilon, :func:`privleak.relations.mbp_from_ldp`.
+
+    eps-LDP gives xi <= log(pi_min + (1 - pi_min) e^eps) <= eps ([000] Thm 5.3 states xi <= eps
+    for a uniform prior; the sharper form holds for every prior). For VMF noise on the sphere
+    eps = 2 kappa (:mod:`privleak.accounting`); the Gaussian mechanism has no finite LDP epsilon
+    (its posterior ratios are unbounded), so its bound is inf. Compare with :meth:`MBPEstimate.exceeds`.
+    """
+    return mbp_from_ldp(ldp_epsilon, prior)
+
+
+# --- Average Bayesian Privacy ([000] App. D) -----------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ABPEstimate:
+    """C1^, C2^ and eps_p^ with confidence intervals that hold together (see :func:`estimate_abp`)."""
+
+    c1: float
+    """sqrt(JS(f^O || f^B)) ([000] D.1)."""
+    c1_interval: tuple[float, float]
+    c2: float
+    """(e^(2 xi) - 1) / 2 ([000] D.2), from xi^ or as given."""
+    c2_interval: tuple[float, float]
+    belief: np.ndarray
+    """f^O(d) ([000] Eq. 17)."""
+    confidence: float
+
+    def epsilon_p(self, tv_distance: float) -> float:
+        """eps_p^ = 2 C1^ - C2^ TV(P^O || P^D) ([000] App. D, from Zhang et al. 2023d).
+
+        ``tv_distance`` is the total variation distance between the distributions of the
+        unprotected and the protected release, in [0, 1].
+        """
+        return _difference(2.0 * self.c1, self.c2, _check_tv(tv_distance))
+
+    def epsilon_p_interval(self, tv_distance: float) -> tuple[float, float]:
+        """Holds 2 C1 - C2 TV with probability >= ``confidence`` (Thm D.2: see :func:`epsilon_p_error_bound`)."""
+        tv = _check_tv(tv_distance)
+        return (_difference(2.0 * self.c1_interval[0], self.c2_interval[1], tv),
+                _difference(2.0 * self.c1_interval[1], self.c2_interval[0], tv))
+
+
+def estimate_abp(counts: RecoveryCounts, prior: Any = None, *, releases: str = "drawn", c2: float | None = None,
+                 confidence: float = 0.95) -> ABPEstimate:
+    """Estimate the ABP terms C1 and C2 from recovery counts ([000] App. D, [001] App. G-I).
+
+        C1^^2 = 1/2 sum_d k1^ log(k1^ / m) + 1/2 sum_d k2 log(k2 / m),  m = (k1^ + k2) / 2,
+        k1^ = f^O(d) (Eq. 17),  k2 = f^B(d) = f_D(d) = ``prior`` (default uniform),
+        C2^ = (e^(2 xi^) - 1) / 2 (Eq. 20), xi^ from :func:`estimate_mbp`, unless ``c2`` is given
+        (the papers assume C2 known in advance for Thm D.2).
+
+    The k1 are not renormalised: sum_d f^O(d) < 1 when some runs recover nothing, as in the
+    paper's formula (JS of non-negative measures is still >= 0).
+
+    ``releases`` says what c1_interval is about:
+
+    - ``"drawn"``: the releases are independent draws from the release distribution P, and the
+      interval holds C1 for f^O(d) = E_{w ~ P} f(d | w). It shrinks with M, not with T: each
+      release contributes one [0, 1] term M_d^m / T to the Chernoff sum.
+    - ``"given"``: the interval holds C1 for the average of f(d | w_m) over these releases (all
+      M T runs are Chernoff terms). Use it when the releases are fixed: a deterministic release, or
+      every possible release listed in proportion to its probability.
+
+    All intervals hold together with probability >= ``confidence``: each k1(d) lies in its
+    :func:`chernoff_interval` (failure (1 - confidence) / n each, halved when C2 is estimated),
+    c1_interval is the exact range of sqrt(JS) over that box (JS is convex and separable in k1),
+    and c2_interval maps the interval of xi over the released models (the other half). This is
+    tighter than Thm D.1, which bounds the error for a common relative error (:func:`c1_error_bound`).
+    """
+    counts = _check_counts(counts)
+    prior_mass = _check_sample_prior(prior, counts.n_samples)
+    failure = 1.0 - _check_confidence(confidence)
+    if releases == "drawn":
+        totals, n_terms = counts.successes.sum(axis=0) / counts.trials, counts.n_releases
+    elif releases == "given":
+        totals, n_terms = counts.successes.sum(axis=0).astype(np.float64), counts.n_releases * counts.trials
+    else:
+        raise ValueError(f"releases must be 'drawn' or 'given', got {releases!r}")
+    if c2 is None:
+        failure /= 2.0
+        mbp = estimate_mbp(counts, prior_mass, confidence=1.0 - failure)
+        c2, c2_interval = _c2_from_xi(mbp.xi), (_c2_from_xi(mbp.interval[0]), _c2_from_xi(mbp.interval[1]))
+    else:
+        c2 = _check_nonnegative(c2, "c2")
+        c2_interval = (c2, c2)
+    low, high = _mean_interval(totals, n_terms, failure / counts.n_samples)
+    low, high = low / counts.batch_size, high / counts.batch_size
+    nearest = np.clip(prior_mass, low, high)  # js(., prior) is smallest at the prior
+    smallest = _js_terms(nearest, prior_mass).sum()
+    largest = np.maximum(_js_terms(low, prior_mass), _js_terms(high, prior_mass)).sum()
+    belief = counts.belief
+    return ABPEstimate(c1=_sqrt(_js_terms(belief, prior_mass).sum()),
+                       c1_interval=(_sqrt(smallest), _sqrt(largest)),
+                       c2=c2, c2_interval=c2_interval, belief=belief, confidence=confidence)
+
+
+def c1_error_bound(relative_error: float, belief_mass: float = 1.0) -> float:
+    """Largest |C1^ - C1| when every |k1^(d) - k1(d)| <= eps k1(d) ([000] Thm D.1, corrected).
+
+        |C1^ - C1| <= sqrt(K max(js(1 + eps, 1), js(1 - min(eps, 1), 1))),  K = sum_d k1(d),
+
+    js(a, b) = (a log(2a / (a + b)) + b log(2b / (a + b))) / 2. Why: sqrt(JS) is a metric on
+    non-negative measures (Endres and Schindelin 2003), so |C1^ - C1| <= sqrt(JS(k1^ || k1)), and
+    JS(k1^ || k1) = sum_d k1(d) js(k1^(d) / k1(d), 1) with js(., 1) convex. Reached by k2 = k1 and
+    k1^ = (1 +- eps) k1. ``belief_mass`` K is 1 for a posterior-sampling attack, below 1 otherwise.
+    Thm D.1 states sqrt((1 + eps) log((1 + eps) / (1 - eps)) / 2 + (eps + max(log(1 + eps),
+    log(1 / (1 - eps)))) / 2): true for eps < 1 but at least 4.5 times larger, growing like
+    4 / sqrt(eps) as eps -> 0 (0.46 instead of 0.036 at eps = 0.1), and undefined for eps >= 1,
+    where this bound stays finite.
+    """
+    epsilon = _check_nonnegative(relative_error, "relative_error")
+    mass = _check_nonnegative(belief_mass, "belief_mass")
+    if math.isinf(epsilon) or math.isinf(mass):
+        return math.inf if mass > 0 and epsilon > 0 else 0.0
+    worst = max(_js_terms(np.float64(1.0 + epsilon), 1.0), _js_terms(np.float64(1.0 - min(epsilon, 1.0)), 1.0))
+    return _sqrt(mass * worst)
+
+
+def epsilon_p_error_bound(relative_error: float, belief_mass: float = 1.0) -> float:
+    """Largest |eps_p^ - eps_p| when every |k1^(d) - k1(d)| <= eps k1(d) and C2 is known ([000] Thm D.2).
+
+    The statement of Thm D.2 is cut off in both papers; with C2 known, as they assume,
+    eps_p^ - eps_p = 2 (C1^ - C1), so the bound is 2 :func:`c1_error_bound`.
+    """
+    return 2.0 * c1_error_bound(relative_error, belief_mass)
+
+
+# --- internals -----------------------------------------------------------------------------------
+
+
+def _mean_interval(totals: np.ndarray, n_terms: int, failure: float) -> tuple[np.ndarray, np.ndarray]:
+    """The interval of :func:`chernoff_interval` for failure probability ``failure``, unchecked."""
+    log_term = _tail_log(failure)
+    # 2X(X - L) / (...) is (2X + L - sqrt(L^2 + 8LX)) / 2 without the cancellation.
+    low = 2.0 * totals * (totals - log_term) / (2.0 * totals + log_term + np.sqrt(log_term * (log_term + 8.0 * totals)))
+    high = ((math.sqrt(2.0 * log_term) + np.sqrt(2.0 * log_term + 4.0 * totals)) / 2.0) ** 2
+    return np.maximum(low, 0.0) / n_terms, np.minimum(high / n_terms, 1.0)
+
+
+def _js_terms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """js(a, b) = (a log(2a / (a + b)) + b log(2b / (a + b))) / 2 elementwise (0 log 0 = 0), natural log."""
+    middle = (a + b) / 2.0
+    return (rel_entr(a, middle) + rel_entr(b, middle)) / 2.0
+
+
+def _c2_from_xi(xi: float) -> float:
+    """(e^(2 xi) - 1) / 2, inf where it overflows."""
+    return math.inf if xi > 354.0 else math.expm1(2.0 * xi) / 2.0
+
+
+def _difference(first: float, c2: float, tv: float) -> float:
+    """first - c2 * tv, with 0 * inf = 0 (no distance, no penalty)."""
+    return first if tv == 0.0 else first - c2 * tv
+
+
+def _sqrt(value: float) -> float:
+    return math.sqrt(max(float(value), 0.0))  # rounding can leave a JS of -1e-17
+
+
+def _tail_log(failure: float) -> float:
+    """L = log(2 / failure): each Chernoff tail gets half the failure probability."""
+    return math.log(2.0 / failure)
+
+
+def _as_numpy(values: Any, name: str) -> np.ndarray:
+    if _arrays.is_tensor(values):
+        return values.detach().cpu().numpy()
+    try:
+        return np.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name} must be an array: {error}") from None
+
+
+def _check_counts(counts: Any) -> RecoveryCounts:
+    if not isinstance(counts, RecoveryCounts):
+        raise TypeError(f"counts must be a RecoveryCounts (see count_recoveries), got {type(counts).__name__}")
+    return counts
+
+
+def _check_sample_prior(prior: Any, n_samples: int) -> np.ndarray:
+    if prior is None:
+        return np.full(n_samples, 1.0 / n_samples)
+    masses = as_prior(_as_numpy(prior, "prior"), n_samples, name="prior")
+    if (masses == 0).any():
+        raise ValueError("prior must give every data sample positive mass (log f_D(d) appears in xi)")
+    return masses
+
+
+def _check_count(value: Any, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_nonnegative(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, _REAL) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_confidence(confidence: Any) -> float:
+    if isinstance(confidence, bool) or not isinstance(confidence, _REAL) or not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    return float(confidence)
+
+
+def _check_tv(tv_distance: Any) -> float:
+    value = _check_nonnegative(tv_distance, "tv_distance")
+    if value > 1.0:
+        raise ValueError(f"tv_distance must be in [0, 1], got {tv_distance!r}")
+    return value
