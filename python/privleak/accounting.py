@@ -14,11 +14,19 @@ accounting is privleak's own, built from three facts:
 * **Composition.** T steps are composed with the privacy loss distribution that dominates any
   pure-DP mechanism (dp-accounting's ``from_privacy_parameters``), which is the optimal
   composition for pure DP (Kairouz, Oh and Viswanath, ICML 2015); with delta = 0 it is T eps.
+
+One Gaussian release on its own (what a reconstruction attack sees in one leaked update) has the
+exact curve of Balle and Wang's analytic Gaussian mechanism, which privleak evaluates in closed
+form: calibrating it through dp-accounting's PLD takes 64 s at epsilon = 173 and 445 s at 1000,
+where the closed form takes milliseconds and agrees with it.
 """
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
+
+from scipy.optimize import brentq
+from scipy.special import log_ndtr
 
 from dp_accounting import dp_event, pld, privacy_accountant, rdp
 from dp_accounting.pld import common as pld_common
@@ -79,6 +87,58 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
         raise ValueError(f"sampling must be 'poisson' or 'fixed', got {sampling!r}")
     engine.compose(dp_event.SelfComposedDpEvent(event, steps))
     return float(engine.get_epsilon(delta))
+
+
+def _log_gaussian_delta(epsilon: float, noise_multiplier: float) -> float:
+    """log delta(eps) of one Gaussian release with std sigma times the sensitivity (Balle and Wang,
+    ICML 2018, Thm 8): delta = Phi(1/(2 sigma) - eps sigma) - e^eps Phi(-1/(2 sigma) - eps sigma),
+    in logs because both terms underflow long before their difference matters."""
+    sigma = noise_multiplier
+    log_first = float(log_ndtr(0.5 / sigma - epsilon * sigma))
+    log_second = epsilon + float(log_ndtr(-0.5 / sigma - epsilon * sigma))
+    if log_second >= log_first:
+        return -math.inf
+    return log_first + math.log1p(-math.exp(log_second - log_first))
+
+
+def analytic_gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+    """epsilon(delta) of a single Gaussian release N(f(x), (sigma Delta)^2 I), Delta the L2
+    sensitivity of f: the least eps with delta(eps) <= delta on Balle and Wang's exact curve.
+
+    For the epsilon of one leaked update as local DP, where any two clipped gradients may be
+    neighbours, the sensitivity is the diameter 2c of the clipping ball: pass noise_multiplier / 2.
+    """
+    sigma = _check_positive(noise_multiplier, "noise_multiplier")
+    delta = _check_delta(delta)
+    if delta == 0.0:
+        return math.inf
+    log_delta = math.log(delta)
+    if _log_gaussian_delta(0.0, sigma) <= log_delta:
+        return 0.0
+    upper = 1.0
+    while _log_gaussian_delta(upper, sigma) > log_delta:
+        upper *= 2.0
+    return brentq(lambda eps: _log_gaussian_delta(eps, sigma) - log_delta, 0.0, upper, xtol=1e-12, rtol=1e-12)
+
+
+def analytic_gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
+    """The sigma at which one Gaussian release is exactly (epsilon, delta)-DP (the inverse of
+    :func:`analytic_gaussian_epsilon`)."""
+    epsilon = _check_positive(epsilon, "epsilon")
+    delta = _check_delta(delta)
+    if delta == 0.0:
+        raise ValueError("delta must be > 0: no Gaussian noise gives pure DP")
+    log_delta = math.log(delta)
+
+    def excess(log_sigma: float) -> float:
+        return _log_gaussian_delta(epsilon, math.exp(log_sigma)) - log_delta
+
+    low, high = -1.0, 1.0
+    while excess(low) < 0:
+        low *= 2.0
+    while excess(high) > 0:
+        high *= 2.0
+    return math.exp(brentq(excess, low, high, xtol=1e-13, rtol=1e-13))
 
 
 def _amplified_by_poisson_sampling(epsilon: float, q: float) -> float:

@@ -256,12 +256,18 @@ def privatize(per_sample_grads: Sequence[torch.Tensor], config: DPSGDConfig, exp
             raise ValueError("the VMF mechanism needs kappa")
         average = clip_and_accumulate(per_sample_grads, config.clip_norm, per_layer=config.per_layer,
                                       batch_size=expected_batch_size, non_finite=config.non_finite).grads
-        flat = torch.cat([a.reshape(-1) for a in average])
-        if not bool(flat.any()):
-            raise ValueError("the clipped average gradient is zero: Alg. 2 has no direction to perturb")
-        direction = _mechanisms.vmf_sample(flat, config.kappa, 1, generator=generator)[0]
-        return [part.reshape(a.shape) for part, a in zip(direction.split([a.numel() for a in average]), average)]
+        return vmf_release(average, config.kappa, generator)
     raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {config.mechanism!r}")
+
+
+def vmf_release(average: Sequence[torch.Tensor], kappa: float, generator=None) -> list:
+    """Lines 10-11 of Alg. 2: scale the clipped average gradient (one tensor per parameter) to unit
+    length over all tensors together and release one draw of VMF(that direction, kappa)."""
+    flat = torch.cat([a.reshape(-1) for a in average])
+    if not bool(flat.any()):
+        raise ValueError("the clipped average gradient is zero: Alg. 2 has no direction to perturb")
+    direction = _mechanisms.vmf_sample(flat, kappa, 1, generator=generator)[0]
+    return [part.reshape(a.shape) for part, a in zip(direction.split([a.numel() for a in average]), average)]
 
 
 class PrivacyReport(NamedTuple):

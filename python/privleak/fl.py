@@ -1,0 +1,145 @@
+"""Federated learning with DP-SGD clients and an honest-but-curious server (paper 004, Sec. II).
+
+K clients hold private data. Every round each client starts from the global model, takes
+``local_steps`` DP-SGD steps on batches of its own data (Alg. 1 with Gaussian noise or Alg. 2
+with VMF noise, :mod:`privleak.dpsgd`), and sends what it leaks: the sum of its privatised
+updates, which after one local step is exactly the noisy gradient g~_t of the algorithms. The
+server averages the clients' updates (weighted by their data sizes, FedAvg) and takes a step. It is
+honest (it runs the protocol) but curious: it keeps every update it receives, with the model it
+was computed at, and hands each one to the attack and metric hooks.
+
+This loop runs in one process; :mod:`privleak.flower` runs the same clients and noise on Flower.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from privleak import dpsgd
+from privleak.mechanisms import NoiseGenerator
+
+
+class LeakedUpdate(NamedTuple):
+    """One client's message to the server in one round, and what the evaluation knows of it."""
+
+    round: int
+    client: int
+    parameters: list  #: the global model the client started from, one tensor per trainable parameter
+    update: list  #: what the client sent: the sum of its privatised updates, shaped like the parameters
+    local_steps: int
+    #: indices into the client's data of the examples in each local batch. The server does not see
+    #: them; they are the ground truth that reconstruction scores compare against.
+    private_batches: list
+
+
+@dataclass
+class Client:
+    """A client's private data, and its local DP-SGD."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def __post_init__(self):
+        if self.images.shape[0] != self.labels.shape[0] or self.images.shape[0] == 0:
+            raise ValueError(f"a client needs as many labels as images, at least one; got "
+                             f"{self.images.shape[0]} images and {self.labels.shape[0]} labels")
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def local_update(self, model: nn.Module, config: dpsgd.DPSGDConfig, *, batch_size: int, local_steps: int,
+                     learning_rate: float, generator: torch.Generator,
+                     noise: NoiseGenerator, loss_fn: Callable = F.cross_entropy) -> tuple[list, list]:
+        """Run ``local_steps`` DP-SGD steps on ``model`` (in place); return the summed privatised
+        update and the batches' indices. Batches are ``batch_size`` examples drawn without
+        replacement, line 4 of Alg. 1 and 2."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        total = [torch.zeros_like(p) for p in params]
+        batches = []
+        for _ in range(local_steps):
+            batch = dpsgd.sample_batch(len(self), batch_size, "fixed", generator)
+            batches.append(batch)
+            grads = dpsgd.per_sample_gradients(model, loss_fn, self.images[batch], self.labels[batch])
+            update = dpsgd.privatize(grads, config, batch_size, noise)
+            with torch.no_grad():
+                for p, u, t in zip(params, update, total):
+                    u = u.to(p.dtype).reshape(p.shape)
+                    p.sub_(learning_rate * u)
+                    t.add_(u)
+        return total, batches
+
+
+@dataclass
+class Federation:
+    """The server's view of a run: the model, and every update it has seen."""
+
+    model: nn.Module
+    leaked: list = field(default_factory=list)
+    rounds: int = 0
+
+    def updates_of_round(self, round_: int) -> list:
+        return [u for u in self.leaked if u.round == round_]
+
+
+def split_among_clients(images: torch.Tensor, labels: torch.Tensor, clients: int, per_client: int,
+                        generator: Optional[torch.Generator] = None) -> list:
+    """Disjoint random shards of ``per_client`` examples for each of ``clients`` clients."""
+    if clients < 1 or per_client < 1 or clients * per_client > images.shape[0]:
+        raise ValueError(f"cannot give {clients} clients {per_client} examples each out of {images.shape[0]}")
+    order = torch.randperm(images.shape[0], generator=generator)[: clients * per_client].reshape(clients, per_client)
+    return [Client(images[rows], labels[rows]) for rows in order]
+
+
+def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, *, rounds: int,
+        batch_size: int = 1, local_steps: int = 1, learning_rate: float = 0.1, server_learning_rate: float = 1.0,
+        seed: int = 0, record: bool = True, loss_fn: Callable = F.cross_entropy,
+        on_update: Optional[Callable[[LeakedUpdate], None]] = None,
+        on_round: Optional[Callable[[int, nn.Module], None]] = None) -> Federation:
+    """Train ``model`` in place with federated DP-SGD for ``rounds`` rounds.
+
+    Each round every client copies the global model, runs :meth:`Client.local_update` and sends
+    its update u_k; the server steps theta <- theta - eta_s lr sum_k (n_k / n) u_k, which for one
+    local step and eta_s = 1 is FedSGD on the clients' noisy gradients. ``on_update`` sees every
+    :class:`LeakedUpdate` as it arrives; ``on_round(round, model)`` runs after each aggregation.
+    ``seed`` fixes the batches (torch) and the noise (privleak's Philox stream).
+    """
+    if not clients:
+        raise ValueError("clients must not be empty")
+    for name, value in (("rounds", rounds), ("batch_size", batch_size), ("local_steps", local_steps)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for client in clients:
+        if batch_size > len(client):
+            raise ValueError(f"batch_size {batch_size} exceeds a client's {len(client)} examples")
+    generator = torch.Generator().manual_seed(seed)
+    noise = NoiseGenerator(seed)
+    federation = Federation(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.tensor([len(c) for c in clients], dtype=torch.float64)
+    weights = (weights / weights.sum()).tolist()
+    for round_ in range(rounds):
+        start = [p.detach().clone() for p in params]
+        aggregate = [torch.zeros_like(p) for p in params]
+        for index, client in enumerate(clients):
+            local = copy.deepcopy(model)
+            update, batches = client.local_update(local, config, batch_size=batch_size, local_steps=local_steps,
+                                                  learning_rate=learning_rate, generator=generator, noise=noise, loss_fn=loss_fn)
+            leaked = LeakedUpdate(round_, index, start, update, local_steps, batches)
+            if record:
+                federation.leaked.append(leaked)
+            if on_update is not None:
+                on_update(leaked)
+            for a, u in zip(aggregate, update):
+                a.add_(weights[index] * u)
+        with torch.no_grad():
+            for p, a in zip(params, aggregate):
+                p.sub_(server_learning_rate * learning_rate * a)
+        federation.rounds = round_ + 1
+        if on_round is not None:
+            on_round(round_, model)
+    return federation
