@@ -97,3 +97,50 @@ def test_vmf_epsilon_without_delta_is_basic_composition_and_survives_large_kappa
 def test_bad_arguments_are_rejected(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+# ----------------------------------------------------------------------------- one Gaussian release
+
+
+def _hockey_stick(sigma: float, epsilon: float) -> float:
+    """delta(eps) = integral of max(0, p(y) - e^eps q(y)) for p = N(1, sigma^2), q = N(0, sigma^2), by
+    mpmath quadrature at 50 digits: independent of the closed form under test."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+    s, e = mpmath.mpf(sigma), mpmath.mpf(epsilon)
+    # p > e^eps q exactly where y > 1/2 + eps sigma^2.
+    edge = mpmath.mpf(1) / 2 + e * s ** 2
+
+    def density(y, mean):
+        return mpmath.exp(-(y - mean) ** 2 / (2 * s ** 2)) / (s * mpmath.sqrt(2 * mpmath.pi))
+
+    value = mpmath.quad(lambda y: density(y, 1) - mpmath.exp(e) * density(y, 0), [edge, edge + 40 * s, mpmath.inf])
+    return float(value)
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 3.0, 173.0, 1e4, 1e6])
+def test_analytic_gaussian_calibration_meets_the_hockey_stick_divergence(epsilon):
+    sigma = accounting.analytic_gaussian_noise_multiplier(epsilon, 1e-5)
+    assert _hockey_stick(sigma, epsilon) == pytest.approx(1e-5, rel=1e-8)
+    assert accounting.analytic_gaussian_epsilon(sigma, 1e-5) == pytest.approx(epsilon, rel=1e-9)
+
+
+@pytest.mark.parametrize("sigma", [0.7, 1.5, 4.0])
+def test_analytic_gaussian_epsilon_agrees_with_dp_accountings_pld(sigma):
+    engine = pld.PLDAccountant()
+    engine.compose(dp_event.GaussianDpEvent(sigma))
+    # dp-accounting discretises the loss (pessimistically), so it sits a hair above the exact curve.
+    exact = accounting.analytic_gaussian_epsilon(sigma, 1e-5)
+    assert exact <= engine.get_epsilon(1e-5) <= exact * (1 + 1e-3)
+
+
+def test_analytic_gaussian_edge_cases():
+    assert accounting.analytic_gaussian_epsilon(1.0, 0.0) == math.inf
+    assert accounting.analytic_gaussian_epsilon(1e3, 0.5) == 0.0  # so much noise that delta alone covers it
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        accounting.analytic_gaussian_epsilon(0.0, 1e-5)
+    with pytest.raises(ValueError, match="delta must be > 0"):
+        accounting.analytic_gaussian_noise_multiplier(1.0, 0.0)
+    with pytest.raises(ValueError, match="epsilon"):
+        accounting.analytic_gaussian_noise_multiplier(-1.0, 1e-5)

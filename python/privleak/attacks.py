@@ -87,6 +87,7 @@ class Reconstruction(NamedTuple):
     images: torch.Tensor  #: (A, C, H, W): the best restart of each attack
     labels: torch.Tensor  #: (A,): given or inferred
     objective: torch.Tensor  #: (A,): 1 - cosine + alpha TV of the returned images
+    restart_objectives: torch.Tensor  #: (A, restarts): the same for every restart's final images
 
 
 def total_variation(images: torch.Tensor) -> torch.Tensor:
@@ -199,7 +200,7 @@ def invert_gradients(
         final = objective(images.detach()).reshape(attacks, restarts)
     best = final.argmin(1)
     chosen = images.detach().reshape(attacks, restarts, *image_shape)[torch.arange(attacks), best]
-    return Reconstruction(chosen, labels, final[torch.arange(attacks), best])
+    return Reconstruction(chosen, labels, final[torch.arange(attacks), best], final)
 
 
 # ----------------------------------------------------------------------------- scores
@@ -235,10 +236,14 @@ def ssim(reconstructed: torch.Tensor, original: torch.Tensor, data_range: float 
     SSIM = (2 mu_x mu_y + C1)(2 s_xy + C2) / ((mu_x^2 + mu_y^2 + C1)(s_x^2 + s_y^2 + C2)) with
     C1 = (k1 R)^2, C2 = (k2 R)^2, the local moments weighted by a Gaussian window (11 x 11,
     sigma 1.5), averaged over the positions where the window fits inside the image and over
-    channels. The window shrinks to the image for images smaller than it (8 x 8 digits).
+    channels. For images smaller than the window (8 x 8 digits) the window shrinks to the largest
+    odd size that fits (7 x 7, same sigma).
     """
     _check_pair(reconstructed, original)
-    size = min(window, *original.shape[-2:])
+    smallest = min(original.shape[-2:])
+    size = min(window, smallest if smallest % 2 else smallest - 1)
+    if size < 1:
+        raise ValueError(f"images of shape {tuple(original.shape[-2:])} are too small for SSIM")
     weights = _gaussian_window(size, sigma)
     kernel = (weights[:, None] * weights[None, :]).expand(original.shape[1], 1, size, size)
     x, y = reconstructed.double(), original.double()

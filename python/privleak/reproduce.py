@@ -1,0 +1,403 @@
+"""``privleak reproduce``: the experiment of paper 004, Sec. IV-A, Fig. 1 and 2.
+
+For each mechanism (Gaussian, Alg. 1; VMF, Alg. 2) and each epsilon of a sweep, train the paper's
+small network with federated DP-SGD (:mod:`privleak.fl`), let the honest-but-curious server attack
+the last round's one-image updates with Inverting Gradients (:mod:`privleak.attacks`), and put
+the reconstruction error next to two measures of the leak: the epsilon of one update and the Bayes
+capacity of the channel the update goes through (:mod:`privleak.capacity`).
+
+**Comparable epsilons.** The paper says only that both mechanisms "use comparable epsilon, delta
+guarantees". privleak makes that exact, for one leaked update as local DP (any two of the client's
+clipped gradients are neighbours, which is what a reconstruction attack is about):
+
+* VMF: the density ratio is at most exp(2 kappa) on the unit sphere, so kappa = epsilon / 2 (pure
+  DP, attained; :func:`privleak.accounting.vmf_privacy`).
+* Gaussian: the clipped gradients fill a ball of radius c, sensitivity 2c, so the noise multiplier
+  is 2 sigma(epsilon, delta) with sigma the exact analytic-Gaussian calibration
+  (:func:`privleak.accounting.analytic_gaussian_noise_multiplier`).
+
+A noiseless row (clipping only) shows what the attack does when nothing protects the update.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from privleak import accounting, attacks, capacity, datasets, dpsgd, fl
+from privleak.models import PaperNetwork, parameter_count
+
+MECHANISMS = ("gaussian", "vmf")
+NOISELESS = "none"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What ``privleak reproduce`` runs. The defaults finish in minutes on 2 CPU cores;
+    :data:`PAPER_SCALE` is closer to the paper's (and Geiping et al.'s) budget."""
+
+    dataset: str = "mnist-5k"
+    epsilons: tuple = (10.0, 173.0, 1e3, 1e4, 1e5, 1e6)
+    mechanisms: tuple = MECHANISMS
+    delta: float = 1e-5
+    clip_norm: float = 1.0
+    clients: int = 8  #: one attacked image per client and setting
+    examples_per_client: int = 16
+    rounds: int = 3  #: the last round's updates are attacked
+    learning_rate: float = 0.1
+    attack: attacks.InvertingGradients = field(default_factory=lambda: attacks.InvertingGradients(1500, 2))
+    grid_epsilon: float = 173.0  #: the epsilon of the reconstruction grid (Fig. 2 uses 173)
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.epsilons or any(not (e > 0 and math.isfinite(e)) for e in self.epsilons):
+            raise ValueError(f"epsilons must be positive and finite, got {self.epsilons!r}")
+        if not self.mechanisms or any(m not in MECHANISMS for m in self.mechanisms):
+            raise ValueError(f"mechanisms must be taken from {MECHANISMS}, got {self.mechanisms!r}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+        if not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be positive, got {self.clip_norm!r}")
+        for name in ("clients", "examples_per_client", "rounds"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+
+
+PAPER_SCALE = Experiment(
+    epsilons=(1.0, 10.0, 50.0, 173.0, 500.0, 1e3, 3e3, 1e4, 3e4, 1e5, 3e5, 1e6),
+    clients=32, examples_per_client=32, rounds=5,
+    attack=attacks.InvertingGradients(iterations=4800, restarts=4))
+
+
+class Setting(NamedTuple):
+    mechanism: str
+    epsilon: float  #: of one update, local DP; inf for the noiseless row
+    noise_multiplier: float  #: Gaussian sigma (noise std / c); nan otherwise
+    kappa: float  #: VMF concentration; nan otherwise
+    log2_capacity: float  #: Bayes capacity of one update's channel, in bits; inf without noise
+
+
+def settings(experiment: Experiment, dim: int) -> list:
+    """The noiseless row, then every (mechanism, epsilon) with its noise and Bayes capacity."""
+    rows = [Setting(NOISELESS, math.inf, math.nan, math.nan, math.inf)]
+    for mechanism in experiment.mechanisms:
+        for epsilon in experiment.epsilons:
+            if mechanism == "gaussian":
+                sigma = 2.0 * accounting.analytic_gaussian_noise_multiplier(epsilon, experiment.delta)
+                bits = capacity.dpsgd_gaussian(dim, experiment.clip_norm, sigma, 1).log_capacity().bits
+                rows.append(Setting(mechanism, epsilon, sigma, math.nan, bits))
+            else:
+                kappa = epsilon / 2.0
+                rows.append(Setting(mechanism, epsilon, math.nan, kappa, capacity.dpsgd_vmf(dim, kappa).log_capacity().bits))
+    return rows
+
+
+def _config(setting: Setting, clip_norm: float) -> dpsgd.DPSGDConfig:
+    if setting.mechanism == "vmf":
+        return dpsgd.DPSGDConfig(clip_norm, "vmf", kappa=setting.kappa)
+    noise = 0.0 if setting.mechanism == NOISELESS else setting.noise_multiplier
+    return dpsgd.DPSGDConfig(clip_norm, "gaussian", noise_multiplier=noise)
+
+
+class Attacked(NamedTuple):
+    """The last round's updates of one setting, and the images behind them."""
+
+    parameters: list
+    updates: list
+    images: torch.Tensor
+    labels: torch.Tensor
+    dataset_indices: torch.Tensor
+
+
+def train_and_collect(experiment: Experiment, data: datasets.ImageDataset, setting: Setting) -> Attacked:
+    """Federated DP-SGD with one-image batches; the server keeps the last round's updates."""
+    generator = torch.Generator().manual_seed(experiment.seed)
+    order = torch.randperm(len(data.labels), generator=generator)[: experiment.clients * experiment.examples_per_client]
+    shards = order.reshape(experiment.clients, experiment.examples_per_client)
+    clients = [fl.Client(data.images[rows], data.labels[rows]) for rows in shards]
+    torch.manual_seed(experiment.seed)  # the same starting network for every setting
+    model = PaperNetwork(data.image_shape, data.num_classes)
+    federation = fl.run(model, clients, _config(setting, experiment.clip_norm), rounds=experiment.rounds,
+                        batch_size=1, learning_rate=experiment.learning_rate, seed=experiment.seed)
+    last = federation.updates_of_round(experiment.rounds - 1)
+    picked = torch.stack([shards[u.client][u.private_batches[0][0]] for u in last])
+    stack = [torch.stack(tensors) for tensors in zip(*(u.parameters for u in last))]
+    updates = [torch.stack(tensors) for tensors in zip(*(u.update for u in last))]
+    return Attacked(stack, updates, data.images[picked], data.labels[picked], picked)
+
+
+class Results(NamedTuple):
+    rows: list  #: one dict per attacked image (the CSV's rows)
+    settings: list
+    reconstructions: torch.Tensor  #: (settings, clients, C, H, W)
+    originals: torch.Tensor  #: (settings, clients, C, H, W): the attacked clients' true images
+    dim: int
+    seconds: float
+
+
+CSV_FIELDS = ("mechanism", "epsilon", "delta", "noise_multiplier", "kappa", "log2_capacity", "client",
+              "dataset_index", "label", "inferred_label", "mse", "psnr", "ssim")
+
+
+def run(experiment: Experiment, progress: Optional[Callable[[str, int, int], None]] = None) -> Results:
+    """Train every setting, then attack all their updates in one batched Inverting Gradients run."""
+    started = time.perf_counter()
+    data = datasets.load(experiment.dataset)
+    dim = parameter_count(PaperNetwork(data.image_shape, data.num_classes))
+    grid = settings(experiment, dim)
+    collected = []
+    for i, setting in enumerate(grid):
+        collected.append(train_and_collect(experiment, data, setting))
+        if progress is not None:
+            progress("federated training", i + 1, len(grid))
+    parameters = [torch.cat(parts) for parts in zip(*(c.parameters for c in collected))]
+    updates = [torch.cat(parts) for parts in zip(*(c.updates for c in collected))]
+    model = PaperNetwork(data.image_shape, data.num_classes)
+    iterations = experiment.attack.iterations
+    reconstruction = attacks.invert_gradients(
+        model, updates, data.image_shape, parameters=parameters, settings=experiment.attack,
+        generator=torch.Generator().manual_seed(experiment.seed + 1),
+        progress=None if progress is None else (lambda done: progress("attack", done, iterations)))
+    originals = torch.cat([c.images for c in collected])
+    labels = torch.cat([c.labels for c in collected])
+    dataset_indices = torch.cat([c.dataset_indices for c in collected])
+    mse = attacks.mse(reconstruction.images, originals)
+    psnr = attacks.psnr(reconstruction.images, originals)
+    ssim = attacks.ssim(reconstruction.images, originals)
+    rows = []
+    for a in range(len(labels)):
+        setting = grid[a // experiment.clients]
+        rows.append({
+            "mechanism": setting.mechanism, "epsilon": setting.epsilon, "delta": experiment.delta,
+            "noise_multiplier": setting.noise_multiplier, "kappa": setting.kappa,
+            "log2_capacity": setting.log2_capacity, "client": a % experiment.clients,
+            "dataset_index": int(dataset_indices[a]),
+            "label": int(labels[a]), "inferred_label": int(reconstruction.labels[a]),
+            "mse": float(mse[a]), "psnr": float(psnr[a]), "ssim": float(ssim[a]),
+        })
+    shape = (len(grid), experiment.clients, *data.image_shape)
+    return Results(rows, grid, reconstruction.images.reshape(shape), originals.reshape(shape), dim,
+                   time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+class Summary(NamedTuple):
+    """One setting's scores, aggregated over its attacked images."""
+
+    setting: Setting
+    mean_mse: float
+    median_mse: float
+    mean_psnr: float
+    mean_ssim: float
+    label_accuracy: float
+
+
+def summarise(rows: list, grid: list) -> list:
+    summaries = []
+    for setting in grid:
+        mine = [r for r in rows if r["mechanism"] == setting.mechanism and r["epsilon"] == setting.epsilon]
+        mse = np.array([r["mse"] for r in mine])
+        summaries.append(Summary(setting, float(mse.mean()), float(np.median(mse)),
+                                 float(np.mean([r["psnr"] for r in mine])), float(np.mean([r["ssim"] for r in mine])),
+                                 float(np.mean([r["label"] == r["inferred_label"] for r in mine]))))
+    return summaries
+
+
+def mechanism_gap(summaries: list, measure: str) -> float:
+    """How far apart the mechanisms' MSE curves are when plotted against ``measure``.
+
+    Paper 004's Fig. 1 claims that at equal Bayes capacity the Gaussian and VMF mechanisms give
+    similar MSE, and at equal epsilon they do not. This makes that a number: for every setting of
+    one mechanism whose measure lies within the other mechanism's range, the distance between its
+    mean MSE and the other mechanism's MSE curve (linear in log measure) at that point; averaged
+    over both directions. Smaller means the measure predicts the attack regardless of mechanism.
+    nan if the mechanisms' ranges do not overlap.
+    """
+    gaps = []
+    for mine, other in (("gaussian", "vmf"), ("vmf", "gaussian")):
+        points = sorted((getattr(s.setting, measure), s.mean_mse) for s in summaries if s.setting.mechanism == other)
+        if len(points) < 2:
+            continue
+        x, y = np.log([p[0] for p in points]), np.array([p[1] for p in points])
+        for s in summaries:
+            value = getattr(s.setting, measure)
+            if s.setting.mechanism == mine and x[0] <= math.log(value) <= x[-1]:
+                gaps.append(abs(s.mean_mse - float(np.interp(math.log(value), x, y))))
+    return float(np.mean(gaps)) if gaps else math.nan
+
+
+def rank_correlations(summaries: list) -> dict:
+    """Spearman correlation of the mean MSE with epsilon and with the log Bayes capacity, both
+    mechanisms pooled, the noiseless row left out."""
+    from scipy.stats import spearmanr
+
+    noisy = [s for s in summaries if s.setting.mechanism != NOISELESS]
+    mse = [s.mean_mse for s in noisy]
+    return {measure: float(spearmanr([getattr(s.setting, measure) for s in noisy], mse).statistic)
+            for measure in ("epsilon", "log2_capacity")}
+
+
+def write_csv(rows: list, path: str) -> None:
+    with open(path, "w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+
+
+def read_csv(path: str) -> list:
+    """The rows of :func:`write_csv`, with numbers parsed back."""
+    numbers = {"epsilon", "delta", "noise_multiplier", "kappa", "log2_capacity", "mse", "psnr", "ssim"}
+    integers = {"client", "dataset_index", "label", "inferred_label"}
+    with open(path, newline="") as stream:
+        return [{k: float(v) if k in numbers else int(v) if k in integers else v for k, v in row.items()}
+                for row in csv.DictReader(stream)]
+
+
+_COLOURS = {"gaussian": "tab:blue", "vmf": "tab:orange", NOISELESS: "black"}
+_LABELS = {"gaussian": "Gaussian (Alg. 1)", "vmf": "VMF (Alg. 2)", NOISELESS: "no noise"}
+
+
+def _plot_mse_against(summaries: list, rows: list, measure: str, xlabel: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5.5, 4))
+    for mechanism in MECHANISMS:
+        mine = [s for s in summaries if s.setting.mechanism == mechanism]
+        if not mine:
+            continue
+        x = [getattr(s.setting, measure) for s in mine]
+        per_image = [[r["mse"] for r in rows if r["mechanism"] == mechanism and r["epsilon"] == s.setting.epsilon]
+                     for s in mine]
+        axes.errorbar(x, [s.mean_mse for s in mine], yerr=[np.std(v) / math.sqrt(len(v)) for v in per_image],
+                      marker="o", capsize=3, color=_COLOURS[mechanism], label=_LABELS[mechanism])
+    noiseless = [s for s in summaries if s.setting.mechanism == NOISELESS]
+    if noiseless:
+        axes.axhline(noiseless[0].mean_mse, color=_COLOURS[NOISELESS], linestyle="--", label=_LABELS[NOISELESS])
+    axes.set_xscale("log")
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("reconstruction MSE (mean over images)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _grid_rows(results: Results, grid_epsilon: float) -> list:
+    """Rows of the reconstruction figure: the originals, no noise, then each mechanism at the sweep's
+    epsilon nearest to ``grid_epsilon``."""
+    rows = [("original", results.originals[0]), (_LABELS[NOISELESS], results.reconstructions[0])]
+    for mechanism in MECHANISMS:
+        mine = [i for i, s in enumerate(results.settings) if s.mechanism == mechanism]
+        if mine:
+            i = min(mine, key=lambda i: abs(math.log(results.settings[i].epsilon / grid_epsilon)))
+            rows.append((f"{_LABELS[mechanism]}, eps = {results.settings[i].epsilon:g}", results.reconstructions[i]))
+    return rows
+
+
+def _plot_reconstructions(results: Results, grid_epsilon: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _grid_rows(results, grid_epsilon)
+    columns = results.originals.shape[1]
+    figure, axes = plt.subplots(len(rows), columns, figsize=(1.1 * columns + 1.6, 1.2 * len(rows)), squeeze=False)
+    for r, (title, images) in enumerate(rows):
+        for c in range(columns):
+            axes[r, c].imshow(images[c].permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray", vmin=0, vmax=1)
+            axes[r, c].set_xticks([])
+            axes[r, c].set_yticks([])
+        axes[r, 0].set_ylabel(title, rotation=0, ha="right", va="center", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _number(value: float) -> str:
+    return "inf" if value == math.inf else "-" if math.isnan(value) else f"{value:.6g}"
+
+
+def report_markdown(experiment: Experiment, results: Results, summaries: list) -> str:
+    attack = experiment.attack
+    lines = [
+        "# privleak reproduce",
+        "",
+        f"Paper 004 (Biswas et al.), Sec. IV-A: Inverting Gradients against federated DP-SGD with Gaussian (Alg. 1) "
+        f"and VMF (Alg. 2) noise. Run time {results.seconds:.0f} s.",
+        "",
+        "## Parameters",
+        "",
+        f"- data: {experiment.dataset}; network: {results.dim} parameters (privleak.models.PaperNetwork)",
+        f"- federated DP-SGD: {experiment.clients} clients x {experiment.examples_per_client} examples, "
+        f"{experiment.rounds} rounds, one-image batches, clip norm {experiment.clip_norm:g}, "
+        f"learning rate {experiment.learning_rate:g}; the last round's {experiment.clients} updates are attacked",
+        f"- epsilon: of one update as local DP, delta = {experiment.delta:g} for the Gaussian "
+        f"(noise multiplier 2 sigma_analytic(eps, delta)), pure for VMF (kappa = eps / 2)",
+        f"- attack: {attack.iterations} iterations, {attack.restarts} restarts, step {attack.learning_rate:g}, "
+        f"TV weight {attack.tv_weight:g}, labels inferred from the last layer",
+        f"- seed {experiment.seed}",
+        "",
+        "## Results",
+        "",
+        "| mechanism | epsilon | noise multiplier | kappa | log2 Bayes capacity | mean MSE | median MSE "
+        "| mean PSNR | mean SSIM | label accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        t = s.setting
+        lines.append(f"| {t.mechanism} | {_number(t.epsilon)} | {_number(t.noise_multiplier)} | {_number(t.kappa)} "
+                     f"| {_number(t.log2_capacity)} | {_number(s.mean_mse)} | {_number(s.median_mse)} "
+                     f"| {_number(s.mean_psnr)} | {_number(s.mean_ssim)} | {_number(s.label_accuracy)} |")
+    correlations = rank_correlations(summaries)
+    lines += [
+        "",
+        "## Which measure predicts the attack",
+        "",
+        "| measure | gap between the mechanisms' MSE curves | Spearman rho with MSE, mechanisms pooled |",
+        "|---|---|---|",
+        f"| epsilon | {_number(mechanism_gap(summaries, 'epsilon'))} | {correlations['epsilon']:.3f} |",
+        f"| log2 Bayes capacity | {_number(mechanism_gap(summaries, 'log2_capacity'))} "
+        f"| {correlations['log2_capacity']:.3f} |",
+        "",
+        "The gap is the mean distance, in MSE, from each setting of one mechanism to the other "
+        "mechanism's curve at the same value of the measure (privleak.reproduce.mechanism_gap): "
+        "the smaller it is, the better the measure predicts the attack whatever the mechanism.",
+        "",
+        "![epsilon vs MSE](epsilon_vs_mse.png) ![Bayes capacity vs MSE](capacity_vs_mse.png)",
+        "",
+        "![reconstructions](reconstructions.png)",
+        "",
+        "Per-image scores: reconstructions.csv.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_outputs(experiment: Experiment, results: Results, out: str) -> dict:
+    """reconstructions.csv, epsilon_vs_mse.png, capacity_vs_mse.png, reconstructions.png, report.md."""
+    os.makedirs(out, exist_ok=True)
+    summaries = summarise(results.rows, results.settings)
+    paths = {name: os.path.join(out, name) for name in
+             ("reconstructions.csv", "epsilon_vs_mse.png", "capacity_vs_mse.png", "reconstructions.png", "report.md")}
+    write_csv(results.rows, paths["reconstructions.csv"])
+    _plot_mse_against(summaries, results.rows, "epsilon", "epsilon of one update (local DP)", paths["epsilon_vs_mse.png"])
+    _plot_mse_against(summaries, results.rows, "log2_capacity", "log2 Bayes capacity of one update (bits)",
+                      paths["capacity_vs_mse.png"])
+    _plot_reconstructions(results, experiment.grid_epsilon, paths["reconstructions.png"])
+    with open(paths["report.md"], "w") as stream:
+        stream.write(report_markdown(experiment, results, summaries))
+    return paths
