@@ -41,16 +41,18 @@ def _progress_bars():
 def _reproduce(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from privleak import attacks, reproduce
+    from privleak import reproduce
 
     experiment = reproduce.PAPER_SCALE if args.paper_scale else reproduce.Experiment()
     attack = experiment.attack
     attack = dataclasses.replace(attack, **{k: v for k, v in (("iterations", args.iterations),
                                                               ("restarts", args.restarts)) if v is not None})
-    changes = {name: getattr(args, name) for name in ("dataset", "clients", "rounds", "seed", "delta", "grid_epsilon")
+    changes = {name: getattr(args, name) for name in ("dataset", "clients", "rounds", "seed", "delta")
                if getattr(args, name) is not None}
     if args.epsilons is not None:
         changes["epsilons"] = tuple(args.epsilons)
+    if args.grid_epsilons is not None:
+        changes["grid_epsilons"] = tuple(args.grid_epsilons)
     if args.mechanisms is not None:
         changes["mechanisms"] = tuple(args.mechanisms)
     experiment = dataclasses.replace(experiment, attack=attack, **changes)
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--rounds", type=int, help="federated rounds; the last one's updates are attacked")
     reproduce.add_argument("--iterations", type=int, help="attack iterations")
     reproduce.add_argument("--restarts", type=int, help="attack restarts")
-    reproduce.add_argument("--grid-epsilon", type=float, help="epsilon shown in reconstructions.png (default 173)")
+    reproduce.add_argument("--grid-epsilons", type=float, nargs="+",
+                           help="epsilons shown in reconstructions.png (default 173 1e4 1e5)")
     reproduce.add_argument("--seed", type=int)
     reproduce.add_argument("--quiet", action="store_true", help="no progress bars")
     reproduce.set_defaults(run=_reproduce)

@@ -43,7 +43,7 @@ class Experiment:
     :data:`PAPER_SCALE` is closer to the paper's (and Geiping et al.'s) budget."""
 
     dataset: str = "mnist-5k"
-    epsilons: tuple = (10.0, 173.0, 1e3, 1e4, 1e5, 1e6)
+    epsilons: tuple = (10.0, 173.0, 1e3, 3e3, 1e4, 3e4, 1e5, 1e6)
     mechanisms: tuple = MECHANISMS
     delta: float = 1e-5
     clip_norm: float = 1.0
@@ -52,7 +52,7 @@ class Experiment:
     rounds: int = 3  #: the last round's updates are attacked
     learning_rate: float = 0.1
     attack: attacks.InvertingGradients = field(default_factory=lambda: attacks.InvertingGradients(1500, 2))
-    grid_epsilon: float = 173.0  #: the epsilon of the reconstruction grid (Fig. 2 uses 173)
+    grid_epsilons: tuple = (173.0, 1e4, 1e5)  #: rows of the reconstruction figure (Fig. 2 uses 173)
     seed: int = 0
 
     def __post_init__(self):
@@ -295,25 +295,27 @@ def _plot_mse_against(summaries: list, rows: list, measure: str, xlabel: str, pa
     plt.close(figure)
 
 
-def _grid_rows(results: Results, grid_epsilon: float) -> list:
-    """Rows of the reconstruction figure: the originals, no noise, then each mechanism at the sweep's
-    epsilon nearest to ``grid_epsilon``."""
+def _grid_rows(results: Results, grid_epsilons: tuple) -> list:
+    """Rows of the reconstruction figure: the originals, no noise, then for each of
+    ``grid_epsilons`` each mechanism at the sweep's epsilon nearest to it."""
     rows = [("original", results.originals[0]), (_LABELS[NOISELESS], results.reconstructions[0])]
-    for mechanism in MECHANISMS:
-        mine = [i for i, s in enumerate(results.settings) if s.mechanism == mechanism]
-        if mine:
-            i = min(mine, key=lambda i: abs(math.log(results.settings[i].epsilon / grid_epsilon)))
-            rows.append((f"{_LABELS[mechanism]}, eps = {results.settings[i].epsilon:g}", results.reconstructions[i]))
+    for wanted in grid_epsilons:
+        for mechanism in MECHANISMS:
+            mine = [i for i, s in enumerate(results.settings) if s.mechanism == mechanism]
+            if mine:
+                i = min(mine, key=lambda i: abs(math.log(results.settings[i].epsilon / wanted)))
+                rows.append((f"{_LABELS[mechanism]}, eps = {results.settings[i].epsilon:g}",
+                             results.reconstructions[i]))
     return rows
 
 
-def _plot_reconstructions(results: Results, grid_epsilon: float, path: str) -> None:
+def _plot_reconstructions(results: Results, grid_epsilons: tuple, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _grid_rows(results, grid_epsilon)
+    rows = _grid_rows(results, grid_epsilons)
     columns = results.originals.shape[1]
     figure, axes = plt.subplots(len(rows), columns, figsize=(1.1 * columns + 1.6, 1.2 * len(rows)), squeeze=False)
     for r, (title, images) in enumerate(rows):
@@ -397,7 +399,7 @@ def write_outputs(experiment: Experiment, results: Results, out: str) -> dict:
     _plot_mse_against(summaries, results.rows, "epsilon", "epsilon of one update (local DP)", paths["epsilon_vs_mse.png"])
     _plot_mse_against(summaries, results.rows, "log2_capacity", "log2 Bayes capacity of one update (bits)",
                       paths["capacity_vs_mse.png"])
-    _plot_reconstructions(results, experiment.grid_epsilon, paths["reconstructions.png"])
+    _plot_reconstructions(results, experiment.grid_epsilons, paths["reconstructions.png"])
     with open(paths["report.md"], "w") as stream:
         stream.write(report_markdown(experiment, results, summaries))
     return paths

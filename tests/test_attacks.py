@@ -1,0 +1,249 @@
+"""Inverting Gradients and the reconstruction scores, against independent references."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from skimage.metrics import structural_similarity
+
+from privleak import accounting, attacks, datasets, dpsgd
+from privleak.models import PaperNetwork, parameter_count
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return datasets.mnist_5k()
+
+
+def _network(seed=0, shape=(1, 28, 28)):
+    torch.manual_seed(seed)
+    return PaperNetwork(shape, 10)
+
+
+def _autograd_gradient(model, image, label, params=None):
+    """One image's gradient by plain autograd on a fresh copy of the network: the reference for
+    the attack's vmapped, functional gradients."""
+    if params is not None:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), params):
+                p.copy_(q)
+    loss = F.cross_entropy(model(image.unsqueeze(0)), label.reshape(1))
+    return torch.autograd.grad(loss, list(model.parameters()), create_graph=False)
+
+
+# ----------------------------------------------------------------------------- the network
+
+
+def test_the_paper_network_has_the_parameters_its_layers_say():
+    def conv(c_in, c_out, k):
+        return c_in * c_out * k * k + c_out
+
+    expected = conv(1, 12, 5) + conv(12, 12, 5) + conv(12, 12, 5) + 12 * 7 * 7 * 10 + 10
+    assert parameter_count(PaperNetwork()) == expected == 13426
+    assert PaperNetwork()(torch.rand(3, 1, 28, 28)).shape == (3, 10)
+    assert PaperNetwork((1, 8, 8))(torch.rand(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_the_paper_network_starts_uniform_in_half_a_unit():
+    values = torch.cat([p.detach().flatten() for p in _network().parameters()])
+    assert float(values.abs().max()) <= 0.5
+    # Uniform(-0.5, 0.5): variance 1/12, far above PyTorch's default start for these layers.
+    assert abs(float(values.var()) - 1 / 12) < 0.005
+
+
+def test_bad_network_shapes_are_rejected():
+    with pytest.raises(ValueError, match="image_shape"):
+        PaperNetwork((28, 28))
+    with pytest.raises(ValueError, match="num_classes"):
+        PaperNetwork(num_classes=1)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def test_mse_and_psnr_match_numpy(mnist):
+    x, y = mnist.images[:5], mnist.images[5:10]
+    expected = ((x.numpy().astype(np.float64) - y.numpy()) ** 2).reshape(5, -1).mean(1)
+    np.testing.assert_allclose(attacks.mse(x, y).numpy(), expected, rtol=1e-12)
+    np.testing.assert_allclose(attacks.psnr(x, y).numpy(), 10 * np.log10(1 / expected), rtol=1e-12)
+    assert math.isinf(float(attacks.psnr(x, x)[0]))
+
+
+def test_ssim_matches_scikit_image_on_mnist(mnist):
+    torch.manual_seed(1)
+    x = mnist.images[:6].double()
+    y = (0.6 * mnist.images[6:12] + 0.4 * torch.rand(6, 1, 28, 28)).double()
+    ours = attacks.ssim(x, y)
+    for i in range(6):
+        reference = structural_similarity(x[i, 0].numpy(), y[i, 0].numpy(), gaussian_weights=True, sigma=1.5,
+                                          use_sample_covariance=False, data_range=1.0)
+        assert float(ours[i]) == pytest.approx(reference, abs=1e-10)
+    np.testing.assert_allclose(attacks.ssim(x, x).numpy(), 1.0, atol=1e-12)
+
+
+def _ssim_by_loops(x: np.ndarray, y: np.ndarray, size: int, sigma: float = 1.5) -> float:
+    """SSIM by its definition: Gaussian-weighted moments in every window that fits, averaged."""
+    offsets = np.arange(size) - (size - 1) / 2
+    w1 = np.exp(-offsets ** 2 / (2 * sigma ** 2))
+    w = np.outer(w1, w1) / np.outer(w1, w1).sum()
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    values = []
+    for i in range(x.shape[0] - size + 1):
+        for j in range(x.shape[1] - size + 1):
+            a, b = x[i:i + size, j:j + size], y[i:i + size, j:j + size]
+            ma, mb = (w * a).sum(), (w * b).sum()
+            va, vb = (w * a * a).sum() - ma ** 2, (w * b * b).sum() - mb ** 2
+            cov = (w * a * b).sum() - ma * mb
+            values.append((2 * ma * mb + c1) * (2 * cov + c2) / ((ma ** 2 + mb ** 2 + c1) * (va + vb + c2)))
+    return float(np.mean(values))
+
+
+def test_ssim_on_images_smaller_than_the_window_uses_a_7x7_window():
+    digits = datasets.sklearn_digits().images[:3].double()
+    other = digits.flip(-1)
+    ours = attacks.ssim(digits, other)
+    for i in range(3):
+        assert float(ours[i]) == pytest.approx(_ssim_by_loops(digits[i, 0].numpy(), other[i, 0].numpy(), 7), abs=1e-12)
+
+
+def test_scores_reject_mismatched_shapes(mnist):
+    with pytest.raises(ValueError, match="reconstructed and original"):
+        attacks.mse(mnist.images[:2], mnist.images[:3])
+    with pytest.raises(ValueError, match="reconstructed and original"):
+        attacks.ssim(mnist.images[0], mnist.images[1])
+
+
+def test_total_variation_matches_loops():
+    torch.manual_seed(2)
+    x = torch.rand(3, 2, 5, 7, dtype=torch.float64)
+    a = x.numpy()
+    for n in range(3):
+        vertical = np.mean([abs(a[n, c, i + 1, j] - a[n, c, i, j]) for c in range(2) for i in range(4) for j in range(7)])
+        horizontal = np.mean([abs(a[n, c, i, j + 1] - a[n, c, i, j]) for c in range(2) for i in range(5) for j in range(6)])
+        assert float(attacks.total_variation(x)[n]) == pytest.approx(vertical + horizontal, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- label inference
+
+
+def test_labels_are_inferred_from_clean_one_image_gradients(mnist):
+    model = _network()
+    rows = torch.arange(0, 5000, 125)  # 40 images, every class
+    grads = dpsgd.per_sample_gradients(model, F.cross_entropy, mnist.images[rows], mnist.labels[rows])
+    assert torch.equal(attacks.infer_labels(model, grads), mnist.labels[rows])
+    # A positive scale, as clipping, averaging or VMF's normalisation apply, changes nothing.
+    assert torch.equal(attacks.infer_labels(model, [0.01 * g for g in grads]), mnist.labels[rows])
+
+
+def test_label_inference_uses_the_weight_rows_without_a_bias(mnist):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.Sigmoid(),
+                                torch.nn.Linear(32, 10, bias=False))
+    rows = torch.arange(0, 5000, 250)
+    grads = dpsgd.per_sample_gradients(model, F.cross_entropy, mnist.images[rows], mnist.labels[rows])
+    assert torch.equal(attacks.infer_labels(model, grads), mnist.labels[rows])
+
+
+# ----------------------------------------------------------------------------- the attack
+
+
+def _objective_by_autograd(model, images, labels, leaked, tv_weight, params_per_attack=None):
+    values = []
+    for a in range(images.shape[0]):
+        g = _autograd_gradient(model, images[a], labels[a],
+                               None if params_per_attack is None else [p[a] for p in params_per_attack])
+        flat = torch.cat([t.flatten() for t in g]).double()
+        target = torch.cat([t[a].flatten() for t in leaked]).double()
+        cosine = flat @ target / (flat.norm() * target.norm())
+        values.append(float(1 - cosine + tv_weight * attacks.total_variation(images[a:a + 1].double())[0]))
+    return np.array(values)
+
+
+def test_a_noiseless_update_is_inverted_almost_exactly(mnist):
+    model = _network()
+    rows = torch.tensor([3, 1501, 4007])
+    images, labels = mnist.images[rows], mnist.labels[rows]
+    clean = dpsgd.per_sample_gradients(model, F.cross_entropy, images, labels)
+    settings = attacks.InvertingGradients(iterations=1000, restarts=2)
+    result = attacks.invert_gradients(model, clean, (1, 28, 28), settings=settings,
+                                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(result.labels, labels)
+    # A failed attack scores about 0.4 (a noise image), the digits' own pixel variance is about 0.1.
+    assert float(attacks.mse(result.images, images).max()) < 0.02
+    assert float(attacks.ssim(result.images, images).mean()) > 0.8
+    # The images stay in the box, and the reported objective is theirs (checked by plain autograd).
+    assert float(result.images.min()) >= 0.0 and float(result.images.max()) <= 1.0
+    np.testing.assert_allclose(result.objective.numpy(),
+                               _objective_by_autograd(_network(), result.images, labels, clean, settings.tv_weight),
+                               atol=2e-5)
+
+
+def test_mse_rises_with_the_noise(mnist):
+    """Noiseless, then Gaussian DP-SGD at epsilon 1e5 and 1e3 (one update, local DP): the attack
+    gets worse at every step, and far worse than on the noiseless update."""
+    model = _network()
+    rows = torch.tensor([10, 700, 1900, 3300])
+    images, labels = mnist.images[rows], mnist.labels[rows]
+    grads = dpsgd.per_sample_gradients(model, F.cross_entropy, images, labels)
+    updates = []
+    for seed, epsilon in enumerate((math.inf, 1e5, 1e3)):
+        sigma = 0.0 if math.isinf(epsilon) else 2 * accounting.analytic_gaussian_noise_multiplier(epsilon, 1e-5)
+        config = dpsgd.DPSGDConfig(1.0, "gaussian", noise_multiplier=sigma)
+        one_by_one = [dpsgd.privatize([g[i:i + 1] for g in grads], config, 1, generator=None)
+                      for i in range(len(rows))]
+        updates.append([torch.stack(parts) for parts in zip(*one_by_one)])
+    leaked = [torch.cat(parts) for parts in zip(*updates)]
+    result = attacks.invert_gradients(model, leaked, (1, 28, 28), labels=labels.repeat(3),
+                                      settings=attacks.InvertingGradients(iterations=600),
+                                      generator=torch.Generator().manual_seed(1))
+    mse = attacks.mse(result.images, images.repeat(3, 1, 1, 1)).reshape(3, len(rows)).mean(1)
+    assert float(mse[0]) < float(mse[1]) < float(mse[2])
+    assert float(mse[2]) > 10 * float(mse[0])
+
+
+def test_restarts_keep_the_lowest_objective_and_per_attack_parameters_are_used(mnist):
+    first, second = _network(0), _network(1)
+    rows = torch.tensor([20, 2600])
+    images, labels = mnist.images[rows], mnist.labels[rows]
+    g0 = dpsgd.per_sample_gradients(first, F.cross_entropy, images[:1], labels[:1])
+    g1 = dpsgd.per_sample_gradients(second, F.cross_entropy, images[1:], labels[1:])
+    leaked = [torch.cat(parts) for parts in zip(g0, g1)]
+    params = [torch.stack([p.detach(), q.detach()]) for p, q in zip(first.parameters(), second.parameters())]
+    settings = attacks.InvertingGradients(iterations=40, restarts=3)
+    result = attacks.invert_gradients(_network(5), leaked, (1, 28, 28), parameters=params, settings=settings,
+                                      generator=torch.Generator().manual_seed(2))
+    assert torch.equal(result.labels, labels)
+    np.testing.assert_allclose(result.objective.numpy(),
+                               _objective_by_autograd(_network(5), result.images, labels, leaked, settings.tv_weight,
+                                                      params), atol=2e-5)
+    # The returned restart is the best one, and the restarts really differ.
+    assert result.restart_objectives.shape == (2, 3)
+    assert torch.equal(result.objective, result.restart_objectives.min(1).values)
+    assert bool((result.restart_objectives.max(1).values > result.objective).all())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(iterations=0), "iterations"), (dict(restarts=0), "restarts"), (dict(learning_rate=0.0), "learning_rate"),
+    (dict(tv_weight=-1.0), "tv_weight"), (dict(bounds=(1.0, 0.0)), "bounds")])
+def test_bad_attack_settings_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        attacks.InvertingGradients(**kwargs)
+
+
+def test_bad_leaked_updates_are_rejected(mnist):
+    model = _network()
+    good = dpsgd.per_sample_gradients(model, F.cross_entropy, mnist.images[:2], mnist.labels[:2])
+    with pytest.raises(ValueError, match="leaked holds 1 tensors"):
+        attacks.invert_gradients(model, good[:1], (1, 28, 28))
+    with pytest.raises(ValueError, match=r"leaked\[0\] must have shape"):
+        attacks.invert_gradients(model, [good[0][0]] + good[1:], (1, 28, 28))
+    with pytest.raises(ValueError, match=r"leaked\[1\] holds 1 attacks"):
+        attacks.invert_gradients(model, [good[0]] + [good[1][:1]] + good[2:], (1, 28, 28))
+    with pytest.raises(ValueError, match="not finite"):
+        attacks.invert_gradients(model, [good[0] * math.nan] + good[1:], (1, 28, 28))
+    with pytest.raises(ValueError, match="is zero"):
+        attacks.invert_gradients(model, [torch.zeros_like(g) for g in good], (1, 28, 28))
+    with pytest.raises(ValueError, match="labels holds 3 labels for 2 attacks"):
+        attacks.invert_gradients(model, good, (1, 28, 28), labels=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="parameters holds"):
+        attacks.invert_gradients(model, good, (1, 28, 28), parameters=[p.detach()[None] for p in model.parameters()][:2])

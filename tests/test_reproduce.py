@@ -1,0 +1,148 @@
+"""privleak reproduce end to end on a small sweep, and its report against its CSV."""
+import math
+import re
+
+import numpy as np
+import pytest
+
+from privleak import accounting, attacks, capacity, cli, reproduce
+from privleak.models import PaperNetwork, parameter_count
+
+SMALL = reproduce.Experiment(dataset="sklearn-digits", epsilons=(100.0, 1e6), clients=3, examples_per_client=4,
+                             rounds=2, attack=attacks.InvertingGradients(iterations=300), grid_epsilons=(1e6,))
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reproduce")
+    stages = []
+    results = reproduce.run(SMALL, lambda stage, done, total: stages.append((stage, done, total)))
+    paths = reproduce.write_outputs(SMALL, results, str(out))
+    return results, paths, stages
+
+
+def test_every_output_is_written(small_run):
+    _, paths, stages = small_run
+    for name in ("epsilon_vs_mse.png", "capacity_vs_mse.png", "reconstructions.png"):
+        with open(paths[name], "rb") as stream:
+            assert stream.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert ("federated training", 5, 5) in stages and ("attack", 300, 300) in stages
+
+
+def test_the_csv_holds_every_attacked_image_with_its_settings(small_run):
+    results, paths, _ = small_run
+    rows = reproduce.read_csv(paths["reconstructions.csv"])
+    assert len(rows) == (1 + 2 * 2) * SMALL.clients
+    dim = parameter_count(PaperNetwork((1, 8, 8), 10))
+    assert results.dim == dim
+    for row in rows:
+        if row["mechanism"] == "gaussian":
+            # The noise multiplier makes one update (epsilon, delta)-LDP: sensitivity 2c.
+            assert accounting.analytic_gaussian_epsilon(row["noise_multiplier"] / 2, row["delta"]) == \
+                pytest.approx(row["epsilon"], rel=1e-9)
+            expected = capacity.dpsgd_gaussian(dim, 1.0, row["noise_multiplier"], 1).log_capacity().bits
+        elif row["mechanism"] == "vmf":
+            assert accounting.vmf_privacy(row["kappa"]).step_epsilon == pytest.approx(row["epsilon"])
+            expected = capacity.dpsgd_vmf(dim, row["kappa"]).log_capacity().bits
+        else:
+            expected = math.inf
+        assert row["log2_capacity"] == pytest.approx(expected, rel=1e-12)
+        assert 0.0 <= row["mse"] <= 1.0 and row["psnr"] == pytest.approx(-10 * math.log10(row["mse"]), rel=1e-9)
+    # The CSV's scores are those of the returned images.
+    mse = attacks.mse(results.reconstructions.flatten(0, 1), results.originals.flatten(0, 1)).numpy()
+    np.testing.assert_allclose([r["mse"] for r in rows], mse, rtol=1e-12)
+    # Every setting attacked the same client images: the sweep changes only the noise.
+    assert len({tuple(r["dataset_index"] for r in rows if r["epsilon"] == e and r["mechanism"] == m)
+                for m, e in {(r["mechanism"], r["epsilon"]) for r in rows}}) == 1
+
+
+def _report_table(text: str, header: str) -> list:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    table = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip("|").split("|")])
+    return table
+
+
+def test_the_report_numbers_are_the_csvs(small_run):
+    _, paths, _ = small_run
+    rows = reproduce.read_csv(paths["reconstructions.csv"])
+    with open(paths["report.md"]) as stream:
+        text = stream.read()
+    table = _report_table(text, "| mechanism | epsilon |")
+    assert len(table) == 5
+    for cells in table:
+        mechanism, epsilon = cells[0], float(cells[1])
+        mine = [r for r in rows if r["mechanism"] == mechanism and r["epsilon"] == epsilon]
+        assert len(mine) == SMALL.clients
+        mse = np.array([r["mse"] for r in mine])
+        assert float(cells[5]) == pytest.approx(mse.mean(), rel=1e-5)
+        assert float(cells[6]) == pytest.approx(np.median(mse), rel=1e-5)
+        assert float(cells[8]) == pytest.approx(np.mean([r["ssim"] for r in mine]), rel=1e-5, abs=1e-6)
+        assert float(cells[9]) == pytest.approx(np.mean([r["label"] == r["inferred_label"] for r in mine]))
+        assert float(cells[4]) == pytest.approx(mine[0]["log2_capacity"], rel=1e-5)
+    measures = _report_table(text, "| measure |")
+    assert [m[0] for m in measures] == ["epsilon", "log2 Bayes capacity"]
+    summaries = reproduce.summarise(rows, _settings_of(rows))
+    assert float(measures[1][1]) == pytest.approx(reproduce.mechanism_gap(summaries, "log2_capacity"), rel=1e-5)
+    assert re.search(r"Run time \d+ s", text)
+
+
+def _settings_of(rows):
+    seen = {}
+    for r in rows:
+        seen.setdefault((r["mechanism"], r["epsilon"]), reproduce.Setting(
+            r["mechanism"], r["epsilon"], r["noise_multiplier"], r["kappa"], r["log2_capacity"]))
+    return list(seen.values())
+
+
+def test_the_noiseless_attack_beats_the_noisy_ones(small_run):
+    results, paths, _ = small_run
+    summaries = {(s.setting.mechanism, s.setting.epsilon): s
+                 for s in reproduce.summarise(reproduce.read_csv(paths["reconstructions.csv"]), results.settings)}
+    noiseless = summaries[("none", math.inf)].mean_mse
+    for mechanism in ("gaussian", "vmf"):
+        assert noiseless < summaries[(mechanism, 1e6)].mean_mse < summaries[(mechanism, 100.0)].mean_mse
+
+
+def _summary(mechanism, epsilon, log2_capacity, mse):
+    return reproduce.Summary(reproduce.Setting(mechanism, epsilon, math.nan, math.nan, log2_capacity),
+                             mse, mse, math.nan, math.nan, 1.0)
+
+
+def test_mechanism_gap_is_the_distance_between_the_curves():
+    # Gaussian MSE = 1 - log10(x) / 4 on x = 1..1e4; VMF points sit 0.1 above it at x = 10 and 1000.
+    gaussian = [_summary("gaussian", x, x, 1 - math.log10(x) / 4) for x in (1.0, 100.0, 1e4)]
+    vmf = [_summary("vmf", x, x, 1.1 - math.log10(x) / 4) for x in (10.0, 1e3)]
+    # VMF against the Gaussian line: 0.1 each. Gaussian x = 100 against the VMF segment: 0.1.
+    assert reproduce.mechanism_gap(gaussian + vmf, "epsilon") == pytest.approx(0.1)
+    assert reproduce.mechanism_gap(gaussian + [_summary("vmf", x, x, 1 - math.log10(x) / 4) for x in (10.0, 1e3)],
+                                   "log2_capacity") == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(reproduce.mechanism_gap(gaussian + [_summary("vmf", 1e9, 1e9, 0.5)], "epsilon"))
+
+
+def test_the_command_line_runs_a_sweep(tmp_path, capsys):
+    code = cli.main(["reproduce", "--out", str(tmp_path), "--dataset", "sklearn-digits", "--epsilons", "1e4",
+                     "--mechanisms", "vmf", "--clients", "2", "--rounds", "1", "--iterations", "20", "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out.split()
+    assert sorted(p.rsplit("/", 1)[-1] for p in printed) == sorted(
+        ["reconstructions.csv", "epsilon_vs_mse.png", "capacity_vs_mse.png", "reconstructions.png", "report.md"])
+    rows = reproduce.read_csv(str(tmp_path / "reconstructions.csv"))
+    assert [r["mechanism"] for r in rows] == ["none", "none", "vmf", "vmf"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(epsilons=()), "epsilons"), (dict(epsilons=(0.0,)), "epsilons"), (dict(mechanisms=("laplace",)), "mechanisms"),
+    (dict(delta=0.0), "delta"), (dict(clients=0), "clients"), (dict(rounds=0), "rounds")])
+def test_bad_experiments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        reproduce.Experiment(**kwargs)
+
+
+def test_unknown_data_sets_are_rejected():
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        reproduce.run(reproduce.Experiment(dataset="no-such-data"))
