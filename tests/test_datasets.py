@@ -54,7 +54,7 @@ def test_idx_folders_load_like_mnist(tmp_path, compress):
 
 
 def test_idx_reader_reads_big_endian_types(tmp_path):
-    values = np.arange(12, dtype=">i4").reshape(3, 4) - 5
+    values = (np.arange(12).reshape(3, 4) - 5).astype(">i4")
     _write_idx(tmp_path / "ints", values, 0x0C, False)
     np.testing.assert_array_equal(datasets.read_idx(str(tmp_path / "ints")), values)
 
