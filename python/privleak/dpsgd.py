@@ -241,15 +241,21 @@ class DPSGDConfig(NamedTuple):
     non_finite: str = "raise"
 
 
+def gaussian_noise_std(config: DPSGDConfig, num_tensors: int) -> float:
+    """Standard deviation of Alg. 1's noise on the clipped sum of ``num_tensors`` tensors:
+    noise_multiplier c (flat clipping), noise_multiplier |(c_t)|_2 (per layer)."""
+    clip = _clip_norms(config.clip_norm, num_tensors, config.per_layer)
+    return config.noise_multiplier * math.sqrt(sum(c * c for c in clip)) if config.per_layer else \
+        config.noise_multiplier * clip[0]
+
+
 def privatize(per_sample_grads: Sequence[torch.Tensor], config: DPSGDConfig, expected_batch_size: float,
               generator=None) -> list:
     """The update DP-SGD leaks for one batch (what an honest-but-curious server sees), per tensor."""
     if config.mechanism == "gaussian":
-        clip = _clip_norms(config.clip_norm, len(per_sample_grads), config.per_layer)
-        noise_std = config.noise_multiplier * math.sqrt(sum(c * c for c in clip)) if config.per_layer else \
-            config.noise_multiplier * clip[0]
         return clip_and_accumulate(per_sample_grads, config.clip_norm, per_layer=config.per_layer,
-                                   noise_std=noise_std, batch_size=expected_batch_size, generator=generator,
+                                   noise_std=gaussian_noise_std(config, len(per_sample_grads)),
+                                   batch_size=expected_batch_size, generator=generator,
                                    non_finite=config.non_finite).grads
     if config.mechanism == "vmf":
         if config.kappa is None:

@@ -13,6 +13,7 @@ This loop runs in one process; :mod:`privleak.flower` runs the same clients and 
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -95,6 +96,31 @@ def split_among_clients(images: torch.Tensor, labels: torch.Tensor, clients: int
     return [Client(images[rows], labels[rows]) for rows in order]
 
 
+def client_streams(seed: int, round_: int, client: int) -> tuple[torch.Generator, NoiseGenerator]:
+    """The batch sampler (torch) and the noise stream (Philox) of ``client`` in round ``round_`` of a
+    run seeded with ``seed``: a pure function of the three, so a client draws the same batches and
+    noise whatever the other clients do, in this process or on another machine (:mod:`privleak.flower`)."""
+    digest = hashlib.blake2b(f"privleak.fl/{seed}/{round_}/{client}".encode(), digest_size=8).digest()
+    key = int.from_bytes(digest, "little")
+    return torch.Generator().manual_seed(key), NoiseGenerator(key)
+
+
+def server_step(model: nn.Module, updates: Sequence[list], sizes: Sequence[int], *, learning_rate: float,
+                server_learning_rate: float = 1.0) -> None:
+    """FedAvg's step on the clients' updates, in place: theta <- theta - eta_s lr sum_k (n_k / n) u_k,
+    for client k's update u_k (one tensor per trainable parameter) and data size n_k."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.tensor(sizes, dtype=torch.float64)
+    weights = (weights / weights.sum()).tolist()
+    aggregate = [torch.zeros_like(p) for p in params]
+    for weight, update in zip(weights, updates):
+        for a, u in zip(aggregate, update):
+            a.add_(weight * u)
+    with torch.no_grad():
+        for p, a in zip(params, aggregate):
+            p.sub_(server_learning_rate * learning_rate * a)
+
+
 def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, *, rounds: int,
         batch_size: int = 1, local_steps: int = 1, learning_rate: float = 0.1, server_learning_rate: float = 1.0,
         seed: int = 0, record: bool = True, loss_fn: Callable = F.cross_entropy,
@@ -103,10 +129,10 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
     """Train ``model`` in place with federated DP-SGD for ``rounds`` rounds.
 
     Each round every client copies the global model, runs :meth:`Client.local_update` and sends
-    its update u_k; the server steps theta <- theta - eta_s lr sum_k (n_k / n) u_k, which for one
-    local step and eta_s = 1 is FedSGD on the clients' noisy gradients. ``on_update`` sees every
-    :class:`LeakedUpdate` as it arrives; ``on_round(round, model)`` runs after each aggregation.
-    ``seed`` fixes the batches (torch) and the noise (privleak's Philox stream).
+    its update u_k; the server steps theta <- theta - eta_s lr sum_k (n_k / n) u_k (:func:`server_step`),
+    which for one local step and eta_s = 1 is FedSGD on the clients' noisy gradients. ``on_update`` sees
+    every :class:`LeakedUpdate` as it arrives; ``on_round(round, model)`` runs after each aggregation.
+    ``seed`` fixes each client's batches and noise in each round (:func:`client_streams`).
     """
     if not clients:
         raise ValueError("clients must not be empty")
@@ -116,17 +142,14 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
     for client in clients:
         if batch_size > len(client):
             raise ValueError(f"batch_size {batch_size} exceeds a client's {len(client)} examples")
-    generator = torch.Generator().manual_seed(seed)
-    noise = NoiseGenerator(seed)
     federation = Federation(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    weights = torch.tensor([len(c) for c in clients], dtype=torch.float64)
-    weights = (weights / weights.sum()).tolist()
     for round_ in range(rounds):
         start = [p.detach().clone() for p in params]
-        aggregate = [torch.zeros_like(p) for p in params]
+        updates = []
         for index, client in enumerate(clients):
             local = copy.deepcopy(model)
+            generator, noise = client_streams(seed, round_, index)
             update, batches = client.local_update(local, config, batch_size=batch_size, local_steps=local_steps,
                                                   learning_rate=learning_rate, generator=generator, noise=noise, loss_fn=loss_fn)
             leaked = LeakedUpdate(round_, index, start, update, local_steps, batches)
@@ -134,11 +157,9 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
                 federation.leaked.append(leaked)
             if on_update is not None:
                 on_update(leaked)
-            for a, u in zip(aggregate, update):
-                a.add_(weights[index] * u)
-        with torch.no_grad():
-            for p, a in zip(params, aggregate):
-                p.sub_(server_learning_rate * learning_rate * a)
+            updates.append(update)
+        server_step(model, updates, [len(c) for c in clients], learning_rate=learning_rate,
+                    server_learning_rate=server_learning_rate)
         federation.rounds = round_ + 1
         if on_round is not None:
             on_round(round_, model)

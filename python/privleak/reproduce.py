@@ -98,7 +98,8 @@ def settings(experiment: Experiment, dim: int) -> list:
     return rows
 
 
-def _config(setting: Setting, clip_norm: float) -> dpsgd.DPSGDConfig:
+def dpsgd_config(setting: Setting, clip_norm: float) -> dpsgd.DPSGDConfig:
+    """The DP-SGD configuration of one setting of the sweep."""
     if setting.mechanism == "vmf":
         return dpsgd.DPSGDConfig(clip_norm, "vmf", kappa=setting.kappa)
     noise = 0.0 if setting.mechanism == NOISELESS else setting.noise_multiplier
@@ -123,7 +124,7 @@ def train_and_collect(experiment: Experiment, data: datasets.ImageDataset, setti
     clients = [fl.Client(data.images[rows], data.labels[rows]) for rows in shards]
     torch.manual_seed(experiment.seed)  # the same starting network for every setting
     model = PaperNetwork(data.image_shape, data.num_classes)
-    federation = fl.run(model, clients, _config(setting, experiment.clip_norm), rounds=experiment.rounds,
+    federation = fl.run(model, clients, dpsgd_config(setting, experiment.clip_norm), rounds=experiment.rounds,
                         batch_size=1, learning_rate=experiment.learning_rate, seed=experiment.seed)
     last = federation.updates_of_round(experiment.rounds - 1)
     picked = torch.stack([shards[u.client][u.private_batches[0][0]] for u in last])

@@ -1,0 +1,192 @@
+"""``privleak estimate``: MBP and ABP of federated DP-SGD, measured by attacking it.
+
+The estimators of :mod:`privleak.bayesian_privacy` ([000] App. C, D) need many releases of the
+mechanism and many attack runs on each. The data space is a client's n private images, with a
+uniform prior. Release w_m is the one-image update of image m mod n (the setting of
+:mod:`privleak.reproduce`), privatised by a fresh draw of the mechanism's noise (Gaussian, Alg. 1,
+or VMF, Alg. 2). Inverting Gradients runs T times on every release, each run from its own random
+start, and each run names the image it recovered: the candidate most similar (SSIM) to its
+reconstruction, provided the SSIM exceeds a threshold. That is the success criterion Omega; it
+makes f(. | w_m), the recovery frequencies, the attacker's posterior over the n images.
+
+From the counts come xi^ and C1^, C2^ with their confidence intervals, next to the MBP bound that
+the mechanism's LDP epsilon implies: log(1/n + (1 - 1/n) e^(2 kappa)) for VMF (2 kappa-LDP per
+update); none (inf) for the Gaussian, which has no finite LDP epsilon.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from privleak import attacks, bayesian_privacy, datasets, dpsgd, reproduce
+from privleak.mechanisms import NoiseGenerator
+from privleak.models import PaperNetwork, parameter_count
+
+
+@dataclass(frozen=True)
+class Estimation:
+    """What ``privleak estimate`` runs; the defaults take a few minutes on 2 CPU cores."""
+
+    dataset: str = "mnist-5k"
+    epsilons: tuple = (1e4, 1e5, 1e6)
+    mechanisms: tuple = reproduce.MECHANISMS
+    delta: float = 1e-5
+    clip_norm: float = 1.0
+    images: int = 4  #: n: the data space, the client's private images
+    releases: int = 8  #: M; release m leaks image m mod n
+    runs: int = 8  #: T: attack runs per release
+    threshold: float = 0.0  #: a run names no image unless its best SSIM exceeds this
+    confidence: float = 0.95
+    attack: attacks.InvertingGradients = field(default_factory=lambda: attacks.InvertingGradients(500))
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("images", "releases", "runs"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.images < 2:
+            raise ValueError(f"images must be >= 2 (the prior is uniform over them), got {self.images}")
+        if self.attack.restarts != 1:
+            raise ValueError("every attack run is counted, so the attack must have restarts=1")
+        if not -1.0 <= self.threshold < 1.0:
+            raise ValueError(f"threshold is an SSIM and must be in [-1, 1), got {self.threshold!r}")
+        # The sweep's own checks (epsilons, mechanisms, delta, clip_norm).
+        reproduce.Experiment(epsilons=self.epsilons, mechanisms=self.mechanisms, delta=self.delta,
+                             clip_norm=self.clip_norm)
+
+
+class SettingEstimate(NamedTuple):
+    setting: reproduce.Setting
+    recovery_rate: float  #: runs that named the leaked image, over all runs
+    mean_ssim: float  #: of each run's reconstruction with the leaked image
+    mbp: bayesian_privacy.MBPEstimate
+    abp: bayesian_privacy.ABPEstimate
+    implied_mbp_bound: float  #: what the mechanism's LDP epsilon implies; inf for the Gaussian
+
+
+def best_match(scores: np.ndarray, threshold: float) -> np.ndarray:
+    """Omega: run t on release m recovers image d when d is the candidate most similar to the
+    run's reconstruction and the similarity exceeds ``threshold``."""
+    return (scores == scores.max(axis=2, keepdims=True)) & (scores > threshold)
+
+
+def _scores(experiment: Estimation, model, clean: "reproduce.Attacked", config: dpsgd.DPSGDConfig,
+            noise: NoiseGenerator, generator) -> np.ndarray:
+    """SSIM of every run's reconstruction with every candidate image: (M releases, T runs, n images)."""
+    m, t, n = experiment.releases, experiment.runs, experiment.images
+    leaks = torch.arange(m) % n
+    released = [dpsgd.privatize([g[i:i + 1] for g in clean.updates], config, 1, noise) for i in leaks.tolist()]
+    leaked = [torch.stack(parts).repeat_interleave(t, 0) for parts in zip(*released)]
+    runs = leaks.repeat_interleave(t)
+    result = attacks.invert_gradients(model, leaked, clean.images.shape[1:], labels=clean.labels[runs],
+                                      parameters=[p[runs] for p in clean.parameters], settings=experiment.attack,
+                                      generator=generator)
+    reconstructions = result.images.repeat_interleave(n, 0)
+    candidates = clean.images.repeat(m * t, 1, 1, 1)
+    return attacks.ssim(reconstructions, candidates).numpy().reshape(m, t, n)
+
+
+def _own_similarity(scores: np.ndarray, n: int) -> np.ndarray:
+    """SSIM of each run with the image its release leaked, (M, T)."""
+    leaks = np.arange(scores.shape[0]) % n
+    return scores[np.arange(scores.shape[0]), :, leaks]
+
+
+def _recovery_rate(counts: bayesian_privacy.RecoveryCounts, n: int) -> float:
+    leaks = np.arange(counts.successes.shape[0]) % n
+    return float(counts.successes[np.arange(len(leaks)), leaks].sum() / (len(leaks) * counts.trials))
+
+
+def run(experiment: Estimation, progress: Optional[Callable[[str, int, int], None]] = None) -> list:
+    """Estimate MBP and ABP for every (mechanism, epsilon) of the sweep (module docstring)."""
+    data = datasets.load(experiment.dataset)
+    dim = parameter_count(PaperNetwork(data.image_shape, data.num_classes))
+    sweep = reproduce.Experiment(dataset=experiment.dataset, epsilons=experiment.epsilons,
+                                 mechanisms=experiment.mechanisms, delta=experiment.delta,
+                                 clip_norm=experiment.clip_norm, clients=experiment.images, rounds=1,
+                                 seed=experiment.seed)
+    grid = [s for s in reproduce.settings(sweep, dim) if s.mechanism != reproduce.NOISELESS]
+    # The clean one-image updates at the first round's model: the mechanisms add only noise to them.
+    clean = reproduce.train_and_collect(sweep, data, reproduce.settings(sweep, dim)[0])
+    model = PaperNetwork(data.image_shape, data.num_classes)
+    noise = NoiseGenerator(experiment.seed)
+    generator = torch.Generator().manual_seed(experiment.seed + 1)
+    prior = np.full(experiment.images, 1.0 / experiment.images)
+    estimates = []
+    for i, setting in enumerate(grid):
+        scores = _scores(experiment, model, clean, reproduce.dpsgd_config(setting, experiment.clip_norm), noise,
+                         generator)
+        counts = bayesian_privacy.count_recoveries(scores, best_match, experiment.threshold, batch_size=1)
+        bound = math.inf if setting.mechanism == "gaussian" else \
+            bayesian_privacy.implied_mbp_bound(2.0 * setting.kappa, prior)
+        estimates.append(SettingEstimate(
+            setting, _recovery_rate(counts, experiment.images), float(_own_similarity(scores, experiment.images).mean()), bayesian_privacy.estimate_mbp(counts, prior, confidence=experiment.confidence),
+            bayesian_privacy.estimate_abp(counts, prior, releases="drawn", confidence=experiment.confidence), bound))
+        if progress is not None:
+            progress("settings", i + 1, len(grid))
+    return estimates
+
+
+CSV_FIELDS = ("mechanism", "epsilon", "noise_multiplier", "kappa", "log2_capacity", "recovery_rate", "mean_ssim",
+              "xi", "xi_low", "xi_high", "implied_mbp_bound", "c1", "c1_low", "c1_high", "c2", "c2_low", "c2_high")
+
+
+def rows(estimates: list) -> list:
+    return [{
+        "mechanism": e.setting.mechanism, "epsilon": e.setting.epsilon, "noise_multiplier": e.setting.noise_multiplier,
+        "kappa": e.setting.kappa, "log2_capacity": e.setting.log2_capacity, "recovery_rate": e.recovery_rate,
+        "mean_ssim": e.mean_ssim, "xi": e.mbp.xi, "xi_low": e.mbp.interval[0], "xi_high": e.mbp.interval[1],
+        "implied_mbp_bound": e.implied_mbp_bound, "c1": e.abp.c1, "c1_low": e.abp.c1_interval[0],
+        "c1_high": e.abp.c1_interval[1], "c2": e.abp.c2, "c2_low": e.abp.c2_interval[0],
+        "c2_high": e.abp.c2_interval[1]} for e in estimates]
+
+
+def _plot(estimates: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5.5, 4))
+    for mechanism, colour in (("gaussian", "tab:blue"), ("vmf", "tab:orange")):
+        mine = [e for e in estimates if e.setting.mechanism == mechanism]
+        if not mine:
+            continue
+        x = np.array([e.setting.epsilon for e in mine])
+        xi = np.array([e.mbp.xi for e in mine])
+        low = np.array([e.mbp.interval[0] for e in mine])
+        high = np.array([e.mbp.interval[1] for e in mine])
+        shown = np.isfinite(xi)
+        axes.errorbar(x[shown], xi[shown], yerr=[(xi - low)[shown], np.minimum(high - xi, 1e6)[shown]], marker="o",
+                      capsize=3, color=colour, label=f"xi^ ({mechanism}), {mine[0].mbp.confidence:.0%} interval")
+        bounds = np.array([e.implied_mbp_bound for e in mine])
+        if np.isfinite(bounds).any():
+            axes.plot(x, bounds, linestyle=":", color=colour, label=f"MBP bound from LDP ({mechanism})")
+    axes.set_xscale("log")
+    axes.set_yscale("symlog", linthresh=0.1)
+    axes.set_xlabel("epsilon of one update (local DP)")
+    axes.set_ylabel("maximum Bayesian privacy xi (nats)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_outputs(estimates: list, out: str) -> dict:
+    """bayesian_privacy.csv and bayesian_privacy.png in ``out``."""
+    os.makedirs(out, exist_ok=True)
+    paths = {"csv": os.path.join(out, "bayesian_privacy.csv"), "plot": os.path.join(out, "bayesian_privacy.png")}
+    with open(paths["csv"], "w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows(estimates):
+            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+    _plot(estimates, paths["plot"])
+    return paths
