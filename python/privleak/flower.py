@@ -224,8 +224,7 @@ class CuriousFedAvg(FedAvg):
         for name, value in (("learning_rate", learning_rate), ("server_learning_rate", server_learning_rate)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients,
-                         min_available_nodes=clients)
+        super().__init__(fraction_train=1.0, min_train_nodes=clients, min_available_nodes=clients)
         self.federation, self.clients = federation, clients
         self.learning_rate, self.server_learning_rate = learning_rate, server_learning_rate
         self.record, self.on_update, self.on_round = record, on_update, on_round
@@ -243,6 +242,14 @@ class CuriousFedAvg(FedAvg):
         batches = [torch.tensor(privleak["batches"], dtype=torch.int64)] if "batches" in privleak else None
         tensors = list(update.to_torch_state_dict().values())
         return fl.LeakedUpdate(round_, int(metrics["partition-id"]), start, tensors, 1, batches), int(metrics["num-examples"])
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list:
+        """No federated evaluation (the ClientApp has no evaluate handler)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies) -> None:
+        """No federated evaluation."""
+        return None
 
     def aggregate_train(self, server_round: int, replies):
         """Record the round's updates (in client order) and take the server step; returns the new
