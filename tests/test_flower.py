@@ -16,7 +16,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from privleak import dpsgd, fl, flower
 from privleak.models import PaperNetwork
@@ -42,7 +42,8 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def _train_message(model, server_round: int = 1) -> Message:
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord({"server-round": server_round})})
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                          "config": ConfigRecord({"server-round": server_round})})
     return Message(content=content, metadata=Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=1,
                                                       reply_to_message_id="", group_id="", created_at=time.time(),
                                                       ttl=3600.0, message_type=MessageType.TRAIN))
@@ -141,8 +142,8 @@ def test_mod_privatises_the_reply_or_refuses():
     model = _model()
 
     def two_records(message, context):
-        return Message(RecordDict({"a": ArrayRecord([torch.ones(3).numpy()]), "b": ArrayRecord([torch.ones(3).numpy()])}),
-                       reply_to=message)
+        arrays = ArrayRecord([torch.ones(3).numpy()])
+        return Message(RecordDict({"a": arrays, "b": copy.deepcopy(arrays)}), reply_to=message)
 
     def no_arrays(message, context):
         return Message(RecordDict({"metrics": MetricRecord({"loss": 1.0})}), reply_to=message)
@@ -171,6 +172,16 @@ def test_server_refuses_updates_no_mod_privatised():
     assert federation.leaked == []
     strategy.aggregate_train(1, [_reply(message, noise=True)])
     assert len(federation.leaked) == 1 and federation.rounds == 1
+
+
+def test_server_raises_on_failed_or_duplicate_clients():
+    strategy = flower.CuriousFedAvg(fl.Federation(_model()), 2)
+    message = _train_message(strategy.federation.model)
+    with pytest.raises(RuntimeError, match="1 client.* failed: .*out of memory"):
+        strategy.aggregate_train(1, [_reply(message, noise=True), Message(Error(0, "out of memory"), reply_to=message)])
+    with pytest.raises(ValueError, match="duplicate partition ids"):
+        strategy.aggregate_train(1, [_reply(message, noise=True), _reply(message, noise=True)])
+    assert strategy.federation.leaked == []
 
 
 def test_client_errors_name_the_problem():

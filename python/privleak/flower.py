@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ try:
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
-except ImportError as error:  # pragma: no cover - exercised only without flwr
+except ImportError as error:
     raise ImportError("privleak.flower needs Flower: pip install 'privleak[flower]'") from error
 
 __all__ = ["VMFMod", "GaussianMod", "CuriousFedAvg", "client_app", "server_app", "simulate"]
@@ -225,7 +225,7 @@ class CuriousFedAvg(FedAvg):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         super().__init__(fraction_train=1.0, min_train_nodes=clients, min_available_nodes=clients)
-        self.federation, self.clients = federation, clients
+        self.federation = federation
         self.learning_rate, self.server_learning_rate = learning_rate, server_learning_rate
         self.record, self.on_update, self.on_round = record, on_update, on_round
 
@@ -241,7 +241,8 @@ class CuriousFedAvg(FedAvg):
             raise ValueError(f"a client's reply must carry {METRICS!r} with num-examples and partition-id")
         batches = [torch.tensor(privleak["batches"], dtype=torch.int64)] if "batches" in privleak else None
         tensors = list(update.to_torch_state_dict().values())
-        return fl.LeakedUpdate(round_, int(metrics["partition-id"]), start, tensors, 1, batches), int(metrics["num-examples"])
+        leaked = fl.LeakedUpdate(round_, int(metrics["partition-id"]), start, tensors, 1, batches)
+        return leaked, int(metrics["num-examples"])
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list:
         """No federated evaluation (the ClientApp has no evaluate handler)."""
@@ -263,6 +264,9 @@ class CuriousFedAvg(FedAvg):
         start = [p.detach().clone() for p in params]
         received = sorted((self._leaked(server_round - 1, reply.content, names, start) for reply in replies),
                           key=lambda pair: pair[0].client)
+        indices = [leaked.client for leaked, _ in received]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"round {server_round}: nodes report duplicate partition ids {indices}")
         for leaked, _ in received:
             if self.record:
                 self.federation.leaked.append(leaked)
@@ -284,8 +288,9 @@ def server_app(federation: fl.Federation, *, clients: int, rounds: int, learning
     :class:`CuriousFedAvg` on ``clients`` nodes and fills ``federation`` with what it sees."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
-    strategy = CuriousFedAvg(federation, clients, learning_rate=learning_rate, server_learning_rate=server_learning_rate,
-                             record=record, on_update=on_update, on_round=on_round)
+    strategy = CuriousFedAvg(federation, clients, learning_rate=learning_rate,
+                             server_learning_rate=server_learning_rate, record=record, on_update=on_update,
+                             on_round=on_round)
     app = ServerApp()
 
     @app.main()
