@@ -129,6 +129,23 @@ def test_flower_leaks_what_the_in_process_loop_leaks(runs):
         assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", [CONFIGS["vmf"], CONFIGS["gaussian"],
+                                    dpsgd.DPSGDConfig([0.5, 1.0, 1.0, 2.0, 1.0, 1.0, 0.5, 1.0], "gaussian",
+                                                      noise_multiplier=0.7, per_layer=True)],
+                         ids=["vmf", "gaussian", "gaussian-per-layer"])
+def test_client_app_sends_what_the_in_process_client_leaks(config):
+    """One message straight to the ClientApp (no runtime): the mod's output is fl's update for the
+    same (seed, round, client), per-layer clipping included."""
+    model, shards = _model(), _shards()
+    reply = flower.client_app(model, shards.__getitem__, config, batch_size=BATCH, seed=SEED)(
+        _train_message(model, server_round=2), _context(1))
+    ours = list(reply.content["update"].to_torch_state_dict().values())
+    generator, noise = fl.client_streams(SEED, 1, 1)
+    theirs, _ = shards[1].local_update(copy.deepcopy(model), config, batch_size=BATCH, local_steps=1,
+                                       learning_rate=LEARNING_RATE, generator=generator, noise=noise)
+    torch.testing.assert_close(_flat(ours), _flat(theirs), rtol=0, atol=0 if config.mechanism == "vmf" else 1e-6)
+
+
 def test_client_app_without_seed_draws_fresh_noise():
     model = _model()
     app = flower.client_app(model, _shards().__getitem__, CONFIGS["vmf"], batch_size=BATCH)
