@@ -55,29 +55,27 @@ def _context(partition_id: int) -> Context:
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def runs(request):
-    """(mechanism, initial model, the Flower run's Federation, fl.run's Federation, seconds)."""
+    """(mechanism, initial model, the Flower run's Federation, fl.run's Federation)."""
     shards, start = _shards(), _model()
     in_process = fl.run(copy.deepcopy(start), shards, CONFIGS[request.param], rounds=2, batch_size=BATCH,
                         learning_rate=LEARNING_RATE, seed=SEED)
-    began = time.perf_counter()
     federation = flower.simulate(copy.deepcopy(start), shards.__getitem__, CONFIGS[request.param], clients=2, rounds=2,
                                  batch_size=BATCH, learning_rate=LEARNING_RATE, seed=SEED, share_batches=True)
-    return request.param, start, federation, in_process, time.perf_counter() - began
+    return request.param, start, federation, in_process
 
 
 def test_flower_runs_two_rounds_on_two_clients(runs):
-    _, _, federation, _, seconds = runs
+    _, _, federation, _ = runs
     assert federation.rounds == 2
     assert [(u.round, u.client) for u in federation.leaked] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(u.local_steps == 1 and len(u.private_batches) == 1 and len(u.private_batches[0]) == BATCH
                for u in federation.leaked)
-    assert seconds < 120, f"the simulation took {seconds:.0f} s"
 
 
 def test_model_moved_as_the_recorded_updates_say(runs):
     """theta_{r+1} = theta_r - lr sum_k (n_k / n) u_k, recomputed in float64 from the records: each
     round's updates were taken at the model the previous round's updates lead to (float32 rounding)."""
-    _, start, federation, _, _ = runs
+    _, start, federation, _ = runs
     models = [_flat(u.parameters) for u in federation.leaked[::2]] + [_flat(federation.model.parameters()).detach()]
     assert torch.equal(models[0], _flat(start.parameters()).detach())
     for round_ in range(2):
@@ -92,7 +90,7 @@ def test_updates_carry_the_mods_noise(runs):
     """VMF: unit vectors. Gaussian: the update minus the batch's clipped average (recomputed here
     from the recorded batch) has mean 0 and standard deviation sigma c / L, over 8,026 coordinates
     (the sample std's own relative error is 1 / sqrt(2 n) < 1%; 5% leaves room)."""
-    mechanism, _, federation, _, _ = runs
+    mechanism, _, federation, _ = runs
     shards = _shards()
     for leaked in federation.leaked:
         update = _flat(leaked.update)
@@ -116,7 +114,7 @@ def test_flower_leaks_what_the_in_process_loop_leaks(runs):
     """Same seed, same (round, client) streams: the same batches and updates. VMF is bit for bit
     (the mod applies dpsgd.vmf_release to the very average fl computes); Gaussian differs by
     float32 rounding, since fl's fused kernel adds the noise before dividing by L and the mod after."""
-    mechanism, _, federation, in_process, _ = runs
+    mechanism, _, federation, in_process = runs
     assert [(u.round, u.client) for u in federation.leaked] == [(u.round, u.client) for u in in_process.leaked]
     for ours, theirs in zip(federation.leaked, in_process.leaked):
         assert torch.equal(ours.private_batches[0], theirs.private_batches[0])
