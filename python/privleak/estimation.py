@@ -148,32 +148,39 @@ def rows(estimates: list) -> list:
 
 
 def _plot(estimates: list, path: str) -> None:
+    """Left: xi^ where finite, and the lower end of its interval (what the attack proves at least),
+    with the MBP bound the LDP epsilon implies. Right: C1^ and its interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(5.5, 4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for mechanism, colour in (("gaussian", "tab:blue"), ("vmf", "tab:orange")):
         mine = [e for e in estimates if e.setting.mechanism == mechanism]
         if not mine:
             continue
         x = np.array([e.setting.epsilon for e in mine])
         xi = np.array([e.mbp.xi for e in mine])
-        low = np.array([e.mbp.interval[0] for e in mine])
-        high = np.array([e.mbp.interval[1] for e in mine])
-        shown = np.isfinite(xi)
-        axes.errorbar(x[shown], xi[shown], yerr=[(xi - low)[shown], np.minimum(high - xi, 1e6)[shown]], marker="o",
-                      capsize=3, color=colour, label=f"xi^ ({mechanism}), {mine[0].mbp.confidence:.0%} interval")
+        finite = np.isfinite(xi)
+        left.plot(x[finite], xi[finite], "x", color=colour, label=f"xi^ ({mechanism})")
+        left.plot(x, [e.mbp.interval[0] for e in mine], "o-", color=colour, alpha=0.6,
+                  label=f"lower {mine[0].mbp.confidence:.0%} bound on xi ({mechanism})")
         bounds = np.array([e.implied_mbp_bound for e in mine])
-        if np.isfinite(bounds).any():
-            axes.plot(x, bounds, linestyle=":", color=colour, label=f"MBP bound from LDP ({mechanism})")
-    axes.set_xscale("log")
-    axes.set_yscale("symlog", linthresh=0.1)
-    axes.set_xlabel("epsilon of one update (local DP)")
-    axes.set_ylabel("maximum Bayesian privacy xi (nats)")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7)
+        if np.isfinite(bounds).all():
+            left.plot(x, bounds, ":", color=colour, label=f"MBP bound from LDP ({mechanism})")
+        c1 = np.array([e.abp.c1 for e in mine])
+        below = c1 - np.array([e.abp.c1_interval[0] for e in mine])
+        above = np.array([e.abp.c1_interval[1] for e in mine]) - c1
+        right.errorbar(x, c1, yerr=[below, above], marker="o", capsize=3, color=colour, label=f"C1^ ({mechanism})")
+    left.set_yscale("symlog", linthresh=1.0)
+    left.set_ylabel("maximum Bayesian privacy xi (nats)")
+    right.set_ylabel("C1 = sqrt(JS(f^O || f^B))")
+    for axes in (left, right):
+        axes.set_xscale("log")
+        axes.set_xlabel("epsilon of one update (local DP)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
