@@ -34,16 +34,16 @@ class Estimation:
     """What ``privleak estimate`` runs; the defaults take a few minutes on 2 CPU cores."""
 
     dataset: str = "mnist-5k"
-    epsilons: tuple = (1e4, 1e5, 1e6)
+    epsilons: tuple = (1e3, 3e3, 1e4)
     mechanisms: tuple = reproduce.MECHANISMS
     delta: float = 1e-5
     clip_norm: float = 1.0
     images: int = 4  #: n: the data space, the client's private images
     releases: int = 8  #: M; release m leaks image m mod n
-    runs: int = 8  #: T: attack runs per release
+    runs: int = 32  #: T: attack runs per release
     threshold: float = 0.0  #: a run names no image unless its best SSIM exceeds this
     confidence: float = 0.95
-    attack: attacks.InvertingGradients = field(default_factory=lambda: attacks.InvertingGradients(500))
+    attack: attacks.InvertingGradients = field(default_factory=lambda: attacks.InvertingGradients(300))
     seed: int = 0
 
     def __post_init__(self):
