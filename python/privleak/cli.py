@@ -87,6 +87,17 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sweep_arguments(command: argparse.ArgumentParser, default_epsilons: str) -> None:
+    """The arguments ``reproduce`` and ``estimate`` share: where to write, what data, which sweep."""
+    command.add_argument("--out", required=True, help="output folder (created if missing)")
+    command.add_argument("--dataset", help="mnist-5k (default), sklearn-digits, or a folder of MNIST/Fashion-MNIST IDX files")
+    command.add_argument("--epsilons", type=float, nargs="+", help=f"epsilons of one update (default {default_epsilons})")
+    command.add_argument("--mechanisms", nargs="+", choices=["gaussian", "vmf"])
+    command.add_argument("--iterations", type=int, help="attack iterations")
+    command.add_argument("--seed", type=int)
+    command.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="privleak", description=privleak.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"privleak {privleak.__version__}")
@@ -99,21 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         "reproduce", help="paper 004's experiment: FL with Gaussian and VMF DP-SGD, Inverting Gradients, Fig. 1 and 2",
         description="Sweep epsilon for the Gaussian and VMF mechanisms, attack the leaked updates, and write a CSV, "
                     "the figures and a Markdown report into --out. The defaults take a few minutes on 2 CPU cores.")
-    reproduce.add_argument("--out", required=True, help="output folder (created if missing)")
+    _add_sweep_arguments(reproduce, "10 173 1e3 3e3 1e4 3e4 1e5 1e6")
     reproduce.add_argument("--paper-scale", action="store_true",
                            help="32 clients, 12 epsilons, 4800 attack iterations, 4 restarts (hours on a CPU)")
-    reproduce.add_argument("--dataset", help="mnist-5k (default), sklearn-digits, or a folder of MNIST/Fashion-MNIST IDX files")
-    reproduce.add_argument("--epsilons", type=float, nargs="+", help="the epsilons of one update to sweep")
-    reproduce.add_argument("--mechanisms", nargs="+", choices=["gaussian", "vmf"])
     reproduce.add_argument("--delta", type=float, help="delta of the Gaussian mechanism (default 1e-5)")
     reproduce.add_argument("--clients", type=int, help="clients, one attacked image each per setting")
     reproduce.add_argument("--rounds", type=int, help="federated rounds; the last one's updates are attacked")
-    reproduce.add_argument("--iterations", type=int, help="attack iterations")
     reproduce.add_argument("--restarts", type=int, help="attack restarts")
     reproduce.add_argument("--grid-epsilons", type=float, nargs="+",
                            help="epsilons shown in reconstructions.png (default 173 1e4 1e5)")
-    reproduce.add_argument("--seed", type=int)
-    reproduce.add_argument("--quiet", action="store_true", help="no progress bars")
     reproduce.set_defaults(run=_reproduce)
 
     estimate = commands.add_parser(
@@ -121,17 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Draw M releases of a client's one-image updates per (mechanism, epsilon), run the attack T times "
                     "on each, count recoveries (SSIM above --threshold) and estimate xi (MBP) and C1, C2 (ABP) with "
                     "confidence intervals (papers 000 App. C-D, 001 App. E-I). Writes a CSV and a plot into --out.")
-    estimate.add_argument("--out", required=True, help="output folder (created if missing)")
-    estimate.add_argument("--dataset", help="mnist-5k (default), sklearn-digits, or a folder of IDX files")
-    estimate.add_argument("--epsilons", type=float, nargs="+", help="epsilons of one update (default 1e3 3e3 1e4)")
-    estimate.add_argument("--mechanisms", nargs="+", choices=["gaussian", "vmf"])
+    _add_sweep_arguments(estimate, "1e3 3e3 1e4")
     estimate.add_argument("--images", type=int, help="n, the client's private images (default 4)")
     estimate.add_argument("--releases", type=int, help="M, independent releases per setting (default 8)")
     estimate.add_argument("--runs", type=int, help="T, attack runs per release (default 32)")
     estimate.add_argument("--threshold", type=float, help="a run names no image unless its best SSIM exceeds this (default 0)")
-    estimate.add_argument("--iterations", type=int, help="attack iterations per run (default 300)")
-    estimate.add_argument("--seed", type=int)
-    estimate.add_argument("--quiet", action="store_true", help="no progress bars")
     estimate.set_defaults(run=_estimate)
     return parser
 
