@@ -111,9 +111,9 @@ def run(experiment: Estimation, progress: Optional[Callable[[str, int, int], Non
                                  mechanisms=experiment.mechanisms, delta=experiment.delta,
                                  clip_norm=experiment.clip_norm, clients=experiment.images, rounds=1,
                                  seed=experiment.seed)
-    grid = [s for s in reproduce.settings(sweep, dim) if s.mechanism != reproduce.NOISELESS]
+    noiseless, *grid = reproduce.settings(sweep, dim)
     # The clean one-image updates at the first round's model: the mechanisms add only noise to them.
-    clean = reproduce.train_and_collect(sweep, data, reproduce.settings(sweep, dim)[0])
+    clean = reproduce.train_and_collect(sweep, data, noiseless)
     model = PaperNetwork(data.image_shape, data.num_classes)
     noise = NoiseGenerator(experiment.seed)
     generator = torch.Generator().manual_seed(experiment.seed + 1)
