@@ -71,6 +71,25 @@ def test_non_finite_samples_raise_or_are_dropped():
     assert all(torch.isfinite(g).all() for g in got.grads)
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_samples_in_cache_sized_groups_match_the_reference(per_layer, threads):
+    """Rows of 1.2 MB go through the CPU kernel four at a time (groups 4, 4, 2 of a batch of 10);
+    a dropped sample in the first and in the last group must not disturb the others."""
+    grads = per_sample([(200_000,), (100, 1000)], batch=10)
+    grads[0][1, 5] = float("nan")
+    grads[1][9, 3, 3] = float("inf")
+    kept = [g[[i for i in range(10) if i not in (1, 9)]] for g in grads]
+    noise = split_noise(grads, 0.2, key=4)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(dpsgd.clip_and_accumulate(grads, 2.0, per_layer=per_layer, noise_std=0.2, key=4,
+                                                 batch_size=8, non_finite="drop"))
+        assert results[-1].dropped.tolist() == [i in (1, 9) for i in range(10)]
+        assert_close(results[-1].grads, reference.clip_and_accumulate(kept, [2.0], per_layer, noise, 8))
+    assert all(torch.equal(a, b) for a, b in zip(results[0].grads, results[1].grads))
+
+
 def test_zero_gradients_are_left_alone():
     grads = [torch.zeros(4, 10)]
     got = dpsgd.clip_and_accumulate(grads, 1.0)
@@ -108,9 +127,10 @@ def test_secure_noise_is_added_to_the_sum_on_its_grid():
 
 def test_ops_pass_opcheck():
     grads = per_sample(SHAPES[0], batch=3)
-    torch.library.opcheck(torch.ops.privleak.per_sample_sum_of_squares.default, (grads,))
-    factors = torch.rand(3, 3)
-    torch.library.opcheck(torch.ops.privleak.clip_accumulate.default, (grads, factors, 0.5, [1, 2], 0, 0.25))
+    for per_layer, clip_norms in ((False, [0.5]), (True, [0.5, 1.0, 2.0])):
+        clip_norms = torch.tensor(clip_norms, dtype=torch.float64)
+        torch.library.opcheck(torch.ops.privleak.clip_accumulate.default,
+                              (grads, clip_norms, per_layer, 0.5, [1, 2], 0, 0.25))
 
 
 @pytest.mark.parametrize(

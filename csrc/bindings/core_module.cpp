@@ -90,31 +90,20 @@ PYBIND11_MODULE(_core, m) {
       py::arg("out"));
 
   m.def(
-      "per_sample_sum_of_squares",
-      [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
-         int64_t batch, std::uintptr_t out) {
-        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
-        const auto tensors = marshal::per_sample_grads(grads, numels);
-        py::gil_scoped_release release;
-        privleak::cpu::per_sample_sum_of_squares(t, tensors, batch, as_pointer<double>(out));
-      },
-      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("batch"), py::arg("out"));
-
-  m.def(
       "clip_accumulate",
       [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
-         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t factors, double noise_std,
-         uint64_t key, uint64_t offset, double scale) {
+         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t clip_norms, bool per_layer,
+         double noise_std, uint64_t key, uint64_t offset, double scale, std::uintptr_t squares) {
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         const auto tensors = marshal::per_sample_grads(grads, numels);
-        std::vector<float*> out_pointers;
-        for (std::uintptr_t o : outs) out_pointers.push_back(as_pointer<float>(o));
+        const auto out_pointers = marshal::float_pointers(outs);
         py::gil_scoped_release release;
-        privleak::cpu::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const float>(factors), noise_std,
-                                       key, offset, scale);
+        privleak::cpu::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const double>(clip_norms),
+                                       per_layer, noise_std, key, offset, scale, as_pointer<double>(squares));
       },
-      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("factors"),
-      py::arg("noise_std"), py::arg("key"), py::arg("offset"), py::arg("scale"));
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("clip_norms"),
+      py::arg("per_layer"), py::arg("noise_std"), py::arg("key"), py::arg("offset"), py::arg("scale"),
+      py::arg("squares"));
 
   m.def(
       "chacha20_block",

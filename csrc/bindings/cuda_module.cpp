@@ -104,37 +104,25 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
-  m.def("sum_of_squares_workspace_bytes", &privleak::cuda::sum_of_squares_workspace_bytes, py::arg("numels"),
-        py::arg("batch"));
-
-  m.def(
-      "per_sample_sum_of_squares",
-      [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
-         int64_t batch, std::uintptr_t out, std::uintptr_t workspace, int device, std::uintptr_t stream) {
-        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
-        const auto tensors = marshal::per_sample_grads(grads, numels);
-        py::gil_scoped_release release;
-        privleak::cuda::per_sample_sum_of_squares(t, tensors, batch, as_pointer<double>(out), as_pointer(workspace),
-                                                  device, as_pointer(stream));
-      },
-      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("batch"), py::arg("out"), py::arg("workspace"),
-      py::arg("device"), py::arg("stream"));
+  m.def("clip_workspace_bytes", &privleak::cuda::clip_workspace_bytes, py::arg("numels"), py::arg("batch"));
 
   m.def(
       "clip_accumulate",
       [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
-         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t factors, double noise_std,
-         uint64_t key, uint64_t offset, double scale, int device, std::uintptr_t stream) {
+         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t clip_norms, bool per_layer,
+         double noise_std, uint64_t key, uint64_t offset, double scale, std::uintptr_t squares,
+         std::uintptr_t workspace, int device, std::uintptr_t stream) {
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         const auto tensors = marshal::per_sample_grads(grads, numels);
-        std::vector<float*> out_pointers;
-        for (std::uintptr_t o : outs) out_pointers.push_back(as_pointer<float>(o));
+        const auto out_pointers = marshal::float_pointers(outs);
         py::gil_scoped_release release;
-        privleak::cuda::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const float>(factors), noise_std,
-                                        key, offset, scale, device, as_pointer(stream));
+        privleak::cuda::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const double>(clip_norms),
+                                        per_layer, noise_std, key, offset, scale, as_pointer<double>(squares),
+                                        as_pointer(workspace), device, as_pointer(stream));
       },
-      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("factors"),
-      py::arg("noise_std"), py::arg("key"), py::arg("offset"), py::arg("scale"), py::arg("device"), py::arg("stream"));
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("clip_norms"),
+      py::arg("per_layer"), py::arg("noise_std"), py::arg("key"), py::arg("offset"), py::arg("scale"),
+      py::arg("squares"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
   m.def("device_count", [] {
     std::string error;

@@ -44,6 +44,12 @@ inline std::vector<PerSampleGrads> per_sample_grads(const std::vector<std::uintp
   return tensors;
 }
 
+inline std::vector<float*> float_pointers(const std::vector<std::uintptr_t>& addresses) {
+  std::vector<float*> pointers;
+  for (std::uintptr_t a : addresses) pointers.push_back(as_pointer<float>(a));
+  return pointers;
+}
+
 inline ChaChaKey to_chacha_key(const std::array<uint32_t, 8>& words) {
   ChaChaKey key;
   for (int i = 0; i < 8; ++i) key.w[i] = words[i];

@@ -1,12 +1,13 @@
 // Per-sample gradient clipping for DP-SGD (Abadi et al., CCS 2016; Alg. 1 and 2 of Biswas et al.).
-// Pass 1 computes every sample's squared norm per tensor; the caller turns norms into clip
-// factors f = min(1, c / norm); pass 2 forms (sum_b f_b g_b + std z) / L in one read.
+// Pass 1 computes every sample's squared norm per tensor, clip_factors turns them into clip
+// factors f = min(1, c / norm), pass 2 forms (sum_b f_b g_b + std z) / L.
 //
 // Squared norms are summed in chunks of kClipChunk elements, each in kClipLanes interleaved float
 // lanes combined in lane order in double, then the chunks in order in double: the result does not
 // depend on SIMD width, thread count or backend.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 
@@ -25,24 +26,50 @@ struct PerSampleGrads {
 constexpr int64_t kClipChunk = 4096;
 constexpr int kClipLanes = 16;
 
-template <class In>
-PRIVLEAK_HOST_DEVICE double chunk_sum_of_squares(const In* x, int64_t n) {
-  float lanes[kClipLanes] = {};
+// sums[r] = squared norm of rows[r][0, n), r < Rows. Rows read side by side keep more loads in
+// flight than one row at a time; each row's sum is the same as on its own.
+template <int Rows, class In>
+PRIVLEAK_HOST_DEVICE void chunk_sums_of_squares(const In* const* rows, int64_t n, double* sums) {
+  float lanes[Rows][kClipLanes] = {};
   int64_t j = 0;
   for (; j + kClipLanes <= n; j += kClipLanes) {
-    PRIVLEAK_UNROLL
-    for (int lane = 0; lane < kClipLanes; ++lane) {
-      const float v = Element<In>::load(x[j + lane]);
-      lanes[lane] += v * v;
+    for (int lane = 0; lane < kClipLanes; ++lane) {  // rows inside lanes: the loop GCC vectorises
+      PRIVLEAK_UNROLL
+      for (int r = 0; r < Rows; ++r) {
+        const float v = Element<In>::load(rows[r][j + lane]);
+        lanes[r][lane] += v * v;
+      }
     }
   }
   for (int lane = 0; j < n; ++j, ++lane) {
-    const float v = Element<In>::load(x[j]);
-    lanes[lane] += v * v;
+    for (int r = 0; r < Rows; ++r) {
+      const float v = Element<In>::load(rows[r][j]);
+      lanes[r][lane] += v * v;
+    }
   }
-  double sum = 0.0;
-  for (int lane = 0; lane < kClipLanes; ++lane) sum += static_cast<double>(lanes[lane]);
-  return sum;
+  for (int r = 0; r < Rows; ++r) {
+    double sum = 0.0;
+    for (int lane = 0; lane < kClipLanes; ++lane) sum += static_cast<double>(lanes[r][lane]);
+    sums[r] = sum;
+  }
+}
+
+// One sample's clip factors from its squared norms per tensor, s_0 .. s_{T-1}: flat clipping
+// scales every tensor by min(1, c_0 / sqrt(sum_t s_t)), per-layer clipping tensor t by
+// min(1, c_t / sqrt(s_t)). A sample with a non-finite squared norm gets 0 everywhere: it is
+// dropped, so a NaN or inf gradient never reaches the sum.
+PRIVLEAK_HOST_DEVICE void clip_factors(const double* squares, const double* clip_norms, int64_t num_tensors,
+                                       bool per_layer, float* factors) {
+  bool finite = true;
+  double total = 0.0;
+  for (int64_t t = 0; t < num_tensors; ++t) {
+    finite = finite && std::isfinite(squares[t]);
+    total += squares[t];
+  }
+  for (int64_t t = 0; t < num_tensors; ++t) {
+    const double norm = std::sqrt(per_layer ? squares[t] : total), c = clip_norms[per_layer ? t : 0];
+    factors[t] = !finite ? 0.0f : norm > c ? static_cast<float>(c / norm) : 1.0f;
+  }
 }
 
 PRIVLEAK_HOST_DEVICE int64_t clip_chunks(int64_t numel) { return (numel + kClipChunk - 1) / kClipChunk; }

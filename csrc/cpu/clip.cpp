@@ -1,5 +1,9 @@
-// CPU fused clipping. Pass 1 is parallel over (tensor, sample, chunk) items; pass 2 over
-// (tensor, column block) items, each reading its block of every sample once and writing it once.
+// CPU fused clipping. The samples go in groups small enough to stay in cache: pass 1 reads a
+// group's rows from memory (four side by side), their factors follow, and pass 2 reads the same
+// rows again from cache into running sums held in the outputs. Rows too large for that make one
+// group of the whole batch. Pass 1 is parallel over (tensor, four rows, chunk) items, pass 2 over
+// (tensor, column block) items. Every output element adds the samples in order, whatever the
+// grouping and thread count, so the bits are those of the CUDA kernels.
 #include "cpu/clip.h"
 
 #include <algorithm>
@@ -13,10 +17,23 @@ namespace privleak::cpu {
 namespace {
 
 constexpr int64_t kBlock = 8192;  // output elements a pass-2 item owns: 32 KiB runs of each sample row
+constexpr int64_t kRowsTogether = 4;
+// A group targets kGroupBytes of gradients and exists only while four rows fit in kMaxGroupBytes,
+// sizes that sit in the last-level cache next to the running sums (tuned on a 32 MiB L3). Beyond
+// that, re-reading the running sums for every group costs more than the cache saves.
+constexpr int64_t kGroupBytes = int64_t(4) << 20;
+constexpr int64_t kMaxGroupBytes = int64_t(24) << 20;
+
+int64_t samples_per_group(int64_t row_bytes, int64_t batch) {
+  if (kRowsTogether * row_bytes > kMaxGroupBytes) return batch;
+  const int64_t rows = std::max(kRowsTogether, kGroupBytes / row_bytes / kRowsTogether * kRowsTogether);
+  return std::min(rows, batch);
+}
 
 // Item i of a list of per-tensor counts: (tensor, index within it).
 struct ItemIndex {
-  std::vector<int64_t> starts;  // prefix sums, size T + 1
+  std::vector<int64_t> starts{0};  // prefix sums, size T + 1
+  ItemIndex() = default;
   explicit ItemIndex(const std::vector<int64_t>& counts) : starts(counts.size() + 1, 0) {
     for (size_t t = 0; t < counts.size(); ++t) starts[t + 1] = starts[t] + counts[t];
   }
@@ -27,32 +44,19 @@ struct ItemIndex {
   }
 };
 
+// Squared norms of `count` (1 .. kRowsTogether) rows' first n elements, into sums[r * sum_stride].
 template <class In>
-void sum_of_squares_typed(const std::vector<PerSampleGrads>& tensors, int64_t batch, double* out) {
-  std::vector<int64_t> counts;
-  for (const auto& t : tensors) counts.push_back(batch * clip_chunks(t.numel));
-  const ItemIndex items(counts);
-  std::vector<double> partials(static_cast<size_t>(items.total()));
-  int64_t elements = 0;
-  for (const auto& t : tensors) elements += batch * t.numel;
-#pragma omp parallel for schedule(static) if (elements >= kMinParallelWork)
-  for (int64_t item = 0; item < items.total(); ++item) {
-    const auto [t, local] = items.locate(item);
-    const int64_t chunks = clip_chunks(tensors[t].numel), b = local / chunks, c = local % chunks;
-    const In* row = static_cast<const In*>(tensors[t].grads) + b * tensors[t].numel;
-    const int64_t begin = c * kClipChunk;
-    partials[item] = chunk_sum_of_squares(row + begin, std::min(kClipChunk, tensors[t].numel - begin));
+PRIVLEAK_SIMD_CLONES void chunk_sums(const In* first_row, int64_t row_stride, int64_t count, int64_t n,
+                                     double* sums, int64_t sum_stride) {
+  const In* rows[kRowsTogether];
+  double row_sums[kRowsTogether];
+  for (int64_t r = 0; r < count; ++r) rows[r] = first_row + r * row_stride;
+  if (count == kRowsTogether) {
+    chunk_sums_of_squares<kRowsTogether>(rows, n, row_sums);
+  } else {
+    for (int64_t r = 0; r < count; ++r) chunk_sums_of_squares<1>(rows + r, n, row_sums + r);
   }
-  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
-  for (int64_t t = 0; t < num_tensors; ++t) {
-    const int64_t chunks = clip_chunks(tensors[t].numel);
-    for (int64_t b = 0; b < batch; ++b) {
-      const double* p = partials.data() + items.starts[t] + b * chunks;
-      double sum = 0.0;
-      for (int64_t c = 0; c < chunks; ++c) sum += p[c];
-      out[b * num_tensors + t] = sum;
-    }
-  }
+  for (int64_t r = 0; r < count; ++r) sums[r * sum_stride] = row_sums[r];
 }
 
 template <class In>
@@ -60,8 +64,8 @@ PRIVLEAK_SIMD_CLONES void accumulate_row(const In* __restrict row, float factor,
   for (int64_t j = 0; j < width; ++j) acc[j] += factor * Element<In>::load(row[j]);
 }
 
-// Four rows per sweep over the accumulators, added in row order: the same sums as four calls of
-// accumulate_row, with a quarter of the accumulator traffic.
+// Four rows per sweep over the running sums, added in row order: the same sums as four calls of
+// accumulate_row, with a quarter of the running-sum traffic.
 template <class In>
 PRIVLEAK_SIMD_CLONES void accumulate_four_rows(const In* __restrict r0, const In* __restrict r1,
                                                const In* __restrict r2, const In* __restrict r3, const float* f,
@@ -77,68 +81,152 @@ PRIVLEAK_SIMD_CLONES void accumulate_four_rows(const In* __restrict r0, const In
 }
 
 template <class In>
-void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                           int64_t batch, const float* factors, double noise_std, uint64_t key, uint64_t offset,
-                           double scale) {
-  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
-  std::vector<int64_t> blocks;
-  std::vector<uint64_t> base(tensors.size(), 0);  // noise index of each tensor's element 0
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    blocks.push_back((tensors[t].numel + kBlock - 1) / kBlock);
-    if (t + 1 < tensors.size()) base[t + 1] = base[t] + static_cast<uint64_t>(tensors[t].numel);
+class FusedClip {
+ public:
+  FusedClip(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs, int64_t batch,
+            const double* clip_norms, bool per_layer, double* squares)
+      : tensors_(tensors), outs_(outs), batch_(batch), num_tensors_(static_cast<int64_t>(tensors.size())),
+        clip_norms_(clip_norms), per_layer_(per_layer), squares_(squares),
+        factors_(static_cast<size_t>(batch * num_tensors_)), noise_base_(tensors.size(), 0) {
+    int64_t row_bytes = 0;
+    std::vector<int64_t> blocks;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      row_bytes += tensors[t].numel * static_cast<int64_t>(sizeof(In));
+      chunks_.push_back(clip_chunks(tensors[t].numel));
+      blocks.push_back((tensors[t].numel + kBlock - 1) / kBlock);
+      if (t + 1 < tensors.size()) noise_base_[t + 1] = noise_base_[t] + static_cast<uint64_t>(tensors[t].numel);
+    }
+    group_ = samples_per_group(row_bytes, batch);
+    const int64_t row_sets = (group_ + kRowsTogether - 1) / kRowsTogether;
+    std::vector<int64_t> chunk_items, partial_counts;
+    for (int64_t c : chunks_) {
+      chunk_items.push_back(row_sets * c);
+      partial_counts.push_back(group_ * c);
+    }
+    chunk_items_ = ItemIndex(chunk_items);
+    partial_starts_ = ItemIndex(partial_counts);
+    partials_.resize(static_cast<size_t>(partial_starts_.total()));
+    blocks_ = ItemIndex(blocks);
+    kept_.resize(tensors.size());
   }
-  const ItemIndex items(blocks);
-  auto factor = [&](int64_t b, size_t t) { return factors[b * num_tensors + static_cast<int64_t>(t)]; };
-  std::vector<std::vector<int64_t>> active(tensors.size());
-  for (size_t t = 0; t < tensors.size(); ++t)
-    for (int64_t b = 0; b < batch; ++b)
-      if (factor(b, t) != 0.0f) active[t].push_back(b);
+
+  int64_t group() const { return group_; }
+
+  // Pass 1 over samples [first, first + count): partial sums of squares per (tensor, row, chunk).
+  void chunk_item(int64_t first, int64_t count, int64_t item) {
+    const auto [t, local] = chunk_items_.locate(item);
+    const int64_t chunks = chunks_[t], set = local / chunks, c = local % chunks, numel = tensors_[t].numel;
+    const int64_t row = set * kRowsTogether, begin = c * kClipChunk;
+    if (row >= count) return;
+    const In* first_row = static_cast<const In*>(tensors_[t].grads) + (first + row) * numel + begin;
+    chunk_sums(first_row, numel, std::min(kRowsTogether, count - row), std::min(kClipChunk, numel - begin),
+               partials_.data() + partial_starts_.starts[t] + row * chunks + c, chunks);
+  }
+
+  // Between the passes (one thread): the group's squared norms, factors and non-zero-factor rows.
+  void finish_norms(int64_t first, int64_t count) {
+    for (int64_t r = 0; r < count; ++r) {
+      double* row_squares = squares_ + (first + r) * num_tensors_;
+      for (int64_t t = 0; t < num_tensors_; ++t) {
+        const double* p = partials_.data() + partial_starts_.starts[t] + r * chunks_[t];
+        double sum = 0.0;
+        for (int64_t c = 0; c < chunks_[t]; ++c) sum += p[c];
+        row_squares[t] = sum;
+      }
+      clip_factors(row_squares, clip_norms_, num_tensors_, per_layer_, factors_.data() + (first + r) * num_tensors_);
+    }
+    for (int64_t t = 0; t < num_tensors_; ++t) {
+      kept_[t].clear();
+      for (int64_t b = first; b < first + count; ++b)
+        if (factor(b, t) != 0.0f) kept_[t].push_back(b);
+    }
+  }
+
+  // Pass 2 over the group into the running sums; the last group adds the noise and scales.
+  void block_item(int64_t first, int64_t item, bool last, float noise_std, uint64_t key, uint64_t offset,
+                  float scale, float* acc, float* noise) {
+    const auto [t, block] = blocks_.locate(item);
+    const int64_t numel = tensors_[t].numel, begin = block * kBlock, width = std::min(kBlock, numel - begin);
+    float* out = outs_[t] + begin;
+    if (first == 0) std::fill(acc, acc + width, 0.0f);
+    else std::copy(out, out + width, acc);
+    const In* grads = static_cast<const In*>(tensors_[t].grads) + begin;
+    auto row = [&](int64_t b) { return grads + b * numel; };
+    const std::vector<int64_t>& kept = kept_[t];
+    size_t k = 0;
+    for (; k + 4 <= kept.size(); k += 4) {
+      const float f[4] = {factor(kept[k], t), factor(kept[k + 1], t), factor(kept[k + 2], t), factor(kept[k + 3], t)};
+      accumulate_four_rows(row(kept[k]), row(kept[k + 1]), row(kept[k + 2]), row(kept[k + 3]), f, width, acc);
+    }
+    for (; k < kept.size(); ++k) accumulate_row(row(kept[k]), factor(kept[k], t), width, acc);
+    if (!last) {
+      std::copy(acc, acc + width, out);
+      return;
+    }
+    if (noise_std > 0.0f) {
+      fill_unit_gaussians<float>(noise_stream<float>(Distribution::gaussian), noise, width, key,
+                                 offset + noise_base_[t] + static_cast<uint64_t>(begin));
+      for (int64_t j = 0; j < width; ++j) acc[j] += noise_std * noise[j];
+    }
+    for (int64_t j = 0; j < width; ++j) out[j] = acc[j] * scale;
+  }
+
+  int64_t chunk_items() const { return chunk_items_.total(); }
+  int64_t block_items() const { return blocks_.total(); }
+
+ private:
+  float factor(int64_t b, int64_t t) const { return factors_[static_cast<size_t>(b * num_tensors_ + t)]; }
+
+  const std::vector<PerSampleGrads>& tensors_;
+  const std::vector<float*>& outs_;
+  int64_t batch_, num_tensors_;
+  const double* clip_norms_;
+  bool per_layer_;
+  double* squares_;
+  std::vector<float> factors_;
+  std::vector<uint64_t> noise_base_;  // noise index of each tensor's element 0
+  std::vector<int64_t> chunks_;
+  int64_t group_ = 0;
+  ItemIndex chunk_items_, partial_starts_, blocks_;
+  std::vector<double> partials_;
+  std::vector<std::vector<int64_t>> kept_;  // per tensor, the group's samples with a non-zero factor, in order
+};
+
+template <class In>
+void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
+                           int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
+                           uint64_t offset, double scale, double* squares) {
+  FusedClip<In> clip(tensors, outs, batch, clip_norms, per_layer, squares);
   const float std_f = static_cast<float>(noise_std), scale_f = static_cast<float>(scale);
   int64_t elements = 0;
   for (const auto& t : tensors) elements += batch * t.numel;
 #pragma omp parallel if (elements >= kMinParallelWork)
   {
     float acc[kBlock], noise[kBlock];
+    for (int64_t first = 0; first < batch; first += clip.group()) {
+      const int64_t count = std::min(clip.group(), batch - first);
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < items.total(); ++item) {
-      const auto [t, block] = items.locate(item);
-      const int64_t begin = block * kBlock, width = std::min(kBlock, tensors[t].numel - begin);
-      std::fill(acc, acc + width, 0.0f);
-      const In* grads = static_cast<const In*>(tensors[t].grads);
-      auto row = [&](int64_t b) { return grads + b * tensors[t].numel + begin; };
-      const std::vector<int64_t>& kept = active[t];  // samples with a non-zero factor, in order
-      size_t k = 0;
-      for (; k + 4 <= kept.size(); k += 4) {
-        const float f[4] = {factor(kept[k], t), factor(kept[k + 1], t), factor(kept[k + 2], t), factor(kept[k + 3], t)};
-        accumulate_four_rows(row(kept[k]), row(kept[k + 1]), row(kept[k + 2]), row(kept[k + 3]), f, width, acc);
-      }
-      for (; k < kept.size(); ++k) accumulate_row(row(kept[k]), factor(kept[k], t), width, acc);
-      if (noise_std > 0.0) {
-        fill_unit_gaussians<float>(noise_stream<float>(Distribution::gaussian), noise, width, key,
-                                   offset + base[t] + static_cast<uint64_t>(begin));
-        for (int64_t j = 0; j < width; ++j) acc[j] += std_f * noise[j];
-      }
-      float* out = outs[t] + begin;
-      for (int64_t j = 0; j < width; ++j) out[j] = acc[j] * scale_f;
+      for (int64_t item = 0; item < clip.chunk_items(); ++item) clip.chunk_item(first, count, item);
+#pragma omp single
+      clip.finish_norms(first, count);
+      const bool last = first + count == batch;
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < clip.block_items(); ++item)
+        clip.block_item(first, item, last, std_f, key, offset, scale_f, acc, noise);
     }
   }
 }
 
 }  // namespace
 
-void per_sample_sum_of_squares(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, int64_t batch,
-                               double* out) {
-  if (batch < 1) throw std::invalid_argument("per_sample_sum_of_squares: batch must be >= 1");
-  dispatch_grad_dtype(dtype, [&](auto zero) { sum_of_squares_typed<decltype(zero)>(tensors, batch, out); });
-}
-
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const float* factors, double noise_std, uint64_t key, uint64_t offset,
-                     double scale) {
-  if (batch < 1 || outs.size() != tensors.size())
+                     int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
+                     uint64_t offset, double scale, double* squares) {
+  if (batch < 1 || tensors.empty() || outs.size() != tensors.size())
     throw std::invalid_argument("clip_accumulate: batch must be >= 1 and there must be one output per tensor");
   dispatch_grad_dtype(dtype, [&](auto zero) {
-    clip_accumulate_typed<decltype(zero)>(tensors, outs, batch, factors, noise_std, key, offset, scale);
+    clip_accumulate_typed<decltype(zero)>(tensors, outs, batch, clip_norms, per_layer, noise_std, key, offset, scale,
+                                          squares);
   });
 }
 

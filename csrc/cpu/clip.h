@@ -8,15 +8,16 @@
 
 namespace privleak::cpu {
 
-// out[b * T + t] = |g_t[b]|^2 for T = tensors.size() (common/clip.h). dtype: float32, bfloat16, float16.
-void per_sample_sum_of_squares(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, int64_t batch,
-                               double* out);
-
-// outs[t][j] = scale * (sum_b factors[b * T + t] g_t[b, j] + noise_std z_{offset + base_t + j}), with z the
-// float Gaussian noise stream of `key` (privleak.mechanisms.gaussian_noise) over the concatenated
-// tensors (base_t = elements of the tensors before t), and samples with factor 0 skipped (dropped).
+// Fused DP-SGD clipping over per-sample gradients g_t[b] (dtype float32, bfloat16 or float16),
+// T = tensors.size():
+//   squares[b * T + t] = |g_t[b]|^2 (common/clip.h's order),
+//   f[b * T + t]       = clip_factors(squares + b * T, clip_norms, T, per_layer),
+//   outs[t][j]         = scale * (sum_b f[b * T + t] g_t[b, j] + noise_std z_{offset + base_t + j}),
+// with z the float Gaussian noise stream of `key` (privleak.mechanisms.gaussian_noise) over the
+// concatenated tensors (base_t = elements of the tensors before t). Samples with factor 0 (a
+// non-finite gradient) are skipped. clip_norms holds T values with per_layer, else 1.
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const float* factors, double noise_std, uint64_t key, uint64_t offset,
-                     double scale);
+                     int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
+                     uint64_t offset, double scale, double* squares);
 
 }  // namespace privleak::cpu

@@ -1,9 +1,10 @@
 // CUDA fused clipping, the CPU's arithmetic in the CPU's order. Up to kGroup tensors travel in
 // the kernel arguments, so one launch covers them (a model with more tensors takes one launch
 // per kGroup). Pass 1: 16 threads per (tensor, sample, chunk), one per lane of
-// chunk_sum_of_squares, then one thread per (tensor, sample) folds the chunks. Pass 2: one thread
-// per output element, looping over the samples in order; neighbouring threads read neighbouring
-// elements of a sample, so the loads coalesce.
+// chunk_sums_of_squares, then one thread per (tensor, sample) folds the chunks. Then one thread
+// per sample computes its clip factors. Pass 2: one thread per output element, looping over the
+// samples in order; neighbouring threads read neighbouring elements of a sample, so the loads
+// coalesce. The four launches queue on one stream: the host never waits.
 #include "cuda/clip.h"
 
 #include <cuda_runtime.h>
@@ -54,7 +55,7 @@ __global__ void chunk_sums(Group g, int64_t batch, double* partials, int64_t par
       sum += v * v;
     }
   }
-  // Lanes combine in lane order in double, as in chunk_sum_of_squares; an item's 16 lanes are
+  // Lanes combine in lane order in double, as in chunk_sums_of_squares; an item's 16 lanes are
   // neighbouring threads of one block (kThreads is a multiple of kClipLanes).
   __shared__ float lanes[kThreads];
   lanes[threadIdx.x] = sum;
@@ -75,6 +76,12 @@ __global__ void fold_chunks(Group g, int64_t batch, const double* partials, int6
   double sum = 0.0;
   for (int64_t c = 0; c < chunks; ++c) sum += p[c];
   out[b * g.num_tensors + g.first + t] = sum;
+}
+
+__global__ void sample_factors(const double* squares, const double* clip_norms, int64_t batch, int64_t num_tensors,
+                               bool per_layer, float* factors) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < batch) clip_factors(squares + b * num_tensors, clip_norms, num_tensors, per_layer, factors + b * num_tensors);
 }
 
 template <class In>
@@ -130,44 +137,41 @@ unsigned blocks_for(int64_t threads) {
 
 }  // namespace
 
-int64_t sum_of_squares_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch) {
+int64_t clip_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch) {
   int64_t chunks = 0;
   for (int64_t n : numels) chunks += batch * clip_chunks(n);
-  return chunks * static_cast<int64_t>(sizeof(double));
-}
-
-void per_sample_sum_of_squares(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, int64_t batch,
-                               double* out, void* workspace, int device, void* stream) {
-  if (batch < 1) throw std::invalid_argument("per_sample_sum_of_squares: batch must be >= 1");
-  const DeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream);
-  auto* partials = static_cast<double*>(workspace);
-  int64_t partial_base = 0;
-  dispatch_grad_dtype(dtype, [&](auto zero) {
-    using In = decltype(zero);
-    for (const Group& g : make_groups(tensors, nullptr, [&](int64_t n) { return batch * clip_chunks(n); })) {
-      chunk_sums<In><<<blocks_for(g.starts[g.count] * kClipLanes), kThreads, 0, s>>>(g, batch, partials, partial_base);
-      check(cudaGetLastError(), "per_sample_sum_of_squares: chunk_sums launch");
-      fold_chunks<<<blocks_for(g.count * batch), kThreads, 0, s>>>(g, batch, partials, partial_base, out);
-      check(cudaGetLastError(), "per_sample_sum_of_squares: fold_chunks launch");
-      partial_base += g.starts[g.count];
-    }
-  });
+  const int64_t factors = batch * static_cast<int64_t>(numels.size());
+  return chunks * static_cast<int64_t>(sizeof(double)) + factors * static_cast<int64_t>(sizeof(float));
 }
 
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const float* factors, double noise_std, uint64_t key, uint64_t offset,
-                     double scale, int device, void* stream) {
-  if (batch < 1 || outs.size() != tensors.size())
+                     int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
+                     uint64_t offset, double scale, double* squares, void* workspace, int device, void* stream) {
+  if (batch < 1 || tensors.empty() || outs.size() != tensors.size())
     throw std::invalid_argument("clip_accumulate: batch must be >= 1 and there must be one output per tensor");
   const DeviceGuard guard(device);
   const auto s = static_cast<cudaStream_t>(stream);
+  int64_t partial_count = 0;
+  for (const auto& t : tensors) partial_count += batch * clip_chunks(t.numel);
+  auto* partials = static_cast<double*>(workspace);
+  auto* factors = reinterpret_cast<float*>(partials + partial_count);
+  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
   dispatch_grad_dtype(dtype, [&](auto zero) {
     using In = decltype(zero);
+    int64_t partial_base = 0;
+    for (const Group& g : make_groups(tensors, nullptr, [&](int64_t n) { return batch * clip_chunks(n); })) {
+      chunk_sums<In><<<blocks_for(g.starts[g.count] * kClipLanes), kThreads, 0, s>>>(g, batch, partials, partial_base);
+      check(cudaGetLastError(), "clip_accumulate: chunk_sums launch");
+      fold_chunks<<<blocks_for(g.count * batch), kThreads, 0, s>>>(g, batch, partials, partial_base, squares);
+      check(cudaGetLastError(), "clip_accumulate: fold_chunks launch");
+      partial_base += g.starts[g.count];
+    }
+    sample_factors<<<blocks_for(batch), kThreads, 0, s>>>(squares, clip_norms, batch, num_tensors, per_layer, factors);
+    check(cudaGetLastError(), "clip_accumulate: sample_factors launch");
     for (const Group& g : make_groups(tensors, &outs, [](int64_t n) { return n; })) {
       accumulate<In><<<std::min(blocks_for(g.starts[g.count]), 65536u), kThreads, 0, s>>>(
           g, batch, factors, static_cast<float>(noise_std), key, offset, static_cast<float>(scale));
-      check(cudaGetLastError(), "clip_accumulate launch");
+      check(cudaGetLastError(), "clip_accumulate: accumulate launch");
     }
   });
 }

@@ -8,15 +8,13 @@
 
 namespace privleak::cuda {
 
-// Scratch bytes per_sample_sum_of_squares needs (one double per chunk of every sample).
-int64_t sum_of_squares_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch);
+// Scratch bytes clip_accumulate needs: a double per chunk of every sample, a float per factor.
+int64_t clip_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch);
 
-// privleak::cpu::per_sample_sum_of_squares and clip_accumulate on device memory, on `stream` of
-// `device`; the same bits.
-void per_sample_sum_of_squares(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, int64_t batch,
-                               double* out, void* workspace, int device, void* stream);
+// privleak::cpu::clip_accumulate on device memory (clip_norms and squares included), on `stream`
+// of `device`; the same bits.
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const float* factors, double noise_std, uint64_t key, uint64_t offset,
-                     double scale, int device, void* stream);
+                     int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
+                     uint64_t offset, double scale, double* squares, void* workspace, int device, void* stream);
 
 }  // namespace privleak::cuda

@@ -6,10 +6,12 @@ gradients g_1 .. g_B and expected batch size L,
     g~ = (sum_b clip_c(g_b) + N(0, c^2 sigma^2 I)) / L,     clip_c(g) = g min(1, c / |g|_2).
 
 With flat clipping |g| is the norm over all parameter tensors together; with per-layer clipping
-each tensor t is clipped to its own c_t. :func:`clip_and_accumulate` does this in two passes over
-the per-sample gradients: pass 1 computes each sample's squared norm per tensor, pass 2 forms
-the clipped sum, adds the noise (privleak's counter-based Gaussian, the same bits as
-:func:`privleak.mechanisms.gaussian_noise`) and scales, writing each output element once.
+each tensor t is clipped to its own c_t. :func:`clip_and_accumulate` does this in one kernel that
+reads the per-sample gradients twice: pass 1 computes each sample's squared norm per tensor, the
+clip factors follow, pass 2 forms the clipped sum, adds the noise (privleak's counter-based
+Gaussian, the same bits as :func:`privleak.mechanisms.gaussian_noise`) and scales. On the CPU the
+samples go through both passes in groups small enough to stay in cache, so the second read of
+models up to a few million parameters comes from cache, not memory.
 
 Non-finite per-sample gradients never reach the update. By default they raise a ValueError
 naming the samples (a NaN or inf gradient is a bug upstream, and silently dropping data changes
@@ -33,46 +35,30 @@ def _cuda_or_cpu(tensor: torch.Tensor):
     return _backend.cuda() if tensor.is_cuda else _backend.core
 
 
-@torch.library.custom_op("privleak::per_sample_sum_of_squares", mutates_args=())
-def _sum_of_squares_op(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    batch = grads[0].shape[0]
-    out = torch.empty(batch, len(grads), dtype=torch.float64, device=grads[0].device)
-    module = _cuda_or_cpu(grads[0])
-    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads],
-            [g[0].numel() for g in grads], batch, out.data_ptr())
-    if grads[0].is_cuda:
-        workspace = torch.empty(module.sum_of_squares_workspace_bytes(args[2], batch), dtype=torch.uint8,
-                                device=grads[0].device)
-        module.per_sample_sum_of_squares(*args, workspace.data_ptr(), grads[0].device.index,
-                                         torch.cuda.current_stream(grads[0].device).cuda_stream)
-    else:
-        module.per_sample_sum_of_squares(*args)
-    return out
-
-
-@_sum_of_squares_op.register_fake
-def _(grads):
-    return grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)
-
-
 @torch.library.custom_op("privleak::clip_accumulate", mutates_args=())
-def _clip_accumulate_op(grads: Sequence[torch.Tensor], factors: torch.Tensor, noise_std: float, key: Sequence[int],
-                        offset: int, scale: float) -> list[torch.Tensor]:
-    outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
-    module = _cuda_or_cpu(grads[0])
-    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], [g[0].numel() for g in grads],
-            [o.data_ptr() for o in outs], grads[0].shape[0], factors.data_ptr(), noise_std, key[0] | (key[1] << 32),
-            offset, scale)
+def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor, per_layer: bool, noise_std: float,
+                        key: Sequence[int], offset: int, scale: float) -> list[torch.Tensor]:
+    """The fused kernel: [out_0 .. out_{T-1}, squares], squares the (B, T) float64 squared norms."""
+    batch, device = grads[0].shape[0], grads[0].device
+    outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=device) for g in grads]
+    squares = torch.empty(batch, len(grads), dtype=torch.float64, device=device)
+    numels = [g[0].numel() for g in grads]
+    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
+            [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, noise_std, key[0] | (key[1] << 32),
+            offset, scale, squares.data_ptr())
     if grads[0].is_cuda:
-        module.clip_accumulate(*args, grads[0].device.index, torch.cuda.current_stream(grads[0].device).cuda_stream)
+        module = _backend.cuda()
+        workspace = torch.empty(module.clip_workspace_bytes(numels, batch), dtype=torch.uint8, device=device)
+        module.clip_accumulate(*args, workspace.data_ptr(), device.index, torch.cuda.current_stream(device).cuda_stream)
     else:
-        module.clip_accumulate(*args)
-    return outs
+        _backend.core.clip_accumulate(*args)
+    return outs + [squares]
 
 
 @_clip_accumulate_op.register_fake
-def _(grads, factors, noise_std, key, offset, scale):
-    return [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
+def _(grads, clip_norms, per_layer, noise_std, key, offset, scale):
+    outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
+    return outs + [grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)]
 
 
 class ClippedSum(NamedTuple):
@@ -112,12 +98,6 @@ def _clip_norms(clip_norm, count: int, per_layer: bool) -> list[float]:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
             raise ValueError(f"clip_norm must be finite and > 0, got {c!r}")
     return [float(c) for c in norms] * (count if per_layer and len(norms) == 1 else 1)
-
-
-def clip_factors(norms: torch.Tensor, clip_norms: Sequence[float]) -> torch.Tensor:
-    """min(1, c / |g|) as float32, 1 for a zero gradient; ``norms`` is (B,) flat or (B, T) per layer."""
-    c = torch.tensor(clip_norms, dtype=torch.float64, device=norms.device)
-    return torch.where(norms > c, c / norms, torch.ones_like(norms)).to(torch.float32)
 
 
 def clip_and_accumulate(
@@ -160,24 +140,21 @@ def clip_and_accumulate(
     if not math.isfinite(scale_by) or scale_by <= 0:
         raise ValueError(f"batch_size must be finite and > 0, got {batch_size!r}")
 
-    squares = torch.ops.privleak.per_sample_sum_of_squares(grads)
-    norms = (squares if per_layer else squares.sum(dim=1)).sqrt()
-    bad = ~torch.isfinite(squares).all(dim=1)
-    if bool(bad.any()) and non_finite == "raise":
-        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite; "
-                         "pass non_finite='drop' to leave such samples out")
-    factors = clip_factors(norms, norms_allowed if per_layer else norms_allowed[:1])
-    factors = torch.where(bad[:, None] if per_layer else bad, torch.zeros_like(factors), factors)
-    factors = (factors if per_layer else factors[:, None].expand(batch, len(grads))).contiguous()
-
     secure_noise = noise_std > 0 and isinstance(generator, _mechanisms.SecureNoiseGenerator)
     kernel_noise = 0.0 if secure_noise else noise_std
     words, stream_offset = [0, 0], 0
     if kernel_noise > 0:
         total = sum(g[0].numel() for g in grads)
         words, stream_offset = _mechanisms._resolve_stream(total, generator, key, offset)
-    outs = torch.ops.privleak.clip_accumulate(grads, factors, kernel_noise, words, stream_offset,
-                                              1.0 if secure_noise else 1.0 / scale_by)
+    clip_norms = torch.tensor(norms_allowed if per_layer else norms_allowed[:1], dtype=torch.float64,
+                              device=grads[0].device)
+    *outs, squares = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
+                                                        stream_offset, 1.0 if secure_noise else 1.0 / scale_by)
+    bad = ~torch.isfinite(squares).all(dim=1)
+    if non_finite == "raise" and bool(bad.any()):
+        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite; "
+                         "pass non_finite='drop' to leave such samples out")
+    norms = (squares if per_layer else squares.sum(dim=1)).sqrt()
     if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
         for out in outs:
             _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
