@@ -20,11 +20,27 @@ def seconds(fn: Callable[[], object], repeat: int = 5, sync: Callable[[], None] 
     return float(np.median(times))
 
 
-def copy_bandwidth(nbytes: int = 512 * 2**20) -> float:
-    """Bytes per second moved (read + written) by a large numpy copy: the memory limit of this machine."""
+def copy_bandwidth(nbytes: int = 512 * 2**20, threads: int = 1) -> float:
+    """Bytes per second moved (read + written) by a large numpy copy, split over ``threads``
+    threads (numpy copies without the GIL): the memory limit of this machine for that many cores."""
     src = np.ones(nbytes // 8)
     dst = np.empty_like(src)
-    return 2 * src.nbytes / seconds(lambda: np.copyto(dst, src))
+    if threads == 1:
+        return 2 * src.nbytes / seconds(lambda: np.copyto(dst, src))
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts = list(zip(np.array_split(dst, threads), np.array_split(src, threads)))
+    with ThreadPoolExecutor(threads) as pool:
+        return 2 * src.nbytes / seconds(lambda: list(pool.map(lambda p: np.copyto(*p), parts)))
+
+
+def cuda_copy_bandwidth(nbytes: int = 512 * 2**20) -> float:
+    """copy_bandwidth of a device-to-device copy on the current CUDA GPU: the card's limit."""
+    import torch
+
+    src = torch.ones(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / seconds(lambda: dst.copy_(src), sync=torch.cuda.synchronize)
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -73,20 +73,21 @@ def test_non_finite_samples_raise_or_are_dropped():
 
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_samples_in_cache_sized_groups_match_the_reference(per_layer, threads):
-    """Rows of 1.2 MB go through the CPU kernel four at a time (groups 4, 4, 2 of a batch of 10);
-    a dropped sample in the first and in the last group must not disturb the others."""
-    grads = per_sample([(200_000,), (100, 1000)], batch=10)
+    """Rows of 300 kB go through the CPU kernel in groups (12, 12, 6 of a batch of 30); a dropped
+    sample in the first and in the last group must not disturb the others."""
+    batch = 30
+    grads = per_sample([(50_000,), (25, 1000)], batch=batch)
     grads[0][1, 5] = float("nan")
-    grads[1][9, 3, 3] = float("inf")
-    kept = [g[[i for i in range(10) if i not in (1, 9)]] for g in grads]
+    grads[1][29, 3, 3] = float("inf")
+    kept = [g[[i for i in range(batch) if i not in (1, 29)]] for g in grads]
     noise = split_noise(grads, 0.2, key=4)
     results = []
     for n in (1, 2):
         threads(n)
         results.append(dpsgd.clip_and_accumulate(grads, 2.0, per_layer=per_layer, noise_std=0.2, key=4,
-                                                 batch_size=8, non_finite="drop"))
-        assert results[-1].dropped.tolist() == [i in (1, 9) for i in range(10)]
-        assert_close(results[-1].grads, reference.clip_and_accumulate(kept, [2.0], per_layer, noise, 8))
+                                                 batch_size=28, non_finite="drop"))
+        assert results[-1].dropped.tolist() == [i in (1, 29) for i in range(batch)]
+        assert_close(results[-1].grads, reference.clip_and_accumulate(kept, [2.0], per_layer, noise, 28))
     assert all(torch.equal(a, b) for a, b in zip(results[0].grads, results[1].grads))
 
 
