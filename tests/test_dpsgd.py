@@ -97,6 +97,12 @@ def test_zero_gradients_are_left_alone():
     assert torch.equal(got.grads[0], torch.zeros(10))
 
 
+def test_empty_parameter_tensors_give_empty_sums():
+    got = dpsgd.clip_and_accumulate([torch.zeros(4, 0), torch.ones(4, 3, 0)], 1.0, noise_std=1.0, key=1)
+    assert [tuple(g.shape) for g in got.grads] == [(0,), (3, 0)]
+    assert torch.equal(got.norms, torch.zeros(4, dtype=torch.float64))
+
+
 def test_bits_do_not_depend_on_thread_count(threads):
     grads = per_sample(SHAPES[2], batch=64)
     results = []

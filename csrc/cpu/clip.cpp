@@ -25,6 +25,7 @@ constexpr int64_t kRowsTogether = 4;
 constexpr int64_t kGroupBytes = int64_t(4) << 20;
 
 int64_t samples_per_group(int64_t row_bytes, int64_t batch) {
+  if (row_bytes == 0) return batch;
   const int64_t rows = kGroupBytes / row_bytes / kRowsTogether * kRowsTogether;
   return rows < kRowsTogether ? batch : std::min(rows, batch);
 }
@@ -84,7 +85,7 @@ class FusedClip {
  public:
   FusedClip(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs, int64_t batch,
             const double* clip_norms, bool per_layer, double* squares)
-      : tensors_(tensors), outs_(outs), batch_(batch), num_tensors_(static_cast<int64_t>(tensors.size())),
+      : tensors_(tensors), outs_(outs), num_tensors_(static_cast<int64_t>(tensors.size())),
         clip_norms_(clip_norms), per_layer_(per_layer), squares_(squares),
         factors_(static_cast<size_t>(batch * num_tensors_)), noise_base_(tensors.size(), 0) {
     int64_t row_bytes = 0;
@@ -178,7 +179,7 @@ class FusedClip {
 
   const std::vector<PerSampleGrads>& tensors_;
   const std::vector<float*>& outs_;
-  int64_t batch_, num_tensors_;
+  int64_t num_tensors_;
   const double* clip_norms_;
   bool per_layer_;
   double* squares_;
