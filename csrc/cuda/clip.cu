@@ -4,7 +4,7 @@
 // chunk_sums_of_squares, then one thread per (tensor, sample) folds the chunks. Then one thread
 // per sample computes its clip factors. Pass 2: one thread per output element, looping over the
 // samples in order; neighbouring threads read neighbouring elements of a sample, so the loads
-// coalesce. The four launches queue on one stream: the host never waits.
+// coalesce. All launches queue on one stream: the host never waits between the passes.
 #include "cuda/clip.h"
 
 #include <cuda_runtime.h>
