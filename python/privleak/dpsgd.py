@@ -31,10 +31,6 @@ from privleak import mechanisms as _mechanisms
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _cuda_or_cpu(tensor: torch.Tensor):
-    return _backend.cuda() if tensor.is_cuda else _backend.core
-
-
 @torch.library.custom_op("privleak::clip_accumulate", mutates_args=())
 def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor, per_layer: bool, noise_std: float,
                         key: Sequence[int], offset: int, scale: float) -> list[torch.Tensor]:
