@@ -1,5 +1,9 @@
 """Counter-based Gaussian and Laplace noise: bits against the numpy reference, distributions
 against scipy, and the torch op contract."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -33,7 +37,8 @@ def draw(distribution, n, key, offset=0, dtype=torch.float32, scale=1.0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
-@pytest.mark.parametrize("offset, n", [(0, 1), (7, 100_003), (2**40 + 3, 1001)])
+# 4 * 2**32 - 37: the draw's blocks cross a 2^32 boundary of the counter's low word (float and double).
+@pytest.mark.parametrize("offset, n", [(0, 1), (7, 100_003), (2**40 + 3, 1001), (4 * 2**32 - 37, 1001)])
 def test_kernel_bits_equal_the_numpy_reference(distribution, dtype, offset, n):
     key = 0xDEADBEEF12345678
     got = draw(distribution, n, key, offset, dtype).numpy()
@@ -52,6 +57,25 @@ def test_bits_do_not_depend_on_threads_or_on_how_a_draw_is_split(distribution, t
     generator = M.NoiseGenerator(11)
     fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
     assert torch.equal(whole, torch.cat([fn(n, generator=generator) for n in (1, 299_999, 1)]))
+
+
+def test_portable_and_vectorised_cpu_paths_give_the_same_bits():
+    # A second interpreter runs the portable loops (PRIVLEAK_CPU_CAPABILITY=default); this one runs
+    # the AVX2 path where the CPU has it. Both must give the numpy reference's bits.
+    code = (
+        "import sys, torch, privleak\n"
+        "from privleak import mechanisms as M\n"
+        "assert privleak.info()['cpu_capability'] == 'default'\n"
+        "draws = [fn(5003, key=9, offset=4 * 2**32 - 37, dtype=d) for fn in (M.gaussian_noise, M.laplace_noise)\n"
+        "         for d in (torch.float32, torch.float64)]\n"
+        "sys.stdout.write(b''.join(x.numpy().tobytes() for x in draws).hex())\n"
+    )
+    env = dict(os.environ, PRIVLEAK_CPU_CAPABILITY="default")
+    portable = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    here = [draw(distribution, 5003, 9, 4 * 2**32 - 37, dtype).numpy() for distribution in DISTRIBUTIONS for dtype in DTYPES]
+    want = [reference.noise(distribution, 5003, 9, 4 * 2**32 - 37, x.dtype)
+            for distribution, x in zip(np.repeat(DISTRIBUTIONS, 2), here)]
+    assert bytes.fromhex(portable) == b"".join(x.tobytes() for x in want) == b"".join(x.tobytes() for x in here)
 
 
 def test_streams_are_independent_across_distributions_and_dtypes():

@@ -12,6 +12,7 @@
 #include "cpu/column_stats.h"
 #include "cpu/nearest.h"
 #include "cpu/noise.h"
+#include "cpu/noise_lanes.h"
 #include "cpu/secure_noise.h"
 #include "cpu/vmf.h"
 #include "cpu/platform.h"
@@ -124,6 +125,7 @@ PYBIND11_MODULE(_core, m) {
     py::dict info;
     info["compiler"] = PRIVLEAK_COMPILER;
     info["openmp"] = privleak::cpu::has_openmp();
+    info["cpu_capability"] = privleak::cpu::cpu_capability();
     info["openmp_threads"] = privleak::cpu::max_threads();
 #if defined(PRIVLEAK_SANITIZE)
     info["sanitizers"] = "address,undefined";

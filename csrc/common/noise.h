@@ -92,15 +92,20 @@ PRIVLEAK_HOST_DEVICE void laplace_values(const Words4& r, double (&z)[2]) {
   }
 }
 
-// The k unit-scale values of block `block` of `stream` (by default the distribution's own).
+// The k unit-scale values that one Philox block's words r give.
 template <Distribution kDist, class Gen>
-PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>],
-                                       uint32_t stream = noise_stream<Gen>(kDist)) {
-  const Words4 r = philox_block(key, stream, block);
+PRIVLEAK_HOST_DEVICE void values_of_words(const Words4& r, Gen (&z)[kValuesPerBlock<Gen>]) {
   if constexpr (kDist == Distribution::gaussian)
     gaussian_values(r, z);
   else
     laplace_values(r, z);
+}
+
+// The k unit-scale values of block `block` of `stream` (by default the distribution's own).
+template <Distribution kDist, class Gen>
+PRIVLEAK_HOST_DEVICE void noise_values(uint64_t key, uint64_t block, Gen (&z)[kValuesPerBlock<Gen>],
+                                       uint32_t stream = noise_stream<Gen>(kDist)) {
+  values_of_words<kDist, Gen>(philox_block(key, stream, block), z);
 }
 
 // out = noise, or out += noise in Gen arithmetic with one rounding to the output type.

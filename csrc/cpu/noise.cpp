@@ -1,26 +1,38 @@
-// CPU noise: batches of Philox blocks are generated into a small buffer by a loop that the
-// compiler vectorises across blocks (common/noise.h is branch-free for that), then scaled into
-// the output. Bits are those of apply_noise_block, element by element.
+// CPU noise: batches of kLaneBlocks Philox blocks. Their words come word-major from
+// cpu/noise_lanes, a loop that the compiler vectorises across blocks turns them into values
+// (common/noise.h is branch-free for that), and the values are interleaved back into element
+// order and scaled into the output. Bits are those of apply_noise_block, element by element.
 #include "cpu/noise.h"
 
 #include <algorithm>
 #include <stdexcept>
 
+#include "cpu/noise_lanes.h"
 #include "cpu/platform.h"
 
 namespace privleak::cpu {
 namespace {
 
-constexpr int64_t kBatchBlocks = 64;
+constexpr int64_t kBatchBlocks = kLaneBlocks;
 
 template <Distribution kDist, class Gen>
-PRIVLEAK_SIMD_CLONES void noise_batch(uint64_t key, uint32_t stream, uint64_t first_block, Gen* __restrict values) {
+PRIVLEAK_SIMD_CLONES void lane_values(const uint32_t (&words)[4][kLaneBlocks],
+                                      Gen (&values)[kValuesPerBlock<Gen>][kLaneBlocks]) {
   constexpr int k = kValuesPerBlock<Gen>;
-  for (int64_t j = 0; j < kBatchBlocks; ++j) {
+  for (int64_t j = 0; j < kLaneBlocks; ++j) {
     Gen z[k];
-    noise_values<kDist, Gen>(key, first_block + j, z, stream);
-    for (int lane = 0; lane < k; ++lane) values[j * k + lane] = z[lane];
+    values_of_words<kDist, Gen>(Words4{{words[0][j], words[1][j], words[2][j], words[3][j]}}, z);
+    for (int lane = 0; lane < k; ++lane) values[lane][j] = z[lane];
   }
+}
+
+template <Distribution kDist, class Gen>
+void noise_batch(uint64_t key, uint32_t stream, uint64_t first_block, Gen* values) {
+  alignas(32) uint32_t words[4][kLaneBlocks];
+  alignas(32) Gen lanes[kValuesPerBlock<Gen>][kLaneBlocks];
+  philox_lanes(key, stream, first_block, words);
+  lane_values<kDist, Gen>(words, lanes);
+  interleave_lanes(lanes, values);
 }
 
 // Batch `batch` (counted from the one holding element `offset`) of the draw [offset, offset + n).

@@ -61,7 +61,9 @@ def info() -> dict[str, Any]:
     """What this installation of privleak can run.
 
     Keys: ``version``, ``backends`` (compiled: "cpu" and, if built, "cuda"), ``compiler``,
-    ``openmp``, ``openmp_threads``, ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``,
+    ``openmp``, ``openmp_threads``, ``cpu_capability`` ("avx2" where the CPU noise runs its
+    hand-vectorised Philox, else "default"; PRIVLEAK_CPU_CAPABILITY=default forces the portable
+    loops), ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``,
     ``cuda_version``, ``cuda_usable``, ``cuda_devices``, ``gpu_name`` and ``cuda_error`` (why CUDA is
     not usable, or None).
     """
@@ -76,6 +78,7 @@ def info() -> dict[str, Any]:
         "compiler": build["compiler"],
         "openmp": build["openmp"],
         "openmp_threads": build["openmp_threads"],
+        "cpu_capability": build["cpu_capability"],
         "sanitizers": build["sanitizers"],
         "cuda_compiled": _cuda is not None,
         "cuda_architectures": cuda_build.get("architectures"),
