@@ -20,6 +20,17 @@ def seconds(fn: Callable[[], object], repeat: int = 5, sync: Callable[[], None] 
     return float(np.median(times))
 
 
+def seconds_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 3, repeat: int = 3,
+                        sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median wall time of each of ``fns``, timed in turns over ``rounds`` rounds, so that a slow
+    spell of a shared machine, or the state one side leaves behind, does not fall on one side only."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(seconds(fn, repeat, sync))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def copy_bandwidth(nbytes: int = 512 * 2**20, threads: int = 1) -> float:
     """Bytes per second moved (read + written) by a large numpy copy, split over ``threads``
     threads (numpy copies without the GIL): the memory limit of this machine for that many cores."""

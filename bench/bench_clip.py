@@ -9,7 +9,8 @@ scale_grad; plain torch is the same math written directly. All three read the pe
 gradients twice (norms, then the clipped sum). "grads GB/s" counts the gradients once; "of copy
 bw" is the two reads over the copy bandwidth (read + write) measured in this run: a memcpy on as
 many threads as privleak's on the CPU, a device copy on a GPU. On the CPU privleak's second read
-of short rows comes from cache, so that fraction can pass 100%.
+of short rows comes from cache, so that fraction can pass 100%. The three sides are timed in
+turns (three rounds of three calls, after a warm-up) and each reports its median round.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from opacus.optimizers import DPOptimizer
 
 import privleak
 from privleak import dpsgd
-from _measure import copy_bandwidth, cuda_copy_bandwidth, seconds, table
+from _measure import copy_bandwidth, cuda_copy_bandwidth, seconds_interleaved, table
 
 CLIP, SIGMA = 1.0, 1.0
 
@@ -75,10 +76,13 @@ def main() -> None:
                 print(f"skipped B={batch}, P={total:.0e}: {nbytes / 1e9:.1f} GB of per-sample gradients > --max-gb")
                 continue
             grads = [torch.randn(batch, n, device=device) for n in split(total)]
-            t_ours = seconds(lambda: dpsgd.clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1,
-                                                                batch_size=batch), repeat=5, sync=sync)
-            t_opacus = seconds(opacus_runner(grads, batch), repeat=5, sync=sync)
-            t_torch = seconds(lambda: torch_clip(grads, batch), repeat=5, sync=sync)
+            times = seconds_interleaved({
+                "privleak": lambda: dpsgd.clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1,
+                                                              batch_size=batch),
+                "opacus": opacus_runner(grads, batch),
+                "torch": lambda: torch_clip(grads, batch),
+            }, sync=sync)
+            t_ours, t_opacus, t_torch = times["privleak"], times["opacus"], times["torch"]
             rows.append({
                 "B": batch, "P": f"{total:.0e}", "privleak ms": f"{t_ours * 1e3:.1f}",
                 "opacus ms": f"{t_opacus * 1e3:.1f}", "torch ms": f"{t_torch * 1e3:.1f}",
