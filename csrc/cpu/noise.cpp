@@ -13,8 +13,6 @@
 namespace privleak::cpu {
 namespace {
 
-constexpr int64_t kBatchBlocks = kLaneBlocks;
-
 template <Distribution kDist, class Gen>
 PRIVLEAK_SIMD_CLONES void lane_values(const uint32_t (&words)[4][kLaneBlocks],
                                       Gen (&values)[kValuesPerBlock<Gen>][kLaneBlocks]) {
@@ -42,19 +40,19 @@ void apply_noise_batch(Out* out, int64_t n, uint64_t key, uint32_t stream, uint6
                        typename Element<Out>::Gen* values) {
   using Gen = typename Element<Out>::Gen;
   constexpr int k = kValuesPerBlock<Gen>;
-  const uint64_t block = first_noise_block(offset, k) + static_cast<uint64_t>(batch) * kBatchBlocks;
+  const uint64_t block = first_noise_block(offset, k) + static_cast<uint64_t>(batch) * kLaneBlocks;
   noise_batch<kDist, Gen>(key, stream, block, values);
   const uint64_t batch_begin = block * k;
   const uint64_t begin = std::max(batch_begin, offset);
-  const uint64_t end = std::min(batch_begin + kBatchBlocks * k, offset + static_cast<uint64_t>(n));
+  const uint64_t end = std::min(batch_begin + kLaneBlocks * k, offset + static_cast<uint64_t>(n));
   for (uint64_t e = begin; e < end; ++e) set_or_add(out[e - offset], scale * values[e - batch_begin], add);
 }
 
 template <class Gen>
 int64_t num_noise_batches(uint64_t offset, int64_t n) {
   constexpr int k = kValuesPerBlock<Gen>;
-  return static_cast<int64_t>((end_noise_block(offset, n, k) - first_noise_block(offset, k) + kBatchBlocks - 1) /
-                              kBatchBlocks);
+  return static_cast<int64_t>((end_noise_block(offset, n, k) - first_noise_block(offset, k) + kLaneBlocks - 1) /
+                              kLaneBlocks);
 }
 
 template <Distribution kDist, class Out>
@@ -64,7 +62,7 @@ void apply_noise_typed(Out* out, int64_t n, uint64_t key, uint64_t offset, doubl
   const uint32_t stream = noise_stream<Gen>(kDist);
 #pragma omp parallel if (n >= kMinParallelWork)
   {
-    Gen values[kBatchBlocks * kValuesPerBlock<Gen>];
+    Gen values[kLaneBlocks * kValuesPerBlock<Gen>];
 #pragma omp for schedule(static)
     for (int64_t batch = 0; batch < num_batches; ++batch)
       apply_noise_batch<kDist, Out>(out, n, key, stream, offset, static_cast<Gen>(scale), add, batch, values);
@@ -75,7 +73,7 @@ void apply_noise_typed(Out* out, int64_t n, uint64_t key, uint64_t offset, doubl
 
 template <class T>
 void fill_unit_gaussians(uint32_t stream, T* out, int64_t n, uint64_t key, uint64_t offset) {
-  T values[kBatchBlocks * kValuesPerBlock<T>];
+  T values[kLaneBlocks * kValuesPerBlock<T>];
   for (int64_t batch = 0; batch < num_noise_batches<T>(offset, n); ++batch)
     apply_noise_batch<Distribution::gaussian, T>(out, n, key, stream, offset, T(1), false, batch, values);
 }

@@ -79,6 +79,7 @@ __attribute__((target("avx2"))) void philox_lanes_avx2(uint64_t key, uint32_t st
 
 // A 4 x 8 transpose per 8 blocks: rows a, b, c, d become a0 b0 c0 d0 a1 b1 c1 d1 ...
 __attribute__((target("avx2"))) void interleave_avx2(const float (&values)[4][kLaneBlocks], float* out) {
+  static_assert(kLaneBlocks % 8 == 0, "whole vectors of blocks");
   for (int64_t j = 0; j < kLaneBlocks; j += 8) {
     const __m256 a = _mm256_loadu_ps(values[0] + j), b = _mm256_loadu_ps(values[1] + j);
     const __m256 c = _mm256_loadu_ps(values[2] + j), d = _mm256_loadu_ps(values[3] + j);
@@ -99,6 +100,7 @@ __attribute__((target("avx2"))) void interleave_avx2(const float (&values)[4][kL
 }
 
 __attribute__((target("avx2"))) void interleave_avx2(const double (&values)[2][kLaneBlocks], double* out) {
+  static_assert(kLaneBlocks % 4 == 0, "whole vectors of blocks");
   for (int64_t j = 0; j < kLaneBlocks; j += 4) {
     const __m256d a = _mm256_loadu_pd(values[0] + j), b = _mm256_loadu_pd(values[1] + j);
     const __m256d lo = _mm256_unpacklo_pd(a, b), hi = _mm256_unpackhi_pd(a, b);  // blocks (0, 2) and (1, 3)
@@ -124,21 +126,30 @@ bool avx2_enabled() {
 
 void philox_lanes(uint64_t key, uint32_t stream, uint64_t first_block, uint32_t (&words)[4][kLaneBlocks]) {
 #if defined(PRIVLEAK_X86_AVX2)
-  if (avx2_enabled()) return philox_lanes_avx2(key, stream, first_block, words);
+  if (avx2_enabled()) {
+    philox_lanes_avx2(key, stream, first_block, words);
+    return;
+  }
 #endif
   philox_lanes_portable(key, stream, first_block, words);
 }
 
 void interleave_lanes(const float (&values)[4][kLaneBlocks], float* out) {
 #if defined(PRIVLEAK_X86_AVX2)
-  if (avx2_enabled()) return interleave_avx2(values, out);
+  if (avx2_enabled()) {
+    interleave_avx2(values, out);
+    return;
+  }
 #endif
   interleave_portable(values, out);
 }
 
 void interleave_lanes(const double (&values)[2][kLaneBlocks], double* out) {
 #if defined(PRIVLEAK_X86_AVX2)
-  if (avx2_enabled()) return interleave_avx2(values, out);
+  if (avx2_enabled()) {
+    interleave_avx2(values, out);
+    return;
+  }
 #endif
   interleave_portable(values, out);
 }

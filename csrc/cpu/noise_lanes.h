@@ -4,8 +4,9 @@
 //
 // x86-64 CPUs with AVX2 run hand-vectorised versions of both steps: GCC vectorises neither
 // Philox's 32 x 32 -> 64-bit multiply nor a four-way interleaving store. Other CPUs run the
-// portable loops, as does PRIVLEAK_CPU_CAPABILITY=default (read once, at the first draw). The bits
-// are the same either way.
+// portable loops, as does PRIVLEAK_CPU_CAPABILITY=default, read at the first use. That variable
+// covers these two steps only; the transform between them is compiler-vectorised, with clones
+// chosen by the CPU's features. The bits are the same either way.
 #pragma once
 
 #include <cstdint>

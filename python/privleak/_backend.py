@@ -62,8 +62,8 @@ def info() -> dict[str, Any]:
 
     Keys: ``version``, ``backends`` (compiled: "cpu" and, if built, "cuda"), ``compiler``,
     ``openmp``, ``openmp_threads``, ``cpu_capability`` ("avx2" where the CPU noise runs its
-    hand-vectorised Philox, else "default"; PRIVLEAK_CPU_CAPABILITY=default forces the portable
-    loops), ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``,
+    hand-vectorised Philox and interleave, else "default"; PRIVLEAK_CPU_CAPABILITY=default forces
+    their portable loops, with the same bits), ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``,
     ``cuda_version``, ``cuda_usable``, ``cuda_devices``, ``gpu_name`` and ``cuda_error`` (why CUDA is
     not usable, or None).
     """
