@@ -58,6 +58,25 @@ def test_half_precision_gradients_are_accumulated_in_float32(dtype):
     assert_close(got.grads, reference.clip_and_accumulate(grads, [1.0], False), rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_subnormals_extremes_and_non_finite_values_convert_exactly(dtype):
+    info = torch.finfo(dtype)
+    grads = torch.zeros(4, 64, dtype=dtype)
+    grads[0] = torch.arange(1, 65, dtype=torch.float64) * info.smallest_normal / 128  # subnormals (fp16: k 2^-24)
+    big = min(info.max, 1e19)  # bf16's max would overflow the float32 squares (a sample beyond 1.8e19 is dropped)
+    grads[1, :3] = torch.tensor([big, -big, info.smallest_normal])
+    grads[2, 5], grads[3, 9] = float("nan"), -float("inf")
+    got = dpsgd.clip_and_accumulate([grads], 1e6, non_finite="drop", batch_size=1.0)
+    assert got.dropped.tolist() == [False, False, True, True]
+    want_norms = grads[:2].double().norm(dim=1)
+    # atol: squares below 1.2e-38 underflow in float32, which hides bf16 subnormals (~1e-39) from the norm.
+    torch.testing.assert_close(got.norms[:2], want_norms, rtol=1e-6, atol=1e-18)
+    assert_close(got.grads, reference.clip_and_accumulate([grads[:2]], [1e6], False, None, 1.0))
+    # Past 1.8e19 (only bf16 gets there) the square overflows and the sample counts as non-finite.
+    grads[1, 0] = 2e19 if dtype == torch.bfloat16 else info.max
+    assert dpsgd.clip_and_accumulate([grads], 1e6, non_finite="drop").dropped.tolist()[1] == (dtype == torch.bfloat16)
+
+
 def test_non_finite_samples_raise_or_are_dropped():
     grads = per_sample(SHAPES[0], batch=10)
     grads[1][3, 2] = float("nan")

@@ -16,7 +16,9 @@ models up to a few million parameters comes from cache, not memory.
 Non-finite per-sample gradients never reach the update. By default they raise a ValueError
 naming the samples (a NaN or inf gradient is a bug upstream, and silently dropping data changes
 what is being trained on); ``non_finite="drop"`` instead gives those samples weight 0, i.e.
-treats them as absent from the batch.
+treats them as absent from the batch. Squares are summed in float32 lanes (then in float64), so
+a sample also counts as non-finite when one of its elements exceeds about 1.8e19 in magnitude
+and its square overflows: a gradient that has diverged.
 """
 from __future__ import annotations
 
@@ -148,7 +150,7 @@ def clip_and_accumulate(
                                                         stream_offset, 1.0 if secure_noise else 1.0 / scale_by)
     bad = ~torch.isfinite(squares).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
-        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite; "
+        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite (or beyond 1.8e19); "
                          "pass non_finite='drop' to leave such samples out")
     norms = (squares if per_layer else squares.sum(dim=1)).sqrt()
     if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
