@@ -33,6 +33,14 @@ void noise_batch(uint64_t key, uint32_t stream, uint64_t first_block, Gen* value
   interleave_lanes(lanes, values);
 }
 
+// out[i] = scale * values[i] or out[i] += ..., i < count. `add` is a compile-time constant, so
+// the loop has no branch and vectorises (a float addition under a condition would not).
+template <class Out, bool kAdd>
+PRIVLEAK_SIMD_CLONES void store_scaled(Out* __restrict out, const typename Element<Out>::Gen* __restrict values,
+                                       int64_t count, typename Element<Out>::Gen scale) {
+  for (int64_t i = 0; i < count; ++i) set_or_add(out[i], scale * values[i], kAdd);
+}
+
 // Batch `batch` (counted from the one holding element `offset`) of the draw [offset, offset + n).
 template <Distribution kDist, class Out>
 void apply_noise_batch(Out* out, int64_t n, uint64_t key, uint32_t stream, uint64_t offset,
@@ -45,7 +53,14 @@ void apply_noise_batch(Out* out, int64_t n, uint64_t key, uint32_t stream, uint6
   const uint64_t batch_begin = block * k;
   const uint64_t begin = std::max(batch_begin, offset);
   const uint64_t end = std::min(batch_begin + kLaneBlocks * k, offset + static_cast<uint64_t>(n));
-  for (uint64_t e = begin; e < end; ++e) set_or_add(out[e - offset], scale * values[e - batch_begin], add);
+  if (end <= begin) return;
+  Out* first = out + (begin - offset);
+  const Gen* first_value = values + (begin - batch_begin);
+  const int64_t count = static_cast<int64_t>(end - begin);
+  if (add)
+    store_scaled<Out, true>(first, first_value, count, scale);
+  else
+    store_scaled<Out, false>(first, first_value, count, scale);
 }
 
 template <class Gen>
