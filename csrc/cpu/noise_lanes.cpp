@@ -134,7 +134,8 @@ void philox_lanes(uint64_t key, uint32_t stream, uint64_t first_block, uint32_t 
   philox_lanes_portable(key, stream, first_block, words);
 }
 
-void interleave_lanes(const float (&values)[4][kLaneBlocks], float* out) {
+template <class T, int k>
+void interleave_lanes(const T (&values)[k][kLaneBlocks], T* out) {
 #if defined(PRIVLEAK_X86_AVX2)
   if (avx2_enabled()) {
     interleave_avx2(values, out);
@@ -143,16 +144,8 @@ void interleave_lanes(const float (&values)[4][kLaneBlocks], float* out) {
 #endif
   interleave_portable(values, out);
 }
-
-void interleave_lanes(const double (&values)[2][kLaneBlocks], double* out) {
-#if defined(PRIVLEAK_X86_AVX2)
-  if (avx2_enabled()) {
-    interleave_avx2(values, out);
-    return;
-  }
-#endif
-  interleave_portable(values, out);
-}
+template void interleave_lanes<float, 4>(const float (&)[4][kLaneBlocks], float*);
+template void interleave_lanes<double, 2>(const double (&)[2][kLaneBlocks], double*);
 
 const char* cpu_capability() { return avx2_enabled() ? "avx2" : "default"; }
 

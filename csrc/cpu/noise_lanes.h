@@ -18,9 +18,10 @@ constexpr int64_t kLaneBlocks = 64;
 // words[w][j] = word w of Philox block first_block + j of `stream` under `key`.
 void philox_lanes(uint64_t key, uint32_t stream, uint64_t first_block, uint32_t (&words)[4][kLaneBlocks]);
 
-// out[k j + lane] = values[lane][j]: a block's k values, block after block.
-void interleave_lanes(const float (&values)[4][kLaneBlocks], float* out);
-void interleave_lanes(const double (&values)[2][kLaneBlocks], double* out);
+// out[k j + lane] = values[lane][j]: a block's k values, block after block. For (float, 4) and
+// (double, 2).
+template <class T, int k>
+void interleave_lanes(const T (&values)[k][kLaneBlocks], T* out);
 
 // "avx2" or "default": which versions run on this CPU.
 const char* cpu_capability();
