@@ -1,4 +1,8 @@
 """Fused per-sample clipping against the float64 torch reference (privleak.reference)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -75,6 +79,29 @@ def test_half_subnormals_extremes_and_non_finite_values_convert_exactly(dtype):
     # Past 1.8e19 (only bf16 gets there) the square overflows and the sample counts as non-finite.
     grads[1, 0] = 2e19 if dtype == torch.bfloat16 else info.max
     assert dpsgd.clip_and_accumulate([grads], 1e6, non_finite="drop").dropped.tolist()[1] == (dtype == torch.bfloat16)
+
+
+def test_fp16_gradients_give_the_same_bits_on_the_portable_path():
+    # This interpreter widens fp16 with F16C where the CPU has it; a second one runs the portable
+    # conversion (PRIVLEAK_CPU_CAPABILITY=default). Rows of 3000 elements leave a tail after the
+    # 8-wide conversions, and B = 7 leaves samples outside the sets of four.
+    code = (
+        "import sys, torch, privleak\n"
+        "from privleak import dpsgd\n"
+        "assert privleak.info()['cpu_capability'] == 'default'\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "grads = [torch.randn(7, 3000, generator=g).half(), torch.randn(7, 13, 5, generator=g).half()]\n"
+        "out = dpsgd.clip_and_accumulate(grads, 20.0, noise_std=0.5, key=4)\n"
+        "sys.stdout.write(b''.join(t.numpy().tobytes() for t in out.grads + [out.norms]).hex())\n"
+    )
+    env = dict(os.environ, PRIVLEAK_CPU_CAPABILITY="default")
+    portable = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(7, 3000, generator=g).half(), torch.randn(7, 13, 5, generator=g).half()]
+    here = dpsgd.clip_and_accumulate(grads, 20.0, noise_std=0.5, key=4)
+    assert bytes.fromhex(portable) == b"".join(t.numpy().tobytes() for t in here.grads + [here.norms])
+    noise = split_noise(grads, 0.5, key=4)
+    assert_close(here.grads, reference.clip_and_accumulate(grads, [20.0], False, noise, 7), rtol=1e-4)
 
 
 def test_non_finite_samples_raise_or_are_dropped():

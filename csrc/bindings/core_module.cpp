@@ -12,7 +12,6 @@
 #include "cpu/column_stats.h"
 #include "cpu/nearest.h"
 #include "cpu/noise.h"
-#include "cpu/noise_lanes.h"
 #include "cpu/secure_noise.h"
 #include "cpu/vmf.h"
 #include "cpu/platform.h"

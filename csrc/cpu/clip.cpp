@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <type_traits>
+#include <vector>
 
 #include "common/clip.h"
 #include "cpu/noise.h"
@@ -23,6 +25,10 @@ constexpr int64_t kRowsTogether = 4;
 // from 11 to 8 ms); for longer rows, reloading the running sums per group costs what the cache
 // saves, so the batch is one group.
 constexpr int64_t kGroupBytes = int64_t(4) << 20;
+// fp16 rows are widened into a per-thread buffer: pass 1 a chunk of kRowsTogether rows at a time,
+// pass 2 runs of kWidenRun elements of them.
+constexpr int64_t kWidenRun = 1024;
+constexpr int64_t kWidenBuffer = kRowsTogether * std::max(kClipChunk, kWidenRun);
 
 int64_t samples_per_group(int64_t row_bytes, int64_t batch) {
   if (row_bytes == 0) return batch;
@@ -44,13 +50,59 @@ struct ItemIndex {
   }
 };
 
+// fp16 rows widened to float32 (exact): rows[r][0, n) -> dst + r * dst_stride, r < count. Where
+// avx2_enabled(), F16C converts 8 per instruction, the rows side by side (one row at a time keeps
+// too few loads in flight). Converting in the kernels' own loops instead took about 5x longer and
+// made fp16 clipping compute-bound.
+PRIVLEAK_SIMD_CLONES void widen_float16_run(const Float16* __restrict src, int64_t n, float* __restrict dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = Element<Float16>::load(src[j]);
+}
+
+#if defined(PRIVLEAK_X86_AVX2)
+__attribute__((target("avx2,f16c"))) void widen_float16_f16c(const Float16* const* rows, int64_t count, int64_t n,
+                                                            float* dst, int64_t dst_stride) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int64_t r = 0; r < count; ++r)
+      _mm256_storeu_ps(dst + r * dst_stride + j,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + j))));
+  for (int64_t r = 0; r < count; ++r) widen_float16_run(rows[r] + j, n - j, dst + r * dst_stride + j);
+}
+#endif
+
+void widen_float16(const Float16* const* rows, int64_t count, int64_t n, float* dst, int64_t dst_stride) {
+#if defined(PRIVLEAK_X86_AVX2)
+  if (avx2_enabled()) {
+    widen_float16_f16c(rows, count, n, dst, dst_stride);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < count; ++r) widen_float16_run(rows[r], n, dst + r * dst_stride);
+}
+
+// The element type the kernels read: fp16 rows are first widened into a buffer, other types are
+// read in place.
+template <class In> struct Read { using type = In; };
+template <> struct Read<Float16> { using type = float; };
+
+// readable[r] = rows[r][0, n) as the kernels read it, r < count: for fp16 row r widened into
+// buffer + r * buffer_stride.
+template <class In>
+void readable_rows(const In* const* rows, int64_t count, int64_t n, float* buffer, int64_t buffer_stride,
+                   const typename Read<In>::type** readable) {
+  if constexpr (std::is_same_v<In, Float16>) {
+    widen_float16(rows, count, n, buffer, buffer_stride);
+    for (int64_t r = 0; r < count; ++r) readable[r] = buffer + r * buffer_stride;
+  } else {
+    std::copy(rows, rows + count, readable);
+  }
+}
+
 // Squared norms of `count` (1 .. kRowsTogether) rows' first n elements, into sums[r * sum_stride].
 template <class In>
-PRIVLEAK_SIMD_CLONES void chunk_sums(const In* first_row, int64_t row_stride, int64_t count, int64_t n,
-                                     double* sums, int64_t sum_stride) {
-  const In* rows[kRowsTogether];
+PRIVLEAK_SIMD_CLONES void chunk_sums(const In* const* rows, int64_t count, int64_t n, double* sums,
+                                     int64_t sum_stride) {
   double row_sums[kRowsTogether];
-  for (int64_t r = 0; r < count; ++r) rows[r] = first_row + r * row_stride;
   if (count == kRowsTogether) {
     chunk_sums_of_squares<kRowsTogether>(rows, n, row_sums);
   } else {
@@ -82,6 +134,8 @@ PRIVLEAK_SIMD_CLONES void accumulate_four_rows(const In* __restrict r0, const In
 
 template <class In>
 class FusedClip {
+  using Readable = typename Read<In>::type;
+
  public:
   FusedClip(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs, int64_t batch,
             const double* clip_norms, bool per_layer, double* squares)
@@ -113,14 +167,18 @@ class FusedClip {
   int64_t group() const { return group_; }
 
   // Pass 1 over samples [first, first + count): partial sums of squares per (tensor, row, chunk).
-  void chunk_item(int64_t first, int64_t count, int64_t item) {
+  void chunk_item(int64_t first, int64_t count, int64_t item, float* buffer) {
     const auto [t, local] = chunk_items_.locate(item);
     const int64_t chunks = chunks_[t], set = local / chunks, c = local % chunks, numel = tensors_[t].numel;
     const int64_t row = set * kRowsTogether, begin = c * kClipChunk;
     if (row >= count) return;
     const In* first_row = static_cast<const In*>(tensors_[t].grads) + (first + row) * numel + begin;
-    chunk_sums(first_row, numel, std::min(kRowsTogether, count - row), std::min(kClipChunk, numel - begin),
-               partials_.data() + partial_starts_.starts[t] + row * chunks + c, chunks);
+    const int64_t rows = std::min(kRowsTogether, count - row), n = std::min(kClipChunk, numel - begin);
+    const In* row_starts[kRowsTogether];
+    const Readable* readable[kRowsTogether];
+    for (int64_t r = 0; r < rows; ++r) row_starts[r] = first_row + r * numel;
+    readable_rows(row_starts, rows, n, buffer, kClipChunk, readable);
+    chunk_sums(readable, rows, n, partials_.data() + partial_starts_.starts[t] + row * chunks + c, chunks);
   }
 
   // Between the passes (one thread): the group's squared norms, factors and non-zero-factor rows.
@@ -144,21 +202,16 @@ class FusedClip {
 
   // Pass 2 over the group into the running sums; the last group adds the noise and scales.
   void block_item(int64_t first, int64_t item, bool last, float noise_std, uint64_t key, uint64_t offset,
-                  float scale, float* acc, float* noise) {
+                  float scale, float* acc, float* noise, float* buffer) {
     const auto [t, block] = blocks_.locate(item);
     const int64_t numel = tensors_[t].numel, begin = block * kBlock, width = std::min(kBlock, numel - begin);
     float* out = outs_[t] + begin;
     if (first == 0) std::fill(acc, acc + width, 0.0f);
     else std::copy(out, out + width, acc);
     const In* grads = static_cast<const In*>(tensors_[t].grads) + begin;
-    auto row = [&](int64_t b) { return grads + b * numel; };
-    const std::vector<int64_t>& kept = kept_[t];
-    size_t k = 0;
-    for (; k + 4 <= kept.size(); k += 4) {
-      const float f[4] = {factor(kept[k], t), factor(kept[k + 1], t), factor(kept[k + 2], t), factor(kept[k + 3], t)};
-      accumulate_four_rows(row(kept[k]), row(kept[k + 1]), row(kept[k + 2]), row(kept[k + 3]), f, width, acc);
-    }
-    for (; k < kept.size(); ++k) accumulate_row(row(kept[k]), factor(kept[k], t), width, acc);
+    // fp16 rows are widened a run at a time, so that the widened rows stay in L1.
+    const int64_t run = std::is_same_v<In, Float16> ? kWidenRun : width;
+    for (int64_t j = 0; j < width; j += run) add_rows(t, grads + j, std::min(run, width - j), acc + j, buffer);
     if (!last) {
       std::copy(acc, acc + width, out);
       return;
@@ -169,6 +222,30 @@ class FusedClip {
       for (int64_t j = 0; j < width; ++j) acc[j] += noise_std * noise[j];
     }
     for (int64_t j = 0; j < width; ++j) out[j] = acc[j] * scale;
+  }
+
+  // acc[0, width) += the group's kept rows of tensor t times their factors, in order; `grads`
+  // points at sample 0's first element of the run.
+  void add_rows(size_t t, const In* grads, int64_t width, float* acc, float* buffer) const {
+    const int64_t numel = tensors_[t].numel;
+    const std::vector<int64_t>& kept = kept_[t];
+    const In* rows[kRowsTogether];
+    const Readable* readable[kRowsTogether];
+    size_t k = 0;
+    for (; k + kRowsTogether <= kept.size(); k += kRowsTogether) {
+      float f[kRowsTogether];
+      for (int64_t r = 0; r < kRowsTogether; ++r) {
+        rows[r] = grads + kept[k + r] * numel;
+        f[r] = factor(kept[k + r], t);
+      }
+      readable_rows(rows, kRowsTogether, width, buffer, kWidenRun, readable);
+      accumulate_four_rows(readable[0], readable[1], readable[2], readable[3], f, width, acc);
+    }
+    for (; k < kept.size(); ++k) {
+      rows[0] = grads + kept[k] * numel;
+      readable_rows(rows, 1, width, buffer, kWidenRun, readable);
+      accumulate_row(readable[0], factor(kept[k], t), width, acc);
+    }
   }
 
   int64_t chunk_items() const { return chunk_items_.total(); }
@@ -203,16 +280,17 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
 #pragma omp parallel if (elements >= kMinParallelWork)
   {
     float acc[kBlock], noise[kBlock];
+    std::vector<float> widened(std::is_same_v<In, Float16> ? kWidenBuffer : 0);
     for (int64_t first = 0; first < batch; first += clip.group()) {
       const int64_t count = std::min(clip.group(), batch - first);
 #pragma omp for schedule(static)
-      for (int64_t item = 0; item < clip.chunk_items(); ++item) clip.chunk_item(first, count, item);
+      for (int64_t item = 0; item < clip.chunk_items(); ++item) clip.chunk_item(first, count, item, widened.data());
 #pragma omp single
       clip.finish_norms(first, count);
       const bool last = first + count == batch;
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < clip.block_items(); ++item)
-        clip.block_item(first, item, last, std_f, key, offset, scale_f, acc, noise);
+        clip.block_item(first, item, last, std_f, key, offset, scale_f, acc, noise, widened.data());
     }
   }
 }

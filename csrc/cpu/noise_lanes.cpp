@@ -1,14 +1,7 @@
 #include "cpu/noise_lanes.h"
 
-#include <cstdlib>
-#include <cstring>
-
 #include "common/philox.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define PRIVLEAK_X86_AVX2 1
-#include <immintrin.h>
-#endif
+#include "cpu/platform.h"
 
 namespace privleak::cpu {
 namespace {
@@ -110,18 +103,6 @@ __attribute__((target("avx2"))) void interleave_avx2(const double (&values)[2][k
 }
 #endif
 
-bool avx2_enabled() {
-#if defined(PRIVLEAK_X86_AVX2)
-  static const bool enabled = [] {
-    const char* requested = std::getenv("PRIVLEAK_CPU_CAPABILITY");
-    return __builtin_cpu_supports("avx2") && !(requested && std::strcmp(requested, "default") == 0);
-  }();
-  return enabled;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 void philox_lanes(uint64_t key, uint32_t stream, uint64_t first_block, uint32_t (&words)[4][kLaneBlocks]) {
@@ -146,7 +127,5 @@ void interleave_lanes(const T (&values)[k][kLaneBlocks], T* out) {
 }
 template void interleave_lanes<float, 4>(const float (&)[4][kLaneBlocks], float*);
 template void interleave_lanes<double, 2>(const double (&)[2][kLaneBlocks], double*);
-
-const char* cpu_capability() { return avx2_enabled() ? "avx2" : "default"; }
 
 }  // namespace privleak::cpu

@@ -2,11 +2,9 @@
 // so the transforms in common/noise.h vectorise across blocks. Interleaving then puts each lane's
 // values back in element order.
 //
-// x86-64 CPUs with AVX2 run hand-vectorised versions of both steps: GCC vectorises neither
-// Philox's 32 x 32 -> 64-bit multiply nor a four-way interleaving store. Other CPUs run the
-// portable loops, as does PRIVLEAK_CPU_CAPABILITY=default, read at the first use. That variable
-// covers these two steps only; the transform between them is compiler-vectorised, with clones
-// chosen by the CPU's features. The bits are the same either way.
+// Where avx2_enabled() (cpu/platform.h), both steps run hand-vectorised versions: GCC vectorises
+// neither Philox's 32 x 32 -> 64-bit multiply nor a four-way interleaving store. Elsewhere they
+// run portable loops with the same bits.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +20,5 @@ void philox_lanes(uint64_t key, uint32_t stream, uint64_t first_block, uint32_t 
 // (double, 2).
 template <class T, int k>
 void interleave_lanes(const T (&values)[k][kLaneBlocks], T* out);
-
-// "avx2" or "default": which versions run on this CPU.
-const char* cpu_capability();
 
 }  // namespace privleak::cpu

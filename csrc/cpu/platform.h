@@ -3,9 +3,17 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(_OPENMP)
 #include <omp.h>
+#endif
+
+// Hand-written AVX2 (and F16C, which every AVX2 CPU has) paths, taken when the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PRIVLEAK_X86_AVX2 1
+#include <immintrin.h>
 #endif
 
 // Wheels target baseline x86-64 (SSE2), where loops mixing 32- and 64-bit lanes do not
@@ -51,6 +59,25 @@ inline void set_num_threads(int threads) {
   (void)threads;
 #endif
 }
+
+// Whether the hand-written AVX2 paths run: on x86-64 CPUs with AVX2 and F16C, unless
+// PRIVLEAK_CPU_CAPABILITY=default (read at the first use) asks for the portable loops. Both give
+// the same bits. The compiler-made clones above are chosen by the CPU alone.
+inline bool avx2_enabled() {
+#if defined(PRIVLEAK_X86_AVX2)
+  static const bool enabled = [] {
+    const char* requested = std::getenv("PRIVLEAK_CPU_CAPABILITY");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+           !(requested && std::strcmp(requested, "default") == 0);
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+// "avx2" or "default": which paths run on this CPU.
+inline const char* cpu_capability() { return avx2_enabled() ? "avx2" : "default"; }
 
 inline bool has_openmp() {
 #if defined(_OPENMP)
