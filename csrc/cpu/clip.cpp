@@ -25,10 +25,9 @@ constexpr int64_t kRowsTogether = 4;
 // from 11 to 8 ms); for longer rows, reloading the running sums per group costs what the cache
 // saves, so the batch is one group.
 constexpr int64_t kGroupBytes = int64_t(4) << 20;
-// fp16 rows are widened into a per-thread buffer: pass 1 a chunk of kRowsTogether rows at a time,
-// pass 2 runs of kWidenRun elements of them.
-constexpr int64_t kWidenRun = 1024;
-constexpr int64_t kWidenBuffer = kRowsTogether * std::max(kClipChunk, kWidenRun);
+// fp16 rows are widened into a per-thread buffer, kRowsTogether rows of a pass-1 chunk or of a
+// pass-2 block at a time.
+constexpr int64_t kWidenBuffer = kRowsTogether * std::max(kClipChunk, kBlock);
 
 int64_t samples_per_group(int64_t row_bytes, int64_t batch) {
   if (row_bytes == 0) return batch;
@@ -209,9 +208,7 @@ class FusedClip {
     if (first == 0) std::fill(acc, acc + width, 0.0f);
     else std::copy(out, out + width, acc);
     const In* grads = static_cast<const In*>(tensors_[t].grads) + begin;
-    // fp16 rows are widened a run at a time, so that the widened rows stay in L1.
-    const int64_t run = std::is_same_v<In, Float16> ? kWidenRun : width;
-    for (int64_t j = 0; j < width; j += run) add_rows(t, grads + j, std::min(run, width - j), acc + j, buffer);
+    add_rows(t, grads, width, acc, buffer);
     if (!last) {
       std::copy(acc, acc + width, out);
       return;
@@ -225,7 +222,7 @@ class FusedClip {
   }
 
   // acc[0, width) += the group's kept rows of tensor t times their factors, in order; `grads`
-  // points at sample 0's first element of the run.
+  // points at sample 0's first element of the block.
   void add_rows(size_t t, const In* grads, int64_t width, float* acc, float* buffer) const {
     const int64_t numel = tensors_[t].numel;
     const std::vector<int64_t>& kept = kept_[t];
@@ -238,12 +235,12 @@ class FusedClip {
         rows[r] = grads + kept[k + r] * numel;
         f[r] = factor(kept[k + r], t);
       }
-      readable_rows(rows, kRowsTogether, width, buffer, kWidenRun, readable);
+      readable_rows(rows, kRowsTogether, width, buffer, kBlock, readable);
       accumulate_four_rows(readable[0], readable[1], readable[2], readable[3], f, width, acc);
     }
     for (; k < kept.size(); ++k) {
       rows[0] = grads + kept[k] * numel;
-      readable_rows(rows, 1, width, buffer, kWidenRun, readable);
+      readable_rows(rows, 1, width, buffer, kBlock, readable);
       accumulate_row(readable[0], factor(kept[k], t), width, acc);
     }
   }
