@@ -45,6 +45,21 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, threads: int = 1) -> float:
         return 2 * src.nbytes / seconds(lambda: list(pool.map(lambda p: np.copyto(*p), parts)))
 
 
+def read_bandwidth(nbytes: int = 2**30, threads: int = 1, device: str = "cpu") -> float:
+    """Bytes per second read by torch's sum of a large float32 tensor, on ``threads`` CPU threads
+    or on the current CUDA GPU: how fast a tuned reduction streams this machine's memory."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(nbytes // 4, device=device)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        return nbytes / seconds(x.sum, sync=sync)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def cuda_copy_bandwidth(nbytes: int = 512 * 2**20) -> float:
     """copy_bandwidth of a device-to-device copy on the current CUDA GPU: the card's limit."""
     import torch

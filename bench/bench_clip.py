@@ -9,8 +9,12 @@ scale_grad; plain torch is the same math written directly. All three read the pe
 gradients twice (norms, then the clipped sum). "grads GB/s" counts the gradients once; "of copy
 bw" is the two reads over the copy bandwidth (read + write) measured in this run: a memcpy on as
 many threads as privleak's on the CPU, a device copy on a GPU. On the CPU privleak's second read
-of short rows comes from cache, so that fraction can pass 100%. The three sides are timed in
-turns (three rounds of three calls, after a warm-up) and each reports its median round.
+of short rows comes from cache, so that fraction can pass 100%. "reads GB/s" is privleak's two
+reads per second; "2x opacus needs" is the rate at which a kernel twice as fast as Opacus would
+have to read the gradients twice, to set against the read bandwidth of a large torch sum printed
+above the table (rows too long for the cache must be read twice from memory: a clip factor
+depends on its whole row). The three sides are timed in turns (three rounds of three calls,
+after a warm-up) and each reports its median round.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from opacus.optimizers import DPOptimizer
 
 import privleak
 from privleak import dpsgd
-from _measure import copy_bandwidth, cuda_copy_bandwidth, seconds_interleaved, table
+from _measure import copy_bandwidth, cuda_copy_bandwidth, read_bandwidth, seconds_interleaved, table
 
 CLIP, SIGMA = 1.0, 1.0
 
@@ -64,10 +68,12 @@ def main() -> None:
     device = args.device
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     bandwidth = cuda_copy_bandwidth() if device == "cuda" else copy_bandwidth(threads=privleak.num_threads())
+    reading = read_bandwidth(threads=privleak.num_threads(), device=device)
     where = (torch.cuda.get_device_name() if device == "cuda" else
              f"{privleak.num_threads()} privleak threads, {torch.get_num_threads()} torch threads")
     print(f"privleak {privleak.__version__}, torch {torch.__version__}, {where}; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), "
+          f"read bandwidth {reading / 1e9:.1f} GB/s (torch sum)\n")
     rows = []
     for batch in args.batches:
         for total in args.params:
@@ -88,6 +94,7 @@ def main() -> None:
                 "opacus ms": f"{t_opacus * 1e3:.1f}", "torch ms": f"{t_torch * 1e3:.1f}",
                 "vs opacus": f"{t_opacus / t_ours:.2f}x", "vs torch": f"{t_torch / t_ours:.2f}x",
                 "grads GB/s": f"{nbytes / t_ours / 1e9:.1f}", "of copy bw": f"{2 * nbytes / t_ours / bandwidth:.0%}",
+                "reads GB/s": f"{2 * nbytes / t_ours / 1e9:.1f}", "2x opacus needs": f"{4 * nbytes / t_opacus / 1e9:.1f}",
             })
             del grads
     print(table(rows, list(rows[0])))

@@ -40,7 +40,7 @@ def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor,
     batch, device = grads[0].shape[0], grads[0].device
     outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=device) for g in grads]
     squares = torch.empty(batch, len(grads), dtype=torch.float64, device=device)
-    numels = [g[0].numel() for g in grads]
+    numels = [math.prod(g.shape[1:]) for g in grads]
     args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
             [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, noise_std, key[0] | (key[1] << 32),
             offset, scale, squares.data_ptr())
@@ -142,7 +142,7 @@ def clip_and_accumulate(
     kernel_noise = 0.0 if secure_noise else noise_std
     words, stream_offset = [0, 0], 0
     if kernel_noise > 0:
-        total = sum(g[0].numel() for g in grads)
+        total = sum(math.prod(g.shape[1:]) for g in grads)
         words, stream_offset = _mechanisms._resolve_stream(total, generator, key, offset)
     clip_norms = torch.tensor(norms_allowed if per_layer else norms_allowed[:1], dtype=torch.float64,
                               device=grads[0].device)
