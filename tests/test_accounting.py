@@ -50,15 +50,16 @@ def test_vmf_step_epsilon_is_the_worst_density_ratio():
 
 def exact_pure_dp_composition(epsilon: float, steps: int, delta: float) -> float:
     """Smallest eps_T with delta(eps_T) <= delta for T-fold composition of an eps-DP step, from the
-    dominating pair (randomized response) by summing the hockey-stick divergence over outcomes."""
-    p = math.exp(epsilon) / (1 + math.exp(epsilon))
+    dominating pair (randomized response) by summing the hockey-stick divergence over outcomes:
+    k unlikely outcomes have probability P_k and privacy loss (T - 2k) eps. In logs, so that any
+    eps works."""
+    log_p = -math.log1p(math.exp(-epsilon))  # log(e^eps / (1 + e^eps))
     ks = np.arange(steps + 1)
-    log_weights = np.log(comb(steps, ks))
-    log_pk = log_weights + (steps - ks) * math.log(p) + ks * math.log(1 - p)
-    log_qk = log_weights + ks * math.log(p) + (steps - ks) * math.log(1 - p)
+    log_pk = np.log(comb(steps, ks)) + (steps - ks) * log_p + ks * (log_p - epsilon)
+    losses = (steps - 2 * ks) * epsilon
 
-    def delta_of(eps_total):
-        return float(np.sum(np.maximum(0.0, np.exp(log_pk) - np.exp(eps_total + log_qk))))
+    def delta_of(eps_total):  # sum_k P_k (1 - e^(eps_T - loss_k))_+
+        return float(np.sum(np.exp(log_pk) * -np.expm1(np.minimum(eps_total - losses, 0.0))))
 
     lo, hi = 0.0, steps * epsilon
     for _ in range(200):
@@ -74,6 +75,16 @@ def test_vmf_run_epsilon_is_the_optimal_composition(kappa, steps, q):
     want = exact_pure_dp_composition(amplified, steps, 1e-5)
     assert got.epsilon == pytest.approx(want, rel=2e-3)  # dp-accounting discretises the loss at 1e-4
     assert got.epsilon <= steps * amplified
+
+
+@pytest.mark.parametrize("kappa, steps, q", [(3.0, 5, 1.0), (400.0, 50, 0.01), (5e4, 1000, 0.004)])
+def test_vmf_run_epsilon_is_exact_where_delta_falls_on_the_last_step(kappa, steps, q):
+    # Large kappa, as in training (e^(2 kappa) overflows beyond kappa ~ 355): the closed form.
+    got = accounting.vmf_privacy(kappa, steps, 1e-5, sampling_rate=q).epsilon
+    amplified = 2 * kappa + math.log(q + (1 - q) * math.exp(-2 * kappa))
+    want = exact_pure_dp_composition(amplified, steps, 1e-5)
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-9)
+    assert want < steps * amplified
 
 
 def test_vmf_epsilon_without_delta_is_basic_composition_and_survives_large_kappa():

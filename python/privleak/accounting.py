@@ -10,10 +10,15 @@ accounting is privleak's own, built from three facts:
   local). Both bounds are attained (y along mu - mu'). In Alg. 2 the mean is the normalised
   clipped average, which one example can turn anywhere, so 2 kappa is the per-step epsilon.
 * **Subsampling.** Poisson sampling with rate q amplifies an eps-DP step to
-  log(1 + q (e^eps - 1))-DP (Balle, Barthe and Gaboardi, NeurIPS 2018, add/remove neighbours).
+  log(1 + q (e^eps - 1))-DP (Balle, Barthe and Gaboardi, NeurIPS 2018, add/remove neighbours);
+  a fixed-size batch of m out of n, drawn without replacement, to the same with q = m / n under
+  replace-one neighbours (same paper).
 * **Composition.** T steps are composed with the privacy loss distribution that dominates any
   pure-DP mechanism (dp-accounting's ``from_privacy_parameters``), which is the optimal
   composition for pure DP (Kairouz, Oh and Viswanath, ICML 2015); with delta = 0 it is T eps.
+  Where delta falls on its last step (large eps: every kappa above about 1 at small T), the
+  composition has a closed form (``_pure_dp_composition``), which privleak uses: it is exact, and
+  the PLD would overflow there.
 
 One Gaussian release on its own (what a reconstruction attack sees in one leaked update) has the
 exact curve of Balle and Wang's analytic Gaussian mechanism, which privleak evaluates in closed
@@ -166,10 +171,25 @@ def vmf_privacy(kappa: float, steps: int = 1, delta: float = 0.0, *, sampling_ra
         raise ValueError(f"sampling_rate must be <= 1, got {q}")
     step = 2.0 * kappa
     amplified = _amplified_by_poisson_sampling(step, q)
+    return VMFPrivacy(kappa, step, _pure_dp_composition(amplified, steps, delta), delta)
+
+
+def _pure_dp_composition(epsilon: float, steps: int, delta: float) -> float:
+    """The least eps_T with T eps-DP steps (eps_T, delta)-DP: the optimal composition.
+
+    Its dominating pair is T-fold randomized response: with p = e^eps / (1 + e^eps), k unlikely
+    outcomes out of T have privacy loss (T - 2k) eps. On ((T - 2) eps, T eps] only k = 0 lies
+    above, so delta(eps_T) = p^T (1 - e^(eps_T - T eps)) there, and eps_T = T eps + log(1 - delta / p^T)
+    when that falls in the interval: exact, and the case of every large eps, where dp-accounting's
+    PLD would overflow e^eps (kappa above about 355) or take minutes. Otherwise dp-accounting
+    composes the pure-DP privacy loss distribution.
+    """
     if delta == 0.0:
-        total = steps * amplified
-    else:
-        loss = privacy_loss_distribution.from_privacy_parameters(
-            pld_common.DifferentialPrivacyParameters(amplified, 0.0))
-        total = min(steps * amplified, float(loss.self_compose(steps).get_epsilon_for_delta(delta)))
-    return VMFPrivacy(kappa, step, total, delta)
+        return steps * epsilon
+    likely_all = math.exp(-steps * math.log1p(math.exp(-epsilon)))  # p^T
+    if delta < likely_all:
+        closed = steps * epsilon + math.log1p(-delta / likely_all)
+        if closed > (steps - 2) * epsilon:
+            return closed
+    loss = privacy_loss_distribution.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(epsilon, 0.0))
+    return min(steps * epsilon, float(loss.self_compose(steps).get_epsilon_for_delta(delta)))
