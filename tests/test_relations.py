@@ -8,6 +8,7 @@ false, an example shows it.
 import itertools
 import math
 
+import mpmath
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -197,6 +198,17 @@ def test_mbp_implies_abp(case, data):
     assert max(ref.abp_epsilons(channel, attacker_prior)) <= bound + 1e-7
     assert bound <= paper_abp_bound(xi, mismatch) + TOL
     assert bound <= math.sqrt(math.log(2)) + TOL
+
+
+@pytest.mark.parametrize("t", [1 - 2**-52, 1 - 1e-12, 1 - 1e-8, 0.999, 0.5, 1 / 3, 0.3, 1e-5, 0.0, 1 + 1e-10, 2.9, 3.1])
+def test_js_generator_is_accurate_near_one(t):
+    # Its two logs cancel to O((t - 1)^2) near 1; hypothesis found a channel with xi = 2.2e-16
+    # whose bound came out at 5e-9 from that rounding.
+    mpmath.mp.dps = 50
+    x = mpmath.mpf(t)
+    want = (x * mpmath.log(2 * x / (1 + x)) if t > 0 else 0) / 2 + mpmath.log(2 / (1 + x)) / 2
+    assert rel._js_generator(t) == pytest.approx(float(want), rel=1e-14, abs=0)
+    assert rel.abp_from_mbp(2**-52, 2**-52) <= paper_abp_bound(2**-52, 2**-52)
 
 
 @pytest.mark.parametrize("xi", [0.05, 0.5, 1.0, 2.0, 6.0])
