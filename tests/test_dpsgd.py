@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,12 +171,36 @@ def test_noise_comes_from_the_generator_stream():
 
 
 def test_secure_noise_is_added_to_the_sum_on_its_grid():
-    grads = per_sample(SHAPES[0], batch=8)
-    clean = dpsgd.clip_and_accumulate(grads, 1.0, batch_size=8.0)
-    noisy = dpsgd.clip_and_accumulate(grads, 1.0, noise_std=0.5, generator=M.SecureNoiseGenerator(), batch_size=8.0)
-    for c, n in zip(clean.grads, noisy.grads):
-        assert not torch.equal(c, n) and torch.isfinite(n).all()
-        assert float((n - c).abs().max()) < 8 * 0.5 / 8 * 2  # the noise is of the requested size
+    grads = per_sample(SHAPES[3], batch=8)
+    clean = dpsgd.clip_and_accumulate(grads, 1.0, batch_size=8.0).grads[0].double()
+    noisy = dpsgd.clip_and_accumulate(grads, 1.0, noise_std=0.5, generator=M.SecureNoiseGenerator(),
+                                      batch_size=8.0).grads[0].double()
+    steps = noisy * 8 * 2.0**21  # the sum plus its noise lies on the grid 2^(frexp(0.5) - 21)
+    assert torch.equal(steps, steps.round())
+    noise = (noisy - clean) * 8  # 5000 draws: the sample std is within 10% of 0.5 but for a 7-sigma event
+    assert abs(float(noise.mean())) < 0.05 and abs(float(noise.std()) - 0.5) < 0.05
+
+
+def test_an_empty_batch_releases_the_noise_alone():
+    # Poisson sampling draws empty batches; Alg. 1 releases N(0, std^2 I) / L for them, the noise a
+    # batch of dropped samples gets from the kernel.
+    empty = [torch.empty(0, *s) for s in SHAPES[0]]
+    dropped = [torch.full((3, *s), float("nan")) for s in SHAPES[0]]
+    for std in (0.0, 0.7):
+        got = dpsgd.clip_and_accumulate(empty, 1.0, noise_std=std, key=9, offset=5, batch_size=3.3)
+        want = dpsgd.clip_and_accumulate(dropped, 1.0, noise_std=std, key=9, offset=5, batch_size=3.3,
+                                         non_finite="drop")
+        assert all(torch.equal(a, b) for a, b in zip(got.grads, want.grads))
+        assert got.norms.shape == (0,) and got.dropped.shape == (0,)
+    per_layer = dpsgd.clip_and_accumulate(empty, [1.0, 2.0, 3.0], per_layer=True, batch_size=2)
+    assert per_layer.norms.shape == (0, 3) and all(torch.equal(g, torch.zeros(g.shape)) for g in per_layer.grads)
+
+
+def test_clip_norm_and_batch_size_take_any_real_number():
+    grads = per_sample(SHAPES[0], batch=4)
+    want = dpsgd.clip_and_accumulate(grads, 0.5, batch_size=3.0).grads
+    got = dpsgd.clip_and_accumulate(grads, np.float32(0.5), batch_size=np.int64(3)).grads
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_ops_pass_opcheck():
@@ -193,6 +218,8 @@ def test_ops_pass_opcheck():
         (lambda g: dpsgd.clip_and_accumulate(g, [1.0, 2.0]), ValueError, "clip_norm must be one number"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, non_finite="ignore"), ValueError, "non_finite must be"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=0), ValueError, "batch_size must be"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size="2"), ValueError, "batch_size must be a number"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=1e-310), ValueError, "reciprocal finite"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, noise_std=-1.0), ValueError, "noise_std must be finite"),
         (lambda g: dpsgd.clip_and_accumulate([g[0].double()], 1.0), TypeError, "must have dtype"),
         (lambda g: dpsgd.clip_and_accumulate([g[0].transpose(1, 2)], 1.0), ValueError, "must be contiguous"),

@@ -68,6 +68,55 @@ def test_vmf_step_releases_a_unit_direction_around_the_clipped_average():
     assert abs(float(update.norm()) - 1) < 1e-6
 
 
+def test_a_zero_average_releases_a_uniform_direction():
+    # No direction to perturb (an empty batch, every gradient zero): a uniform draw on the sphere,
+    # whose coordinates have mean 0 and second moment 1 / p.
+    generator = M.NoiseGenerator(7)
+    draws = torch.stack([torch.cat([u.reshape(-1) for u in dpsgd.vmf_release([torch.zeros(2, 2)], 5.0, generator)])
+                         for _ in range(4000)]).double()
+    torch.testing.assert_close(draws.norm(dim=1), torch.ones(4000, dtype=torch.float64))
+    assert float(draws.mean(0).abs().max()) < 0.05  # 4000 draws: standard error 0.008
+    assert float((draws.pow(2).mean(0) - 0.25).abs().max()) < 0.03  # standard error 0.0035
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "vmf"])
+def test_an_empty_poisson_batch_is_a_step(mechanism):
+    model = small_model()
+    config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism=mechanism, noise_multiplier=1.5, kappa=10.0)
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, 24, generator=M.NoiseGenerator(4))
+    empty = [torch.empty(0, *p.shape) for p in model.parameters()]
+    update = torch.cat([u.reshape(-1) for u in optimizer.step(empty)])
+    if mechanism == "gaussian":
+        torch.testing.assert_close(update, M.gaussian_noise(update.numel(), key=4) * 1.5 / 24)
+    else:
+        assert abs(float(update.norm()) - 1) < 1e-6
+    assert optimizer.steps == 1
+
+
+def test_gradients_in_another_order_than_the_optimizers_are_rejected():
+    model = small_model()
+    weight, bias = model[0].weight, model[0].bias
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD([{"params": [bias]}, {"params": [weight]}], lr=0.1),
+                                  dpsgd.DPSGDConfig(clip_norm=1.0), 24)
+    with pytest.raises(ValueError, match=r"per_sample_grads\[0\] must be \(B, \*\(5,\)\)"):
+        optimizer.step([torch.zeros(4, 5, 6), torch.zeros(4, 5)])
+
+
+def test_privacy_report_follows_the_sampling_and_counts_no_steps_as_no_loss():
+    from privleak import accounting
+
+    shapes, config = [(5, 6), (5,)], dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=1.1)
+    fixed = dpsgd.privacy_report(config, shapes, expected_batch_size=24, dataset_size=600, steps=10, delta=1e-5,
+                                 sampling="fixed")
+    assert fixed.epsilon == accounting.gaussian_epsilon(1.1, 10, 1e-5, sampling_rate=0.04, sampling="fixed",
+                                                        dataset_size=600, accountant="rdp")
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1), config, 24, sampling="fixed")
+    assert optimizer.privacy_report(600, 1e-5).epsilon == 0.0
+    with pytest.raises(ValueError, match="sampling must be"):
+        dpsgd.privacy_report(config, shapes, expected_batch_size=24, dataset_size=600, steps=1, delta=1e-5,
+                             sampling="shuffle")
+
+
 def test_sampling_is_poisson_or_fixed():
     g = torch.Generator().manual_seed(0)
     sizes = [len(dpsgd.sample_batch(1000, 50, "poisson", g)) for _ in range(400)]
@@ -124,7 +173,8 @@ def test_opacus_trains_with_privleak(mechanism, kwargs):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus warns about its secure RNG and the accountant's defaults
-        model, optimizer, loader = PrivacyEngine().make_private(
+        engine = PrivacyEngine(accountant="rdp")
+        model, optimizer, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5 if mechanism == "gaussian" else 0.05),
             data_loader=loader, noise_multiplier=0.3, max_grad_norm=1.0)
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism=mechanism, noise_generator=M.NoiseGenerator(0),
@@ -136,12 +186,45 @@ def test_opacus_trains_with_privleak(mechanism, kwargs):
     first = loss()
     for _ in range(8):
         for xb, yb in loader:
-            if len(xb) == 0:
-                continue
             optimizer.zero_grad()
             cross_entropy(model(xb), yb).backward()
             optimizer.step()
     assert loss() < 0.8 * first
+    # Opacus's accountant counts the Gaussian steps privleak took, and no VMF step as Gaussian.
+    assert engine.accountant.history == ([(0.3, 64 / 512, 8 * len(loader))] if mechanism == "gaussian" else [])
+
+
+def test_opacus_secure_mode_gets_secure_noise_and_an_empty_batch_gets_noise_alone():
+    from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+
+    params = list(small_model().parameters())
+    secure = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                         expected_batch_size=4, secure_mode=True)
+    assert isinstance(PrivleakDPOptimizer.from_opacus(secure).noise_generator, M.SecureNoiseGenerator)
+    with pytest.raises(ValueError, match="secure_mode needs noise_generator"):
+        PrivleakDPOptimizer.from_opacus(secure, noise_generator=M.NoiseGenerator(0))
+    with pytest.raises(ValueError, match="no secure mode"):
+        PrivleakDPOptimizer.from_opacus(secure, mechanism="vmf", kappa=3.0)
+    per_layer = DPPerLayerOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=[1.0] * 4,
+                                    expected_batch_size=4)
+    with pytest.raises(TypeError, match="optimizer must be an Opacus DPOptimizer"):
+        PrivleakDPOptimizer.from_opacus(per_layer)
+
+    def empty_batch_grads(optimizer):
+        for p in params:
+            p.grad_sample, p.summed_grad, p.grad = torch.zeros(0, *p.shape), None, None
+        optimizer.pre_step()
+        return [p.grad.clone() for p in params]
+
+    def plain(sigma):
+        return DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=sigma, max_grad_norm=0.5,
+                           expected_batch_size=4)
+
+    for a, b in zip(empty_batch_grads(PrivleakDPOptimizer.from_opacus(plain(0.0))), empty_batch_grads(plain(0.0))):
+        assert torch.equal(a, b)  # both zero
+    got = empty_batch_grads(PrivleakDPOptimizer.from_opacus(plain(2.0), noise_generator=M.NoiseGenerator(6)))
+    want = M.gaussian_noise(sum(p.numel() for p in params), key=6) * 2.0 * 0.5 / 4
+    torch.testing.assert_close(torch.cat([g.reshape(-1) for g in got]), want)
 
 
 def test_privacy_report_puts_epsilon_next_to_capacity():

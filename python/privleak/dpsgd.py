@@ -23,6 +23,7 @@ and its square overflows: a gradient that has diverged.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -77,8 +78,8 @@ def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]
             raise TypeError(f"per_sample_grads[{i}] must be a torch tensor, got {type(g).__name__}")
         view = _arrays.view(g, f"per_sample_grads[{i}]", dtypes=GRAD_DTYPES)
         first = first or view
-        if g.ndim < 1 or g.shape[0] < 1:
-            raise ValueError(f"per_sample_grads[{i}] must have a leading batch dimension of at least 1, got {tuple(g.shape)}")
+        if g.ndim < 1:
+            raise ValueError(f"per_sample_grads[{i}] must have a leading batch dimension, got a 0-d tensor")
         if not g.is_contiguous():
             raise ValueError(f"per_sample_grads[{i}] must be contiguous (call .contiguous())")
         if g.shape[0] != grads[0].shape[0] or g.dtype != grads[0].dtype:
@@ -88,14 +89,31 @@ def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]
     return grads
 
 
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _clip_norms(clip_norm, count: int, per_layer: bool) -> list[float]:
     norms = list(clip_norm) if isinstance(clip_norm, (list, tuple)) else [clip_norm]
     if len(norms) != 1 and (not per_layer or len(norms) != count):
         raise ValueError(f"clip_norm must be one number, or (per_layer=True) one per tensor: {count}, got {len(norms)}")
     for c in norms:
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+        if not _is_real(c) or not math.isfinite(c) or c <= 0:
             raise ValueError(f"clip_norm must be finite and > 0, got {c!r}")
     return [float(c) for c in norms] * (count if per_layer and len(norms) == 1 else 1)
+
+
+def _noise_alone(grads: list[torch.Tensor], noise_std: float, words: list[int], offset: int,
+                 scale: float) -> list[torch.Tensor]:
+    """The kernel's output for an empty batch (B = 0, which Poisson sampling draws): its noise
+    alone, element i of the tensors laid end to end drawn at stream index offset + i, scaled."""
+    sizes = [math.prod(g.shape[1:]) for g in grads]
+    device = grads[0].device
+    if noise_std > 0:
+        flat = torch.ops.privleak.noise([sum(sizes)], "gaussian", noise_std, words, offset, 0, torch.float32, device)
+    else:
+        flat = torch.zeros(sum(sizes), device=device)
+    return [part.mul(scale).reshape(g.shape[1:]) for part, g in zip(flat.split(sizes), grads)]
 
 
 def clip_and_accumulate(
@@ -114,7 +132,8 @@ def clip_and_accumulate(
 
     Args:
         per_sample_grads: one tensor per parameter, each (B, *param.shape), contiguous, float32,
-            bfloat16 or float16, all with the same B, dtype and device (CPU or CUDA).
+            bfloat16 or float16, all with the same B, dtype and device (CPU or CUDA). B = 0 (an
+            empty Poisson batch) releases the noise alone, as Alg. 1 does.
         clip_norm: c. With ``per_layer`` a single c applies to each tensor, or give one c_t per tensor.
         noise_std: standard deviation of the Gaussian noise added to the clipped sum: c sigma for
             Alg. 1 with noise multiplier sigma (flat clipping), sigma |(c_t)|_2 per layer.
@@ -134,9 +153,11 @@ def clip_and_accumulate(
         raise ValueError(f"non_finite must be 'raise' or 'drop', got {non_finite!r}")
     noise_std = _mechanisms._check_scale(noise_std, "noise_std")
     batch = grads[0].shape[0]
+    if batch_size is not None and not _is_real(batch_size):
+        raise ValueError(f"batch_size must be a number, got {batch_size!r}")
     scale_by = float(batch if batch_size is None else batch_size)
-    if not math.isfinite(scale_by) or scale_by <= 0:
-        raise ValueError(f"batch_size must be finite and > 0, got {batch_size!r}")
+    if not math.isfinite(scale_by) or scale_by <= 0 or not math.isfinite(1.0 / scale_by):
+        raise ValueError(f"batch_size must be finite and > 0 (and its reciprocal finite), got {batch_size!r}")
 
     secure_noise = noise_std > 0 and isinstance(generator, _mechanisms.SecureNoiseGenerator)
     kernel_noise = 0.0 if secure_noise else noise_std
@@ -146,8 +167,13 @@ def clip_and_accumulate(
         words, stream_offset = _mechanisms._resolve_stream(total, generator, key, offset)
     clip_norms = torch.tensor(norms_allowed if per_layer else norms_allowed[:1], dtype=torch.float64,
                               device=grads[0].device)
-    *outs, squares = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
-                                                        stream_offset, 1.0 if secure_noise else 1.0 / scale_by)
+    kernel_scale = 1.0 if secure_noise else 1.0 / scale_by
+    if batch == 0:
+        outs = _noise_alone(grads, kernel_noise, words, stream_offset, kernel_scale)
+        squares = torch.empty(0, len(grads), dtype=torch.float64, device=grads[0].device)
+    else:
+        *outs, squares = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
+                                                            stream_offset, kernel_scale)
     bad = ~torch.isfinite(squares).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
         raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite (or beyond 1.8e19); "
@@ -191,11 +217,15 @@ def sample_batch(num_examples: int, batch_size: int, sampling: str = "poisson",
     amplification by subsampling) or a fixed-size sample without replacement."""
     if not (isinstance(num_examples, int) and isinstance(batch_size, int) and 0 < batch_size <= num_examples):
         raise ValueError(f"need 0 < batch_size <= num_examples, got {batch_size} and {num_examples}")
-    if sampling == "poisson":
+    if _check_sampling(sampling) == "poisson":
         return torch.nonzero(torch.rand(num_examples, generator=generator) < batch_size / num_examples).flatten()
-    if sampling == "fixed":
-        return torch.randperm(num_examples, generator=generator)[:batch_size]
-    raise ValueError(f"sampling must be 'poisson' or 'fixed', got {sampling!r}")
+    return torch.randperm(num_examples, generator=generator)[:batch_size]
+
+
+def _check_sampling(sampling: str) -> str:
+    if sampling not in ("poisson", "fixed"):
+        raise ValueError(f"sampling must be 'poisson' or 'fixed', got {sampling!r}")
+    return sampling
 
 
 class DPSGDConfig(NamedTuple):
@@ -243,11 +273,21 @@ def privatize(per_sample_grads: Sequence[torch.Tensor], config: DPSGDConfig, exp
 
 def vmf_release(average: Sequence[torch.Tensor], kappa: float, generator=None) -> list:
     """Lines 10-11 of Alg. 2: scale the clipped average gradient (one tensor per parameter) to unit
-    length over all tensors together and release one draw of VMF(that direction, kappa)."""
+    length over all tensors together and release one draw of VMF(that direction, kappa).
+
+    A zero average (an empty batch, or every sample's gradient zero or dropped) has no direction;
+    it releases a uniform draw on the sphere instead, a normalised standard Gaussian vector. The
+    uniform law is the average of VMF(mu, kappa) over all mu, so the step stays 2 kappa-DP, and
+    the data never decide whether the step raises.
+    """
     flat = torch.cat([a.reshape(-1) for a in average])
-    if not bool(flat.any()):
-        raise ValueError("the clipped average gradient is zero: Alg. 2 has no direction to perturb")
-    direction = _mechanisms.vmf_sample(flat, kappa, 1, generator=generator)[0]
+    if bool(flat.any()):
+        direction = _mechanisms.vmf_sample(flat, kappa, 1, generator=generator)[0]
+    else:
+        if isinstance(generator, _mechanisms.SecureNoiseGenerator):
+            raise ValueError("vmf_release has no secure mode yet: pass a NoiseGenerator")
+        gaussian = _mechanisms.gaussian_noise(flat.numel(), generator=generator, dtype=flat.dtype, device=flat.device)
+        direction = gaussian / torch.linalg.vector_norm(gaussian)
     return [part.reshape(a.shape) for part, a in zip(direction.split([a.numel() for a in average]), average)]
 
 
@@ -262,25 +302,35 @@ class PrivacyReport(NamedTuple):
 
 
 def privacy_report(config: DPSGDConfig, parameter_shapes: Sequence[Sequence[int]], *, expected_batch_size: float,
-                   dataset_size: int, steps: int, delta: float) -> PrivacyReport:
-    """epsilon of ``steps`` DP-SGD steps with Poisson sampling (rate expected_batch_size /
-    dataset_size) next to the Bayes capacity of the channel one step's update goes through.
+                   dataset_size: int, steps: int, delta: float, sampling: str = "poisson") -> PrivacyReport:
+    """epsilon of ``steps`` DP-SGD steps, sampled at rate q = expected_batch_size / dataset_size,
+    next to the Bayes capacity of the channel one step's update goes through.
 
-    Gaussian (Alg. 1): dp-accounting's PLD epsilon; the capacity of N(x, (sigma c / L)^2 I) over
-    the ball of radius c (flat clipping), or over the product of per-layer balls. VMF (Alg. 2):
-    privleak's VMF accounting; the capacity of VMF(kappa) on the sphere.
+    ``sampling`` says how the batches were drawn (:func:`sample_batch`): "poisson" (add/remove
+    neighbours) or "fixed", batches of expected_batch_size examples without replacement
+    (replace-one neighbours). Gaussian (Alg. 1): dp-accounting's PLD epsilon for Poisson, its RDP
+    epsilon for fixed-size batches (its PLD has no such event); the capacity of
+    N(x, (sigma c / L)^2 I) over the ball of radius c (flat clipping), or over the product of
+    per-layer balls. VMF (Alg. 2): privleak's VMF accounting, whose amplification
+    log(1 + q (e^eps - 1)) holds for both samplings (Balle, Barthe and Gaboardi 2018), each with
+    its own neighbours; the capacity of VMF(kappa) on the sphere. No steps: epsilon 0.
     """
     from privleak import accounting, capacity
 
+    _check_sampling(sampling)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     q = expected_batch_size / dataset_size
     sizes = [math.prod(shape) for shape in parameter_shapes]
     if config.mechanism == "vmf":
         if config.kappa is None:
             raise ValueError("the VMF mechanism needs kappa")
-        epsilon = accounting.vmf_privacy(config.kappa, steps, delta, sampling_rate=q).epsilon
+        epsilon = accounting.vmf_privacy(config.kappa, steps, delta, sampling_rate=q).epsilon if steps else 0.0
         log_capacity = capacity.dpsgd_vmf(sum(sizes), config.kappa).log_capacity()
     elif config.mechanism == "gaussian":
-        epsilon = accounting.gaussian_epsilon(config.noise_multiplier, steps, delta, sampling_rate=q)
+        fixed = {"sampling": "fixed", "dataset_size": dataset_size, "accountant": "rdp"} if sampling == "fixed" else {}
+        epsilon = accounting.gaussian_epsilon(config.noise_multiplier, steps, delta, sampling_rate=q,
+                                              **fixed) if steps else 0.0
         clip = _clip_norms(config.clip_norm, len(sizes), config.per_layer)
         if config.per_layer:
             mechanism = capacity.dpsgd_gaussian_per_layer(sizes, clip, config.noise_multiplier, expected_batch_size)
@@ -297,11 +347,14 @@ class DPOptimizer:
 
     ``step(per_sample_grads)`` privatises the per-sample gradients (:func:`privatize`), writes the
     result into the parameters' ``.grad`` and steps the wrapped optimizer; it returns the leaked
-    update. Per-sample gradients come in the order of the optimizer's parameters.
+    update. Per-sample gradients come in the order of the optimizer's parameters (param groups in
+    order); a gradient whose shape is not its parameter's is rejected. ``sampling`` is how the
+    batches are drawn ("poisson" or "fixed", :func:`sample_batch`), for the privacy report.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: DPSGDConfig, expected_batch_size: float,
-                 generator=None):
+                 generator=None, sampling: str = "poisson"):
+        self.sampling = _check_sampling(sampling)
         self.optimizer = optimizer
         self.config = config
         self.expected_batch_size = expected_batch_size
@@ -312,7 +365,7 @@ class DPOptimizer:
     def privacy_report(self, dataset_size: int, delta: float) -> PrivacyReport:
         """:func:`privacy_report` for the steps taken so far."""
         return privacy_report(self.config, [p.shape for p in self.params], expected_batch_size=self.expected_batch_size,
-                              dataset_size=dataset_size, steps=max(self.steps, 1), delta=delta)
+                              dataset_size=dataset_size, steps=self.steps, delta=delta, sampling=self.sampling)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -320,9 +373,14 @@ class DPOptimizer:
     def step(self, per_sample_grads: Sequence[torch.Tensor]) -> list:
         if len(per_sample_grads) != len(self.params):
             raise ValueError(f"got {len(per_sample_grads)} per-sample gradients for {len(self.params)} parameters")
+        for i, (g, p) in enumerate(zip(per_sample_grads, self.params)):
+            if not isinstance(g, torch.Tensor) or g.shape[1:] != p.shape:
+                shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(f"per_sample_grads[{i}] must be (B, *{tuple(p.shape)}), the shape of the optimizer's "
+                                 f"parameter {i}, got {shape}: give them in the optimizer's parameter order")
         update = privatize(per_sample_grads, self.config, self.expected_batch_size, self.generator)
         for p, u in zip(self.params, update):
-            p.grad = u.to(p.dtype).reshape(p.shape)
+            p.grad = u.to(p.dtype)
         self.optimizer.step()
         self.steps += 1
         return update

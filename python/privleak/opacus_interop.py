@@ -6,8 +6,9 @@ Opacus users switch in two lines, after ``PrivacyEngine.make_private``:
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer)                           # Gaussian, Alg. 1
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism="vmf", kappa=k)  # VMF, Alg. 2
 
-The optimizer keeps Opacus's interface and hooks (gradient accumulation, skipped steps, the
-accountant's step hook); it replaces two steps:
+The optimizer keeps Opacus's interface and hooks (gradient accumulation, skipped steps, empty
+Poisson batches, the accountant's step hook for the Gaussian mechanism) and its secure mode; it
+replaces two steps:
 
 * ``clip_and_accumulate`` runs :func:`privleak.dpsgd.clip_and_accumulate` on the parameters'
   ``grad_sample`` (flat clipping to ``max_grad_norm``, two passes, no intermediate copies).
@@ -18,8 +19,13 @@ accountant's step hook); it replaces two steps:
   clipped average by a VMF(kappa) draw around its direction (Biswas et al., Alg. 2), which is then
   the whole update (``scale_grad`` leaves it alone).
 
-Opacus's own accountant covers the Gaussian mechanism only; for VMF use
-:func:`privleak.accounting.vmf_privacy`.
+Opacus's own accountant covers the Gaussian mechanism only. With ``mechanism="vmf"`` its step
+hook is left off, so that it records no Gaussian steps that never happened; account VMF runs with
+:func:`privleak.accounting.vmf_privacy`. An engine made with ``secure_mode=True`` gets privleak's
+secure noise (a :class:`~privleak.mechanisms.SecureNoiseGenerator` unless one is given); VMF has
+no secure mode yet, so that combination is refused. Only Opacus's ``DPOptimizer`` itself (flat
+clipping) is taken: its per-layer, adaptive, distributed and ghost-clipping subclasses do other
+work in the replaced steps.
 """
 from __future__ import annotations
 
@@ -45,15 +51,28 @@ class PrivleakDPOptimizer(DPOptimizer):
             raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {mechanism!r}")
         if mechanism == "vmf" and kappa is None:
             raise ValueError("the VMF mechanism needs kappa")
+        if self.secure_mode:
+            if mechanism == "vmf":
+                raise ValueError("secure_mode: the VMF mechanism has no secure mode yet")
+            if noise_generator is None:
+                noise_generator = _mechanisms.SecureNoiseGenerator()
+            elif not isinstance(noise_generator, _mechanisms.SecureNoiseGenerator):
+                raise ValueError("secure_mode needs noise_generator to be a SecureNoiseGenerator (or None)")
         self.mechanism, self.kappa = mechanism, kappa
         self.noise_generator = noise_generator
 
     @classmethod
     def from_opacus(cls, optimizer: DPOptimizer, **kwargs) -> "PrivleakDPOptimizer":
-        """The same hyperparameters and wrapped optimizer as an Opacus ``DPOptimizer``."""
-        return cls(optimizer.original_optimizer, noise_multiplier=optimizer.noise_multiplier,
-                   max_grad_norm=optimizer.max_grad_norm, expected_batch_size=optimizer.expected_batch_size,
-                   loss_reduction=optimizer.loss_reduction, **kwargs)
+        """The same hyperparameters, wrapped optimizer, secure mode and (Gaussian) accountant hook
+        as an Opacus ``DPOptimizer``, which this optimizer replaces."""
+        if type(optimizer) is not DPOptimizer:
+            raise TypeError(f"optimizer must be an Opacus DPOptimizer (flat clipping), got {type(optimizer).__name__}")
+        new = cls(optimizer.original_optimizer, noise_multiplier=optimizer.noise_multiplier,
+                  max_grad_norm=optimizer.max_grad_norm, expected_batch_size=optimizer.expected_batch_size,
+                  loss_reduction=optimizer.loss_reduction, secure_mode=optimizer.secure_mode, **kwargs)
+        if new.mechanism == "gaussian":
+            new.attach_step_hook(optimizer.step_hook)
+        return new
 
     def clip_and_accumulate(self) -> None:
         grads = [self._get_flat_grad_sample(p).contiguous() for p in self.params]
@@ -67,12 +86,7 @@ class PrivleakDPOptimizer(DPOptimizer):
         for p in self.params:
             _check_processed_flag(p.summed_grad)
         if self.mechanism == "vmf":
-            flat = torch.cat([p.summed_grad.reshape(-1) for p in self.params])
-            if not bool(flat.any()):
-                raise ValueError("the clipped average gradient is zero: Alg. 2 has no direction to perturb")
-            direction = _mechanisms.vmf_sample(flat, self.kappa, 1, generator=self.noise_generator)[0]
-            parts = direction.split([p.numel() for p in self.params])
-            updates = [part.view_as(p) for part, p in zip(parts, self.params)]
+            updates = dpsgd.vmf_release([p.summed_grad for p in self.params], self.kappa, self.noise_generator)
         else:
             std = self.noise_multiplier * self.max_grad_norm
             updates = [_mechanisms.add_gaussian_noise(p.summed_grad, std, generator=self.noise_generator)
