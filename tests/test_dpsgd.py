@@ -235,9 +235,10 @@ def test_bad_arguments_are_rejected(call, error, words):
 
 @requires_cuda
 @pytest.mark.parametrize("per_layer", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_matches_cpu(per_layer, dtype):
-    grads = per_sample(SHAPES[2], batch=64, dtype=dtype)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [64, 0])
+def test_cuda_matches_cpu(per_layer, dtype, batch):
+    grads = per_sample(SHAPES[2], batch=batch, dtype=dtype)
     cpu = dpsgd.clip_and_accumulate(grads, 1.0, per_layer=per_layer, noise_std=0.4, key=2)
     gpu = dpsgd.clip_and_accumulate([g.cuda() for g in grads], 1.0, per_layer=per_layer, noise_std=0.4, key=2)
     assert torch.equal(cpu.norms, gpu.norms.cpu())
