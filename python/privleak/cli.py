@@ -1,11 +1,217 @@
-"""The ``privleak`` command line."""
+"""The ``privleak`` command line.
+
+Every option is checked before any work starts (no training, no data loaded): a bad value ends
+the command with one line, ``privleak <command>: error: argument --option: ...``, and exit status
+2. Each option's range is what the code behind it needs:
+
+- numbers: ``type=`` functions built on :mod:`privleak.validation` (NaN and infinities are refused
+  everywhere; epsilons > 0, delta in (0, 1), SSIM threshold in [-1, 1), counts >= 1, images >= 2,
+  seed in [0, 2^63));
+- after parsing: no value repeated in a list option, ``--out`` an existing writable folder or one
+  that can be created, ``--dataset`` a known name or a readable folder holding IDX files with
+  enough images for the clients asked for (only the files' headers are read).
+"""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import sys
+import tempfile
 
 import privleak
+from privleak import validation
+
+#: Seeds go to torch.Generator.manual_seed (seed and seed + 1; it takes [-2^63, 2^64)), to
+#: privleak's NoiseGenerator (modulo 2^64) and into fl.client_streams' hash. [0, 2^63) suits all
+#: three and keeps distinct seeds distinct everywhere.
+SEED_LIMIT = 2 ** 63
+
+#: Images in the data sets privleak ships (privleak.datasets.LOADERS), so the CLI can check
+#: --clients / --images without loading them. tests/test_bad_input_cli.py keeps this in step.
+DATASET_SIZES = {"mnist-5k": 5000, "sklearn-digits": 1797}
+
+_IDX_TYPE_CODES = (0x08, 0x09, 0x0B, 0x0C, 0x0D, 0x0E)  # privleak.datasets._IDX_TYPES
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _BadOption(Exception):
+    """A value that fails a check made after parsing; the message starts with the option."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"argument {option}: {message}")
+
+
+def _real_type(description: str, **limits):
+    """A ``type=`` function: the text as a float passing ``validation.real(**limits)``."""
+
+    def real(text: str) -> float:
+        try:
+            number = float(text)  # takes 'nan' and 'inf' too: validation refuses them
+        except ValueError:
+            number = text  # refused below as not a number
+        try:
+            return validation.real(number, "value", **limits)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
+
+    real.__name__ = "real number"
+    return real
+
+
+def _integer_type(description: str, **limits):
+    """A ``type=`` function: the text as an int passing ``validation.integer(**limits)``."""
+
+    def integer(text: str) -> int:
+        try:
+            number = int(text, 10)
+        except ValueError:
+            number = text
+        try:
+            return validation.integer(number, "value", **limits)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
+
+    integer.__name__ = "integer"
+    return integer
+
+
+_EPSILON = _real_type("a finite number > 0", low=0.0, low_open=True)
+_DELTA = _real_type("a number in (0, 1)", low=0.0, high=1.0, low_open=True, high_open=True)
+_THRESHOLD = _real_type("an SSIM in [-1, 1)", low=-1.0, high=1.0, high_open=True)
+_COUNT = _integer_type("an integer >= 1", low=1)
+_IMAGES = _integer_type("an integer >= 2 (the prior is uniform over the images)", low=2)
+_SEED = _integer_type("an integer in [0, 2^63)", low=0, high=SEED_LIMIT - 1)
+
+
+def _check_distinct(args: argparse.Namespace, names: tuple) -> None:
+    for name in names:
+        values = getattr(args, name, None)
+        if values is None:
+            continue
+        seen = set()
+        for value in values:
+            if value in seen:
+                raise _BadOption("--" + name.replace("_", "-"), f"{value:g} is given twice" if isinstance(value, float)
+                                 else f"{value!r} is given twice")
+            seen.add(value)
+
+
+def _check_out(path: str) -> None:
+    """--out: an existing folder we may write in, or a path whose nearest existing ancestor is one."""
+    if not path:
+        raise _BadOption("--out", "must name a folder, got ''")
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise _BadOption("--out", f"{path!r} is a broken symbolic link")
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise _BadOption("--out", f"{path!r} exists and is not a folder")
+        folder = path
+    else:
+        folder = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(folder):
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise _BadOption("--out", f"cannot create {path!r}: {folder!r} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise _BadOption("--out", f"cannot write in {folder!r}: permission denied")
+    try:  # access() says yes to root even where writing fails (read-only or virtual file systems)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise _BadOption("--out", f"cannot create files in {folder!r} ({error.strerror or error})") from None
+
+
+def _idx_header(path: str, ndim: int) -> tuple:
+    """The sizes in an IDX file's header (its first 4 + 4 ndim bytes), checked against ``ndim``."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as stream:
+            head = stream.read(4 + 4 * ndim)
+    except (OSError, EOFError) as error:
+        raise _BadOption("--dataset", f"cannot read {path!r}: {getattr(error, 'strerror', None) or error}") from None
+    if len(head) < 4 + 4 * ndim or head[0] != 0 or head[1] != 0 or head[2] not in _IDX_TYPE_CODES or head[3] != ndim:
+        raise _BadOption("--dataset", f"{path!r} is not a {ndim}-dimensional IDX file")
+    return tuple(int.from_bytes(head[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+
+
+def _dataset_size(name: str) -> int:
+    """Images in --dataset, from DATASET_SIZES or from the IDX files' headers (datasets.load_idx's layout)."""
+    if name in DATASET_SIZES:
+        return DATASET_SIZES[name]
+    known = ", ".join(DATASET_SIZES)
+    if not os.path.exists(name):
+        raise _BadOption("--dataset", f"must be one of {known} or a folder of IDX files; {name!r} does not exist")
+    if not os.path.isdir(name):
+        raise _BadOption("--dataset", f"must be one of {known} or a folder of IDX files; {name!r} is not a folder")
+    if not os.access(name, os.R_OK | os.X_OK):
+        raise _BadOption("--dataset", f"cannot read folder {name!r}: permission denied")
+    files = {}
+    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
+        found = [os.path.join(name, f"train-{kind}{gz}") for gz in ("", ".gz")]
+        found = [path for path in found if os.path.isfile(path)]
+        if not found:
+            raise _BadOption("--dataset", f"no train-{kind}[.gz] in folder {name!r}")
+        files[kind] = found[0]
+    count, rows, columns = _idx_header(files["images-idx3-ubyte"], 3)
+    (labels,) = _idx_header(files["labels-idx1-ubyte"], 1)
+    if rows != columns or count != labels:
+        raise _BadOption("--dataset", f"folder {name!r}: {count} images of {rows} x {columns} and {labels} labels "
+                                      "do not pair up (square images, one label each)")
+    return count
+
+
+def _check_images_suffice(dataset: str, option: str, clients: int, per_client: int) -> None:
+    """``clients`` disjoint shards of ``per_client`` images must fit in ``dataset``."""
+    size = _dataset_size(dataset)
+    if clients * per_client > size:
+        raise _BadOption(option, f"{clients} x {per_client} training images per client need {clients * per_client} "
+                                 f"images; {dataset} has {size}")
+
+
+def _sweep_changes(args: argparse.Namespace, names: tuple) -> dict:
+    changes = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    for name in ("epsilons", "grid_epsilons", "mechanisms"):
+        if getattr(args, name, None) is not None:
+            changes[name] = tuple(getattr(args, name))
+    return changes
+
+
+def _prepare_reproduce(args: argparse.Namespace):
+    """The Experiment the arguments describe, every argument checked; nothing run or loaded."""
+    import dataclasses
+
+    from privleak import reproduce
+
+    experiment = reproduce.PAPER_SCALE if args.paper_scale else reproduce.Experiment()
+    attack = dataclasses.replace(experiment.attack, **{k: v for k, v in (("iterations", args.iterations),
+                                                                         ("restarts", args.restarts)) if v is not None})
+    changes = _sweep_changes(args, ("dataset", "clients", "rounds", "seed", "delta"))
+    experiment = dataclasses.replace(experiment, attack=attack, **changes)
+    _check_images_suffice(experiment.dataset, "--clients", experiment.clients, experiment.examples_per_client)
+    return experiment
+
+
+def _prepare_estimate(args: argparse.Namespace):
+    import dataclasses
+
+    from privleak import estimation, reproduce
+
+    experiment = estimation.Estimation()
+    changes = _sweep_changes(args, ("dataset", "images", "releases", "runs", "threshold", "seed"))
+    if args.iterations is not None:
+        changes["attack"] = dataclasses.replace(experiment.attack, iterations=args.iterations)
+    experiment = dataclasses.replace(experiment, **changes)
+    # estimation.run trains one client per image with reproduce.Experiment's examples per client.
+    _check_images_suffice(experiment.dataset, "--images", experiment.images,
+                          reproduce.Experiment().examples_per_client)
+    return experiment
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -39,23 +245,9 @@ def _progress_bars():
 
 
 def _reproduce(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from privleak import reproduce
 
-    experiment = reproduce.PAPER_SCALE if args.paper_scale else reproduce.Experiment()
-    attack = experiment.attack
-    attack = dataclasses.replace(attack, **{k: v for k, v in (("iterations", args.iterations),
-                                                              ("restarts", args.restarts)) if v is not None})
-    changes = {name: getattr(args, name) for name in ("dataset", "clients", "rounds", "seed", "delta")
-               if getattr(args, name) is not None}
-    if args.epsilons is not None:
-        changes["epsilons"] = tuple(args.epsilons)
-    if args.grid_epsilons is not None:
-        changes["grid_epsilons"] = tuple(args.grid_epsilons)
-    if args.mechanisms is not None:
-        changes["mechanisms"] = tuple(args.mechanisms)
-    experiment = dataclasses.replace(experiment, attack=attack, **changes)
+    experiment = args.prepared
     results = reproduce.run(experiment, None if args.quiet else _progress_bars())
     paths = reproduce.write_outputs(experiment, results, args.out)
     for path in paths.values():
@@ -64,19 +256,9 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from privleak import estimation
 
-    experiment = estimation.Estimation()
-    changes = {name: getattr(args, name) for name in ("dataset", "images", "releases", "runs", "threshold", "seed")
-               if getattr(args, name) is not None}
-    for name in ("epsilons", "mechanisms"):
-        if getattr(args, name) is not None:
-            changes[name] = tuple(getattr(args, name))
-    if args.iterations is not None:
-        changes["attack"] = dataclasses.replace(experiment.attack, iterations=args.iterations)
-    experiment = dataclasses.replace(experiment, **changes)
+    experiment = args.prepared
     estimates = estimation.run(experiment, None if args.quiet else _progress_bars())
     for row in estimation.rows(estimates):
         print(f"{row['mechanism']:>8} eps={row['epsilon']:<9g} recovered {row['recovery_rate']:.2f}  "
@@ -89,17 +271,20 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _add_sweep_arguments(command: argparse.ArgumentParser, default_epsilons: str) -> None:
     """The arguments ``reproduce`` and ``estimate`` share: where to write, what data, which sweep."""
-    command.add_argument("--out", required=True, help="output folder (created if missing)")
-    command.add_argument("--dataset", help="mnist-5k (default), sklearn-digits, or a folder of MNIST/Fashion-MNIST IDX files")
-    command.add_argument("--epsilons", type=float, nargs="+", help=f"epsilons of one update (default {default_epsilons})")
-    command.add_argument("--mechanisms", nargs="+", choices=["gaussian", "vmf"])
-    command.add_argument("--iterations", type=int, help="attack iterations")
-    command.add_argument("--seed", type=int)
+    command.add_argument("--out", required=True,
+                         help="output folder: an existing writable folder, or a path that can be created")
+    command.add_argument("--dataset", help="mnist-5k (default), sklearn-digits, or a folder of MNIST/Fashion-MNIST "
+                                           "IDX files (train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz])")
+    command.add_argument("--epsilons", type=_EPSILON, nargs="+", metavar="EPSILON",
+                         help=f"epsilons of one update, finite and > 0, each once (default {default_epsilons})")
+    command.add_argument("--mechanisms", nargs="+", choices=["gaussian", "vmf"], help="each once (default both)")
+    command.add_argument("--iterations", type=_COUNT, help="attack iterations, >= 1")
+    command.add_argument("--seed", type=_SEED, help="an integer in [0, 2^63) (default 0)")
     command.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="privleak", description=privleak.__doc__.splitlines()[0])
+    parser = _Parser(prog="privleak", description=privleak.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"privleak {privleak.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="version, compiled backends, threads, CUDA and GPU")
@@ -113,13 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_arguments(reproduce, "10 173 1e3 3e3 1e4 3e4 1e5 1e6")
     reproduce.add_argument("--paper-scale", action="store_true",
                            help="32 clients, 12 epsilons, 4800 attack iterations, 4 restarts (hours on a CPU)")
-    reproduce.add_argument("--delta", type=float, help="delta of the Gaussian mechanism (default 1e-5)")
-    reproduce.add_argument("--clients", type=int, help="clients, one attacked image each per setting")
-    reproduce.add_argument("--rounds", type=int, help="federated rounds; the last one's updates are attacked")
-    reproduce.add_argument("--restarts", type=int, help="attack restarts")
-    reproduce.add_argument("--grid-epsilons", type=float, nargs="+",
-                           help="epsilons shown in reconstructions.png (default 173 1e4 1e5)")
-    reproduce.set_defaults(run=_reproduce)
+    reproduce.add_argument("--delta", type=_DELTA, help="delta of the Gaussian mechanism, in (0, 1) (default 1e-5)")
+    reproduce.add_argument("--clients", type=_COUNT,
+                           help="clients, >= 1, one attacked image each per setting; clients x 16 (32 with "
+                                "--paper-scale) images must fit in the data set")
+    reproduce.add_argument("--rounds", type=_COUNT, help="federated rounds, >= 1; the last one's updates are attacked")
+    reproduce.add_argument("--restarts", type=_COUNT, help="attack restarts, >= 1")
+    reproduce.add_argument("--grid-epsilons", type=_EPSILON, nargs="+", metavar="EPSILON",
+                           help="epsilons shown in reconstructions.png, finite and > 0, each once "
+                                "(default 173 1e4 1e5)")
+    reproduce.set_defaults(run=_reproduce, prepare=_prepare_reproduce, parser=reproduce)
 
     estimate = commands.add_parser(
         "estimate", help="MBP and ABP of federated DP-SGD measured from Inverting Gradients' recovery rate",
@@ -127,16 +315,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "on each, count recoveries (SSIM above --threshold) and estimate xi (MBP) and C1, C2 (ABP) with "
                     "confidence intervals (papers 000 App. C-D, 001 App. E-I). Writes a CSV and a plot into --out.")
     _add_sweep_arguments(estimate, "1e3 3e3 1e4")
-    estimate.add_argument("--images", type=int, help="n, the client's private images (default 4)")
-    estimate.add_argument("--releases", type=int, help="M, independent releases per setting (default 8)")
-    estimate.add_argument("--runs", type=int, help="T, attack runs per release (default 32)")
-    estimate.add_argument("--threshold", type=float, help="a run names no image unless its best SSIM exceeds this (default 0)")
-    estimate.set_defaults(run=_estimate)
+    estimate.add_argument("--images", type=_IMAGES,
+                          help="n, the client's private images, >= 2; n x 16 images must fit in the data set "
+                               "(default 4)")
+    estimate.add_argument("--releases", type=_COUNT, help="M, independent releases per setting, >= 1 (default 8)")
+    estimate.add_argument("--runs", type=_COUNT, help="T, attack runs per release, >= 1 (default 32)")
+    estimate.add_argument("--threshold", type=_THRESHOLD,
+                          help="a run names no image unless its best SSIM exceeds this; in [-1, 1) (default 0)")
+    estimate.set_defaults(run=_estimate, prepare=_prepare_estimate, parser=estimate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse and check every argument, then run the command. A bad argument exits with status 2
+    and one line on stderr before anything is trained or loaded."""
     args = build_parser().parse_args(argv)
+    prepare = getattr(args, "prepare", None)
+    if prepare is not None:
+        try:
+            _check_distinct(args, ("epsilons", "grid_epsilons", "mechanisms"))
+            _check_out(args.out)
+            args.prepared = prepare(args)
+        except _BadOption as error:
+            args.parser.error(str(error))
+        except ValueError as error:  # a check of the experiment's own that the options above missed
+            args.parser.error(str(error))
     return args.run(args)
 
 

@@ -56,9 +56,9 @@ class Estimation:
             raise ValueError("every attack run is counted, so the attack must have restarts=1")
         if not -1.0 <= self.threshold < 1.0:
             raise ValueError(f"threshold is an SSIM and must be in [-1, 1), got {self.threshold!r}")
-        # The sweep's own checks (epsilons, mechanisms, delta, clip_norm).
+        # The sweep's own checks (epsilons, mechanisms, delta, clip_norm, seed).
         reproduce.Experiment(epsilons=self.epsilons, mechanisms=self.mechanisms, delta=self.delta,
-                             clip_norm=self.clip_norm)
+                             clip_norm=self.clip_norm, seed=self.seed)
 
 
 class SettingEstimate(NamedTuple):

@@ -30,10 +30,11 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
-from privleak import accounting, attacks, capacity, datasets, dpsgd, fl
+from privleak import accounting, attacks, capacity, datasets, dpsgd, fl, validation
 from privleak.models import PaperNetwork, parameter_count
 
 MECHANISMS = ("gaussian", "vmf")
+SEED_LIMIT = 2 ** 63  #: seeds are ints in [0, SEED_LIMIT)
 NOISELESS = "none"
 
 
@@ -67,6 +68,10 @@ class Experiment:
         for name in ("clients", "examples_per_client", "rounds"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not self.grid_epsilons or any(not (e > 0 and math.isfinite(e)) for e in self.grid_epsilons):
+            raise ValueError(f"grid_epsilons must be positive and finite, got {self.grid_epsilons!r}")
+        # torch.Generator.manual_seed takes seed and seed + 1; NoiseGenerator takes it modulo 2^64.
+        validation.integer(self.seed, "seed", low=0, high=SEED_LIMIT - 1)
 
 
 PAPER_SCALE = Experiment(
@@ -118,6 +123,10 @@ class Attacked(NamedTuple):
 
 def train_and_collect(experiment: Experiment, data: datasets.ImageDataset, setting: Setting) -> Attacked:
     """Federated DP-SGD with one-image batches; the server keeps the last round's updates."""
+    needed = experiment.clients * experiment.examples_per_client
+    if needed > len(data.labels):
+        raise ValueError(f"clients x examples_per_client = {experiment.clients} x {experiment.examples_per_client} "
+                         f"= {needed} images, but data set {data.name} has {len(data.labels)}")
     generator = torch.Generator().manual_seed(experiment.seed)
     order = torch.randperm(len(data.labels), generator=generator)[: experiment.clients * experiment.examples_per_client]
     shards = order.reshape(experiment.clients, experiment.examples_per_client)
