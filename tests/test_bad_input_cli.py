@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from privleak import cli, datasets, estimation, reproduce
 
 
@@ -55,7 +54,8 @@ def _write_idx(folder, count, side=4, gz=False, labels=None, magic_images=b"\x00
     """Small MNIST-layout IDX files (train split) in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     labels = count if labels is None else labels
-    images = magic_images + b"".join(int(v).to_bytes(4, "big") for v in (count, side, side)) + bytes(count * side * side)
+    sizes = b"".join(int(v).to_bytes(4, "big") for v in (count, side, side))
+    images = magic_images + sizes + bytes(count * side * side)
     label_bytes = b"\x00\x00\x08\x01" + labels.to_bytes(4, "big") + bytes(np.arange(labels, dtype=np.uint8) % 10)
     opener = gzip.open if gz else open
     suffix = ".gz" if gz else ""

@@ -262,7 +262,8 @@ def _estimate(args: argparse.Namespace) -> int:
     estimates = estimation.run(experiment, None if args.quiet else _progress_bars())
     for row in estimation.rows(estimates):
         print(f"{row['mechanism']:>8} eps={row['epsilon']:<9g} recovered {row['recovery_rate']:.2f}  "
-              f"xi^={row['xi']:.3f} [{row['xi_low']:.3f}, {row['xi_high']:.3f}]  implied bound {row['implied_mbp_bound']:.3f}  "
+              f"xi^={row['xi']:.3f} [{row['xi_low']:.3f}, {row['xi_high']:.3f}]  "
+              f"implied bound {row['implied_mbp_bound']:.3f}  "
               f"C1^={row['c1']:.4f} [{row['c1_low']:.4f}, {row['c1_high']:.4f}]")
     for path in estimation.write_outputs(estimates, args.out).values():
         print(path)
