@@ -214,12 +214,12 @@ def test_ops_pass_opcheck():
 @pytest.mark.parametrize(
     "call, error, words",
     [
-        (lambda g: dpsgd.clip_and_accumulate(g, 0.0), ValueError, "clip_norm must be finite and > 0"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 0.0), ValueError, "clip_norm must be > 0"),
         (lambda g: dpsgd.clip_and_accumulate(g, [1.0, 2.0]), ValueError, "clip_norm must be one number"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, non_finite="ignore"), ValueError, "non_finite must be"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=0), ValueError, "batch_size must be"),
-        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size="2"), ValueError, "batch_size must be a number"),
-        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=1e-310), ValueError, "reciprocal finite"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size="2"), TypeError, "batch_size must be a real number"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=1e-310), ValueError, "batch_size = 1e-310 is out of range"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, noise_std=-1.0), ValueError, "noise_std must be finite"),
         (lambda g: dpsgd.clip_and_accumulate([g[0].double()], 1.0), TypeError, "must have dtype"),
         (lambda g: dpsgd.clip_and_accumulate([g[0].transpose(1, 2)], 1.0), ValueError, "must be contiguous"),

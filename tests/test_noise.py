@@ -121,7 +121,9 @@ def test_elementary_functions_are_accurate(dtype):
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scale", [1e-6, 1.0, 3e4])  # float16 subnormals, normals, overflow to inf
+# float16 subnormals, normals, and noise near float16's max (9685 x 6.77 < 65504: the largest std
+# float16 takes; the sums with the format's max below overflow to inf)
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 9000.0])
 def test_half_outputs_are_the_float32_noise_rounded_to_nearest_even(half, scale):
     z32 = M.gaussian_noise(100_000, scale, key=8)
     assert torch.equal(M.gaussian_noise(100_000, scale, key=8, dtype=half), z32.to(half))
@@ -224,3 +226,142 @@ def test_cuda_noise_is_bit_identical_to_cpu(distribution, dtype):
 @requires_cuda
 def test_cuda_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.privleak.add_noise.default, (torch.randn(5, 3, device="cuda"), "gaussian", 0.5, [1, 0], 0, 0))
+
+
+# ------------------------------------------------------------------ counter space and output range
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_ranges_far_apart_in_the_counter_space_share_no_elements(distribution, dtype):
+    # Element e is value e mod k of Philox block e div k (k = 4 float, 2 double), the 64-bit block
+    # number in two counter words: offsets 2^32 and 2^62 apart (block numbers 2^30, 2^60 or 2^31,
+    # 2^61 apart: a truncated or wrapped counter would repeat them) give other noise, each range
+    # equal to the numpy reference, and the last elements of the space are reachable.
+    n, key = 64, 0x0123456789ABCDEF
+    offsets = [0, 2**32, 2**62, 2**62 + 2**32, 2**63 - n]
+    draws = [draw(distribution, n, key, offset, dtype).numpy() for offset in offsets]
+    for offset, got in zip(offsets, draws):
+        assert got.tobytes() == reference.noise(distribution, n, key, offset, got.dtype).tobytes()
+    for i in range(len(draws)):
+        for j in range(i):
+            assert not np.isin(draws[i], draws[j]).any()
+
+
+def test_the_counter_space_ends_at_2_to_the_63():
+    with pytest.raises(ValueError, match="offset must satisfy"):
+        M.gaussian_noise(2, key=1, offset=2**63 - 1)
+    g = M.NoiseGenerator(1)
+    for bad in (2**63, 2**64, -1):
+        with pytest.raises(ValueError, match="offset must be in"):
+            g.set_state((1, bad))
+    with pytest.raises(TypeError, match="offset must be an int"):
+        g.set_state((1, 5.0))
+    with pytest.raises(TypeError, match="state must be a"):
+        g.set_state(5)
+    g.set_state((1, np.int64(2**63 - 3)))  # the last valid state: a draw may not move it to 2^63
+    assert g.get_state() == (1, 2**63 - 3)
+    M.gaussian_noise(2, generator=g)
+    assert g.get_state() == (1, 2**63 - 1)
+    with pytest.raises(ValueError, match="stream is exhausted"):
+        M.gaussian_noise(1, generator=g)
+    assert g.get_state() == (1, 2**63 - 1)  # a refused draw leaves the state alone
+    M.gaussian_noise(0, generator=g)
+
+
+def test_generators_draw_disjoint_ranges_from_many_threads():
+    import threading
+
+    g = M.NoiseGenerator(4)
+    out = []
+    threads = [threading.Thread(target=lambda: out.extend(g.claim(1)[1] for _ in range(2000))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(out) == list(range(8000))
+
+
+def test_noise_generators_copy_and_pickle_with_their_state():
+    import copy
+    import pickle
+
+    g = M.NoiseGenerator(5)
+    M.gaussian_noise(3, generator=g)
+    for twin in (copy.deepcopy(g), pickle.loads(pickle.dumps(g))):
+        assert twin.get_state() == g.get_state()
+        assert torch.equal(M.gaussian_noise(4, generator=twin), M.gaussian_noise(4, key=5, offset=3))
+
+
+@pytest.mark.parametrize(
+    "distribution, dtype, largest_ok",
+    [
+        ("gaussian", torch.float32, 3.4028235e38 / 6.7637),
+        ("gaussian", torch.float64, 1.7976931348623157e308 / 8.6517),
+        ("laplace", torch.float32, 3.4028235e38 / 22.181),
+        ("laplace", torch.float64, 1.7976931348623157e308 / 37.430),
+        ("gaussian", torch.float16, 65504 / 6.7637),
+        ("gaussian", torch.bfloat16, 3.3895314e38 / 6.7637),
+    ],
+)
+def test_scales_whose_noise_overflows_the_dtype_are_refused(distribution, dtype, largest_ok):
+    # The largest unit values: sqrt(2 ln 2^33) = 6.764 and sqrt(2 ln 2^54) = 8.652 (Gaussian),
+    # ln 2^32 = 22.18 and ln 2^54 = 37.43 (Laplace). Just below the limit the noise is finite;
+    # above it (old code: inf in the output) the scale is refused, naming it.
+    fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
+    name = "std" if distribution == "gaussian" else "scale"
+    z = fn(1000, largest_ok * 0.999, key=3, dtype=dtype)
+    assert torch.isfinite(z).all()
+    for too_big in (largest_ok * 1.01, float(torch.finfo(dtype).max)):
+        with pytest.raises(ValueError, match=f"{name} = .* is too large for"):
+            fn(1000, too_big, key=3, dtype=dtype)
+        add = M.add_gaussian_noise_ if distribution == "gaussian" else M.add_laplace_noise_
+        with pytest.raises(ValueError, match=f"{name} = .* is too large for"):
+            add(torch.zeros(10, dtype=dtype), too_big, key=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scales_lost_in_the_generation_precision_are_refused(dtype):
+    # float32 noise of std 1e-46 was silently all zeros.
+    with pytest.raises(ValueError, match="std must be 0 or >= 1.18e-38"):
+        M.gaussian_noise(10, 1e-46, key=1, dtype=dtype)
+    assert torch.equal(M.gaussian_noise(10, 0.0, key=1, dtype=dtype), torch.zeros(10, dtype=dtype))
+    assert (M.gaussian_noise(10, 1e-300, key=1, dtype=torch.float64) != 0).all()
+
+
+@pytest.mark.parametrize("add", [M.add_gaussian_noise_, M.add_laplace_noise_])
+def test_in_place_noise_refuses_what_torchs_in_place_ops_refuse(add):
+    leaf = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        leaf.add_(1)
+    with pytest.raises(RuntimeError, match="x is a leaf tensor that requires grad"):
+        add(leaf, 1.0, key=1)
+    with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+        leaf[:2].add_(1)
+    with pytest.raises(RuntimeError, match="x is a view of a leaf tensor that requires grad"):
+        add(leaf[:2], 1.0, key=1)
+    assert torch.equal(leaf, torch.ones(3))
+    with torch.no_grad():  # allowed there, as torch allows leaf.add_(1)
+        add(leaf, 1.0, key=1)
+    assert not torch.equal(leaf, torch.ones(3))
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        frozen.add_(1)
+    with pytest.raises(RuntimeError, match="x is an inference tensor"):
+        add(frozen, 1.0, key=1)
+    with torch.inference_mode():
+        add(frozen, 1.0, key=1)
+    non_leaf = torch.ones(3, requires_grad=True) * 2  # torch allows it, and so does privleak
+    add(non_leaf, 1.0, key=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and privleak.info()["cuda_usable"], reason="needs a machine without CUDA")
+def test_cuda_without_cuda_raises_privleaks_runtime_error():
+    # torch's own AssertionError ("Torch not compiled with CUDA enabled") came out before.
+    g = M.NoiseGenerator(1)
+    with pytest.raises(RuntimeError, match="device is cuda.*CUDA cannot run here|cannot use CUDA here"):
+        M.gaussian_noise(3, generator=g, device="cuda")
+    with pytest.raises(RuntimeError, match="device is cuda:0"):
+        M.laplace_noise(3, key=1, device=torch.device("cuda", 0))
+    assert g.offset == 0  # nothing was claimed

@@ -142,3 +142,70 @@ def test_cuda_secure_noise_is_bit_identical_to_cpu(distribution, dtype):
     args = ([100_003], distribution, float(2**41), key, 11, grid, dtype)
     cpu = torch.ops.privleak.noise(*args, torch.device("cpu"))
     assert torch.equal(cpu, torch.ops.privleak.noise(*args, torch.device("cuda")).cpu())
+
+
+# ------------------------------------------------------------------------- never the same stream twice
+
+
+def test_secure_generators_cannot_be_copied_or_pickled():
+    import copy
+    import pickle
+
+    g = M.SecureNoiseGenerator()
+    for duplicate in (copy.copy, copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        with pytest.raises(TypeError, match="SecureNoiseGenerator cannot be copied or pickled"):
+            duplicate(g)
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        copy.deepcopy({"optimizer state": [g]})  # also inside a container
+
+
+def _draw_in_a_forked_child(g, draw):
+    """Fork, draw in the child and send the bytes back through a pipe; the parent's next draw."""
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            os.close(read)
+            os.write(write, draw(g).numpy().tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return b"".join(chunks), draw(g).numpy().tobytes()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("path", ["noise", "clip_and_accumulate"])
+def test_a_forked_child_gets_a_new_key(path):
+    from privleak import dpsgd
+
+    if path == "noise":
+        def draw(g):
+            return M.gaussian_noise(256, 1.0, generator=g, dtype=torch.float64)
+    else:
+        grads = [torch.zeros(2, 256)]
+
+        def draw(g):
+            return dpsgd.clip_and_accumulate(grads, 1.0, noise_std=1.0, generator=g).grads[0]
+    g = M.SecureNoiseGenerator()
+    draw(g)  # the parent has drawn before the fork
+    child, parent = _draw_in_a_forked_child(g, draw)
+    assert len(child) == len(parent) == 256 * (8 if path == "noise" else 4)
+    child_values = np.frombuffer(child, dtype=np.float64 if path == "noise" else np.float32)
+    parent_values = np.frombuffer(parent, dtype=child_values.dtype)
+    assert not np.isin(child_values, parent_values).any()
+
+
+def test_the_pid_check_rekeys_where_the_fork_hook_did_not_run():
+    g = M.SecureNoiseGenerator()
+    key = list(g._key_words)
+    g._pid = -1  # as if inherited through a fork that bypassed os.fork's hooks
+    M.gaussian_noise(4, generator=g)
+    assert g._key_words != key and g._pid == __import__("os").getpid() and g._offset == 4

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from typing import NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
-from privleak import _arrays, _backend
+from privleak import _arrays, _backend, validation
 from privleak import mechanisms as _mechanisms
 
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
@@ -69,13 +71,19 @@ class ClippedSum(NamedTuple):
 
 
 def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(per_sample_grads, torch.Tensor) or not per_sample_grads:
-        raise TypeError("per_sample_grads must be a non-empty sequence of tensors, one per parameter")
+    if isinstance(per_sample_grads, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(per_sample_grads, Iterable):
+        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, one per parameter, "
+                                           f"got {type(per_sample_grads).__name__}")
     grads = list(per_sample_grads)
+    if not grads:
+        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, one per parameter, "
+                                           "got an empty one")
     first = None
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):
-            raise TypeError(f"per_sample_grads[{i}] must be a torch tensor, got {type(g).__name__}")
+            raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a torch tensor, got {type(g).__name__}")
+        if g.layout != torch.strided:
+            raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a dense (strided) tensor, got {g.layout}")
         view = _arrays.view(g, f"per_sample_grads[{i}]", dtypes=GRAD_DTYPES)
         first = first or view
         if g.ndim < 1:
@@ -89,18 +97,44 @@ def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]
     return grads
 
 
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise validation.ArgumentTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
-def _clip_norms(clip_norm, count: int, per_layer: bool) -> list[float]:
+def _clip_norms(clip_norm, count: Optional[int], per_layer: bool, name: str = "clip_norm") -> list[float]:
+    """The clip norms, one per tensor with per_layer (count None: as many as given), else one."""
     norms = list(clip_norm) if isinstance(clip_norm, (list, tuple)) else [clip_norm]
-    if len(norms) != 1 and (not per_layer or len(norms) != count):
-        raise ValueError(f"clip_norm must be one number, or (per_layer=True) one per tensor: {count}, got {len(norms)}")
-    for c in norms:
-        if not _is_real(c) or not math.isfinite(c) or c <= 0:
-            raise ValueError(f"clip_norm must be finite and > 0, got {c!r}")
-    return [float(c) for c in norms] * (count if per_layer and len(norms) == 1 else 1)
+    if not norms or (len(norms) != 1 and (not per_layer or (count is not None and len(norms) != count))):
+        raise ValueError(f"{name} must be one number, or (per_layer=True) one per tensor: {count}, got {len(norms)}")
+    norms = [validation.positive(c, name if len(norms) == 1 else f"{name}[{i}]") for i, c in enumerate(norms)]
+    return norms * (count if per_layer and len(norms) == 1 and count is not None else 1)
+
+
+# The kernel computes in float32: the noise std and the scale 1 / batch_size are float32 numbers,
+# and the released (sum + noise) / batch_size must be one.
+_FLOAT32 = torch.finfo(torch.float32)
+_MAX_GRAD_ELEMENT = 2.0**64  # a larger element's square overflows float32 and counts as non-finite
+
+
+def _check_release_range(batch: int, clip_norms: list[float], noise_std: float, scale_by: float, secure: bool) -> None:
+    """Refuse a noise_std and batch_size whose release (sum + noise) / batch_size could overflow
+    float32, or whose std or 1 / batch_size float32 cannot hold."""
+    if not _FLOAT32.tiny <= 1.0 / scale_by <= _FLOAT32.max:
+        raise ValueError(f"batch_size = {scale_by!r} is out of range: the kernel scales by 1 / batch_size in float32, "
+                         f"so batch_size must lie in [{1 / _FLOAT32.max:.3g}, {1 / _FLOAT32.tiny:.3g}]")
+    if not secure and 0 < noise_std < _FLOAT32.tiny:
+        raise ValueError(f"noise_std must be 0 or >= {_FLOAT32.tiny:.3g} (the kernel's noise is float32), "
+                         f"got {noise_std!r}")
+    unit_max = _mechanisms._SECURE_UNIT_MAX["gaussian"] if secure else \
+        _mechanisms._UNIT_MAX[("gaussian", torch.float32)]
+    noisy_sum = batch * min(max(clip_norms), _MAX_GRAD_ELEMENT) + unit_max * noise_std
+    # Secure noise is added to the float32 sum before the scaling, so the sum must fit as well.
+    largest = max(noisy_sum / scale_by, noisy_sum if secure else 0.0)
+    if largest > _FLOAT32.max:
+        raise ValueError(f"noise_std = {noise_std!r} and batch_size = {scale_by!r} overflow float32: the release "
+                         f"(clipped sum + noise) / batch_size can reach {largest:.3g}, beyond {_FLOAT32.max:.4g}")
 
 
 def _noise_alone(grads: list[torch.Tensor], noise_std: float, words: list[int], offset: int,
@@ -148,18 +182,23 @@ def clip_and_accumulate(
         :class:`ClippedSum` with the float32 noisy average per tensor, the norms, the dropped samples.
     """
     grads = _check_grads(per_sample_grads)
+    per_layer = _check_bool(per_layer, "per_layer")
     norms_allowed = _clip_norms(clip_norm, len(grads), per_layer)
-    if non_finite not in ("raise", "drop"):
-        raise ValueError(f"non_finite must be 'raise' or 'drop', got {non_finite!r}")
+    non_finite = validation.choice(non_finite, "non_finite", ("raise", "drop"))
     noise_std = _mechanisms._check_scale(noise_std, "noise_std")
+    _mechanisms._check_generator(generator)
     batch = grads[0].shape[0]
-    if batch_size is not None and not _is_real(batch_size):
-        raise ValueError(f"batch_size must be a number, got {batch_size!r}")
-    scale_by = float(batch if batch_size is None else batch_size)
-    if not math.isfinite(scale_by) or scale_by <= 0 or not math.isfinite(1.0 / scale_by):
-        raise ValueError(f"batch_size must be finite and > 0 (and its reciprocal finite), got {batch_size!r}")
+    if batch_size is None:
+        if batch == 0:
+            raise ValueError("batch_size must be given for an empty batch (its default, the batch's size B, is 0)")
+        scale_by = float(batch)
+    else:
+        scale_by = validation.positive(batch_size, "batch_size")
+    if grads[0].is_cuda:
+        _mechanisms._check_cuda(grads[0].device, "per_sample_grads' device")
 
     secure_noise = noise_std > 0 and isinstance(generator, _mechanisms.SecureNoiseGenerator)
+    _check_release_range(batch, norms_allowed, noise_std, scale_by, secure_noise)
     kernel_noise = 0.0 if secure_noise else noise_std
     words, stream_offset = [0, 0], 0
     if kernel_noise > 0:
@@ -215,17 +254,19 @@ def sample_batch(num_examples: int, batch_size: int, sampling: str = "poisson",
     """Indices of one DP-SGD batch: Poisson sampling (each example independently with rate
     batch_size / num_examples; the batch size varies, the accountant's assumption for
     amplification by subsampling) or a fixed-size sample without replacement."""
-    if not (isinstance(num_examples, int) and isinstance(batch_size, int) and 0 < batch_size <= num_examples):
-        raise ValueError(f"need 0 < batch_size <= num_examples, got {batch_size} and {num_examples}")
+    num_examples = validation.integer(num_examples, "num_examples", low=1)
+    batch_size = validation.integer(batch_size, "batch_size", low=1)
+    if batch_size > num_examples:
+        raise ValueError(f"batch_size must be <= num_examples, got {batch_size} and {num_examples}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise validation.ArgumentTypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if _check_sampling(sampling) == "poisson":
         return torch.nonzero(torch.rand(num_examples, generator=generator) < batch_size / num_examples).flatten()
     return torch.randperm(num_examples, generator=generator)[:batch_size]
 
 
 def _check_sampling(sampling: str) -> str:
-    if sampling not in ("poisson", "fixed"):
-        raise ValueError(f"sampling must be 'poisson' or 'fixed', got {sampling!r}")
-    return sampling
+    return validation.choice(sampling, "sampling", ("poisson", "fixed"))
 
 
 class DPSGDConfig(NamedTuple):
@@ -246,9 +287,34 @@ class DPSGDConfig(NamedTuple):
     non_finite: str = "raise"
 
 
+def _check_config(config: DPSGDConfig, num_tensors: Optional[int] = None) -> DPSGDConfig:
+    """``config`` with every field checked (errors name the field) and numbers made Python floats;
+    with ``num_tensors``, per-layer clip norms must number one or that many."""
+    if not isinstance(config, DPSGDConfig):
+        raise validation.ArgumentTypeError(f"config must be a DPSGDConfig, got {type(config).__name__}")
+    mechanism = validation.choice(config.mechanism, "config.mechanism", ("gaussian", "vmf"))
+    per_layer = _check_bool(config.per_layer, "config.per_layer")
+    clip = _clip_norms(config.clip_norm, num_tensors, per_layer, "config.clip_norm")
+    noise_multiplier = validation.non_negative(config.noise_multiplier, "config.noise_multiplier")
+    kappa = config.kappa
+    if mechanism == "vmf" and kappa is None:
+        raise ValueError("the VMF mechanism needs kappa: config.kappa must be a number > 0, got None")
+    if kappa is not None:
+        kappa = validation.positive(kappa, "config.kappa")
+    non_finite = validation.choice(config.non_finite, "config.non_finite", ("raise", "drop"))
+    clip_norm = clip[0] if len(clip) == 1 and not isinstance(config.clip_norm, (list, tuple)) else list(clip)
+    return DPSGDConfig(clip_norm, mechanism, noise_multiplier, kappa, per_layer, non_finite)
+
+
+def _check_expected_batch_size(value) -> float:
+    return validation.positive(value, "expected_batch_size")
+
+
 def gaussian_noise_std(config: DPSGDConfig, num_tensors: int) -> float:
     """Standard deviation of Alg. 1's noise on the clipped sum of ``num_tensors`` tensors:
     noise_multiplier c (flat clipping), noise_multiplier |(c_t)|_2 (per layer)."""
+    num_tensors = validation.integer(num_tensors, "num_tensors", low=1)
+    config = _check_config(config, num_tensors)
     clip = _clip_norms(config.clip_norm, num_tensors, config.per_layer)
     return config.noise_multiplier * math.sqrt(sum(c * c for c in clip)) if config.per_layer else \
         config.noise_multiplier * clip[0]
@@ -257,14 +323,16 @@ def gaussian_noise_std(config: DPSGDConfig, num_tensors: int) -> float:
 def privatize(per_sample_grads: Sequence[torch.Tensor], config: DPSGDConfig, expected_batch_size: float,
               generator=None) -> list:
     """The update DP-SGD leaks for one batch (what an honest-but-curious server sees), per tensor."""
+    grads = _check_grads(per_sample_grads)
+    config = _check_config(config, len(grads))
+    expected_batch_size = _check_expected_batch_size(expected_batch_size)
+    per_sample_grads = grads
     if config.mechanism == "gaussian":
         return clip_and_accumulate(per_sample_grads, config.clip_norm, per_layer=config.per_layer,
                                    noise_std=gaussian_noise_std(config, len(per_sample_grads)),
                                    batch_size=expected_batch_size, generator=generator,
                                    non_finite=config.non_finite).grads
     if config.mechanism == "vmf":
-        if config.kappa is None:
-            raise ValueError("the VMF mechanism needs kappa")
         average = clip_and_accumulate(per_sample_grads, config.clip_norm, per_layer=config.per_layer,
                                       batch_size=expected_batch_size, non_finite=config.non_finite).grads
         return vmf_release(average, config.kappa, generator)
@@ -280,6 +348,12 @@ def vmf_release(average: Sequence[torch.Tensor], kappa: float, generator=None) -
     uniform law is the average of VMF(mu, kappa) over all mu, so the step stays 2 kappa-DP, and
     the data never decide whether the step raises.
     """
+    if isinstance(average, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(average, Iterable):
+        raise validation.ArgumentTypeError(f"average must be a sequence of tensors, got {type(average).__name__}")
+    average = list(average)
+    if not average or not all(isinstance(a, torch.Tensor) for a in average):
+        raise validation.ArgumentTypeError("average must be a non-empty sequence of torch tensors")
+    _mechanisms._check_generator(generator)
     flat = torch.cat([a.reshape(-1) for a in average])
     if bool(flat.any()):
         direction = _mechanisms.vmf_sample(flat, kappa, 1, generator=generator)[0]
@@ -317,14 +391,26 @@ def privacy_report(config: DPSGDConfig, parameter_shapes: Sequence[Sequence[int]
     """
     from privleak import accounting, capacity
 
-    _check_sampling(sampling)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    sizes = _parameter_sizes(parameter_shapes)
+    config = _check_config(config, len(sizes))
+    sampling = _check_sampling(sampling)
+    steps = validation.integer(steps, "steps", low=0)
+    dataset_size = validation.integer(dataset_size, "dataset_size", low=1)
+    expected_batch_size = _check_expected_batch_size(expected_batch_size)
+    if expected_batch_size > dataset_size:
+        raise ValueError(f"expected_batch_size must be <= dataset_size, got {expected_batch_size!r} and {dataset_size}")
+    delta = validation.probability(delta, "delta", open_high=True)
+    if config.mechanism == "gaussian":
+        if config.noise_multiplier == 0:
+            raise ValueError("config.noise_multiplier must be > 0 for a privacy report: without noise there is no "
+                             "privacy to report")
+        if delta == 0:
+            raise ValueError("delta must be > 0 for the Gaussian mechanism (it is not pure DP)")
+    if sum(sizes) == 0 or (config.per_layer and 0 in sizes):
+        raise ValueError(f"parameter_shapes must have at least one element{' in each tensor' if config.per_layer else ''}, "
+                         f"got {[tuple(shape) for shape in parameter_shapes]}")
     q = expected_batch_size / dataset_size
-    sizes = [math.prod(shape) for shape in parameter_shapes]
     if config.mechanism == "vmf":
-        if config.kappa is None:
-            raise ValueError("the VMF mechanism needs kappa")
         epsilon = accounting.vmf_privacy(config.kappa, steps, delta, sampling_rate=q).epsilon if steps else 0.0
         log_capacity = capacity.dpsgd_vmf(sum(sizes), config.kappa).log_capacity()
     elif config.mechanism == "gaussian":
@@ -332,14 +418,36 @@ def privacy_report(config: DPSGDConfig, parameter_shapes: Sequence[Sequence[int]
         epsilon = accounting.gaussian_epsilon(config.noise_multiplier, steps, delta, sampling_rate=q,
                                               **fixed) if steps else 0.0
         clip = _clip_norms(config.clip_norm, len(sizes), config.per_layer)
+        # The capacity depends on noise_multiplier / L only; capacity takes an integer L, so a
+        # fractional expected batch size (Poisson sampling) goes in as L = 1 with sigma / L.
+        sigma, batch = config.noise_multiplier, expected_batch_size
+        if not float(batch).is_integer():
+            sigma, batch = sigma / batch, 1
+        batch = int(batch)
         if config.per_layer:
-            mechanism = capacity.dpsgd_gaussian_per_layer(sizes, clip, config.noise_multiplier, expected_batch_size)
+            mechanism = capacity.dpsgd_gaussian_per_layer(sizes, clip, sigma, batch)
         else:
-            mechanism = capacity.dpsgd_gaussian(sum(sizes), clip[0], config.noise_multiplier, expected_batch_size)
+            mechanism = capacity.dpsgd_gaussian(sum(sizes), clip[0], sigma, batch)
         log_capacity = mechanism.log_capacity()
-    else:
-        raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {config.mechanism!r}")
     return PrivacyReport(epsilon, delta, steps, log_capacity.bits, log_capacity.log)
+
+
+def _parameter_sizes(parameter_shapes) -> list[int]:
+    """The element counts of ``parameter_shapes``, a non-empty sequence of shapes of ints >= 0."""
+    if isinstance(parameter_shapes, (str, bytes, torch.Tensor, np.ndarray)) or \
+            not isinstance(parameter_shapes, Iterable):
+        raise validation.ArgumentTypeError(f"parameter_shapes must be a sequence of shapes, got "
+                                           f"{type(parameter_shapes).__name__} {parameter_shapes!r}")
+    shapes = list(parameter_shapes)
+    if not shapes:
+        raise ValueError("parameter_shapes must not be empty")
+    sizes = []
+    for i, shape in enumerate(shapes):
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise validation.ArgumentTypeError(f"parameter_shapes[{i}] must be a shape (a sequence of ints), got "
+                                               f"{type(shape).__name__} {shape!r}")
+        sizes.append(math.prod(validation.integer(d, f"parameter_shapes[{i}]", low=0) for d in shape))
+    return sizes
 
 
 class DPOptimizer:
@@ -354,12 +462,17 @@ class DPOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: DPSGDConfig, expected_batch_size: float,
                  generator=None, sampling: str = "poisson"):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise validation.ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.sampling = _check_sampling(sampling)
         self.optimizer = optimizer
-        self.config = config
-        self.expected_batch_size = expected_batch_size
+        self.config = _check_config(config, len(self.params))
+        self.expected_batch_size = _check_expected_batch_size(expected_batch_size)
+        _mechanisms._check_generator(generator)
+        if self.config.mechanism == "vmf" and isinstance(generator, _mechanisms.SecureNoiseGenerator):
+            raise ValueError("generator: the VMF mechanism has no secure mode yet; pass a NoiseGenerator")
         self.generator = generator
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.steps = 0
 
     def privacy_report(self, dataset_size: int, delta: float) -> PrivacyReport:
@@ -371,6 +484,7 @@ class DPOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, per_sample_grads: Sequence[torch.Tensor]) -> list:
+        per_sample_grads = _check_grads(per_sample_grads)
         if len(per_sample_grads) != len(self.params):
             raise ValueError(f"got {len(per_sample_grads)} per-sample gradients for {len(self.params)} parameters")
         for i, (g, p) in enumerate(zip(per_sample_grads, self.params)):

@@ -39,18 +39,23 @@ This module imports torch; ``import privleak`` does not.
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import secrets
 import struct
+import threading
+import weakref
 from fractions import Fraction
 from typing import Optional, Sequence, Union
 
 import torch
+from numpy import bool_ as np_bool
 
-from privleak import _arrays, _backend
+from privleak import _arrays, _backend, validation
 
 NOISE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 _U64 = 2**64
-_MAX_ELEMENT = 2**63  # offsets travel through torch's int64 op schema
+_MAX_ELEMENT = 2**63  # the counter space: element indices [0, 2^63), which travel through torch's int64 op schema
 
 
 class NoiseGenerator:
@@ -60,9 +65,21 @@ class NoiseGenerator:
     key's stream and advances the offset by n, so two draws of n and m elements give the same bits
     as one draw of n + m. ``NoiseGenerator()`` takes a random key from the operating system;
     ``NoiseGenerator(seed)`` or ``manual_seed(seed)`` makes it reproducible.
+
+    **Counter space.** A key's stream has the elements 0 .. 2^63 - 1 (offsets are int64 in the op
+    schema). Element e of a float32 draw (also bfloat16, float16) is value e mod 4 of Philox block
+    e div 4, of a float64 draw value e mod 2 of block e div 2; the 64-bit block number fills the
+    first two words of the Philox counter and a tag for the distribution and precision the third
+    (csrc/common/noise.h, philox.h), so distinct (key, element) pairs never share a counter and no
+    block number wraps. The state's offset is the next element to use and lies in [0, 2^63):
+    :meth:`set_state` refuses anything else, and a draw that would move the offset to 2^63 or
+    beyond is refused, so every state a generator reaches is one that :meth:`set_state` accepts and
+    from which a draw can be made. (Element 2^63 - 1 is reachable with an explicit ``key`` and
+    ``offset``.) Draws from several threads claim disjoint ranges.
     """
 
     def __init__(self, seed: Optional[int] = None):
+        self._lock = threading.Lock()
         self._initial_seed = 0
         self.key = 0
         self.offset = 0
@@ -73,8 +90,7 @@ class NoiseGenerator:
 
     def manual_seed(self, seed: int) -> "NoiseGenerator":
         """Use ``seed`` (any int; taken modulo 2^64) as the key and restart at offset 0."""
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        seed = validation.integer(seed, "seed")
         self._initial_seed = seed % _U64
         self.key, self.offset = self._initial_seed, 0
         return self
@@ -91,14 +107,30 @@ class NoiseGenerator:
         return self.key, self.offset
 
     def set_state(self, state: tuple[int, int]) -> None:
-        key, offset = state
-        self.key, self.offset = _check_key(key), _check_offset(offset, 0)
+        """Restore a state from :meth:`get_state`: key in [0, 2^64), offset in [0, 2^63)."""
+        if isinstance(state, (str, bytes)) or not isinstance(state, Sequence) or len(state) != 2:
+            raise validation.ArgumentTypeError(f"state must be a (key, offset) pair, got {state!r}")
+        key = _check_key(state[0])
+        offset = validation.integer(state[1], "offset")
+        if not 0 <= offset < _MAX_ELEMENT:
+            raise ValueError(f"offset must be in [0, 2**63) (the counter space), got {offset}")
+        self.key, self.offset = key, offset
 
     def claim(self, n: int) -> tuple[int, int]:
         """The (key, offset) for a draw of ``n`` elements, advancing the offset past them."""
-        offset = _check_offset(self.offset, n)
-        self.offset += n
-        return self.key, offset
+        with self._lock:
+            offset = _check_offset(self.offset, n, generator=True)
+            self.offset += n
+            return self.key, offset
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"NoiseGenerator(key={self.key:#x}, offset={self.offset})"
@@ -109,20 +141,56 @@ class SecureNoiseGenerator:
 
     It takes no seed and has no state to get or set: its draws cannot be replayed. Passing it
     as ``generator`` to the noise functions switches them to discretised noise (module docstring).
+
+    Its stream never repeats: element e of the key's stream has its own ChaCha20 nonce (e, tag), e
+    in [0, 2^63), and each draw claims a fresh range under a lock. It cannot be copied or pickled
+    (``copy.copy``, ``copy.deepcopy`` and ``pickle`` raise TypeError: a copy would draw the same
+    noise again), and a process made by ``os.fork`` gives every generator it inherits a new key
+    from the operating system before its first draw.
     """
 
+    _live: "weakref.WeakSet[SecureNoiseGenerator]" = weakref.WeakSet()
+
     def __init__(self):
+        self._lock = threading.Lock()
+        self._rekey()
+        SecureNoiseGenerator._live.add(self)
+
+    def _rekey(self) -> None:
         self._key_words = list(struct.unpack("<8I", secrets.token_bytes(32)))
         self._offset = 0
+        self._pid = os.getpid()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        self._rekey()
 
     def claim(self, n: int) -> tuple[list[int], int]:
         """The key words and offset for a draw of ``n`` elements, advancing past them."""
-        offset = _check_offset(self._offset, n)
-        self._offset += n
-        return self._key_words, offset
+        with self._lock:
+            if self._pid != os.getpid():  # a fork the at-fork hook did not see (e.g. not through os.fork)
+                self._rekey()
+            offset = _check_offset(self._offset, n, generator=True)
+            self._offset += n
+            return self._key_words, offset
+
+    def _refuse_copy(self, *args):
+        raise TypeError("a SecureNoiseGenerator cannot be copied or pickled: the copy would draw the same noise "
+                        "again; make a new SecureNoiseGenerator() instead")
+
+    __copy__ = __deepcopy__ = __reduce__ = __reduce_ex__ = __getstate__ = _refuse_copy
 
     def __repr__(self) -> str:
         return f"SecureNoiseGenerator(offset={self._offset})"
+
+
+def _rekey_secure_generators_in_child() -> None:
+    for generator in list(SecureNoiseGenerator._live):
+        generator._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_rekey_secure_generators_in_child)
 
 
 default_generator = NoiseGenerator()
@@ -133,19 +201,27 @@ def manual_seed(seed: int) -> NoiseGenerator:
     return default_generator.manual_seed(seed)
 
 
+def _integer(value, name: str) -> int:
+    """validation.integer, with plain ints taken as they are (torch.compile traces this path)."""
+    return value if type(value) is int else validation.integer(value, name)
+
+
 def _check_key(key: int) -> int:
-    if isinstance(key, bool) or not isinstance(key, int):
-        raise TypeError(f"key must be an int, got {type(key).__name__}")
+    key = _integer(key, "key")
     if not 0 <= key < _U64:
         raise ValueError(f"key must be in [0, 2**64), got {key}")
     return key
 
 
-def _check_offset(offset: int, n: int) -> int:
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if offset < 0 or offset + n > _MAX_ELEMENT:
-        raise ValueError(f"offset must satisfy 0 <= offset and offset + numel <= 2**63, got offset={offset}, numel={n}")
+def _check_offset(offset: int, n: int, generator: bool = False) -> int:
+    """An offset for a draw of n elements: the draw must stay inside the counter space [0, 2^63)
+    (a generator's draw must also leave a valid state, offset + n < 2^63)."""
+    offset = _integer(offset, "offset")
+    end = _MAX_ELEMENT - 1 if generator else _MAX_ELEMENT
+    if offset < 0 or offset + n > end:
+        what = "the generator's stream is exhausted" if generator and offset >= 0 else "offset must satisfy"
+        raise ValueError(f"{what}: 0 <= offset and offset + numel <= 2**63{' - 1' if generator else ''} "
+                         f"(the counter space), got offset={offset}, numel={n}")
     return offset
 
 
@@ -154,11 +230,65 @@ def _check_scale(scale: float, name: str) -> float:
         if scale.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(scale.shape)}")
         scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale < 0:
-        raise ValueError(f"{name} must be finite and >= 0, got {scale}")
-    return float(scale)
+    if type(scale) is float or type(scale) is int:  # the common case, kept simple for torch.compile
+        value = scale if type(scale) is float else float(scale) if abs(scale) < 2**1023 else math.inf
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be finite and >= 0, got {scale}")
+        return value
+    if isinstance(scale, (bool, np_bool)) or not isinstance(scale, numbers.Real):
+        raise validation.ArgumentTypeError(f"{name} must be a real number, got {type(scale).__name__} {scale!r}")
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond float range
+        raise ValueError(f"{name} must be finite and >= 0, got {scale}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
+# The largest |z| of unit noise (csrc/common/noise.h), by distribution and generation precision:
+# Box-Muller's r = sqrt(-2 ln u1) with u1 >= 2^-33 (float) or 2^-54 (double), and -ln u with
+# u >= 2^-32 (float, 31 bits and the sign) or 2^-54 (double); 1e-5 covers the rounding of log and sqrt.
+_UNIT_MAX = {
+    ("gaussian", torch.float32): math.sqrt(2 * 33 * math.log(2)) * (1 + 1e-5),  # 6.77
+    ("gaussian", torch.float64): math.sqrt(2 * 54 * math.log(2)) * (1 + 1e-5),  # 8.65
+    ("laplace", torch.float32): 32 * math.log(2) * (1 + 1e-5),  # 22.2
+    ("laplace", torch.float64): 54 * math.log(2) * (1 + 1e-5),  # 37.4
+}
+# Secure noise is exact discrete noise, unbounded but for a cut at 2^40 grid steps (about 2^19
+# scales): |z| beyond 20 sd (Gaussian, probability < 2 exp(-200)) or 100 scales (Laplace,
+# exp(-100)) is taken as out of reach.
+_SECURE_UNIT_MAX = {"gaussian": 20.0, "laplace": 100.0}
+# Secure mode's grid 2^k, k = frexp(scale) - 21, must keep |k| <= 1000 (csrc/common/secure_noise.h).
+_SECURE_MIN_SCALE = 2.0**-979
+
+
+def _generation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision noise for ``dtype`` is made in: half types are float32 noise rounded."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_noise_range(distribution: str, scale: float, name: str, dtype: torch.dtype, secure: bool) -> None:
+    """Refuse a scale whose noise cannot be represented in ``dtype``: its largest value beyond the
+    dtype's max (it would be inf), or a positive scale below the generation precision's smallest
+    normal number (the noise would vanish or lose its precision)."""
+    if scale == 0:
+        return
+    gen = _generation_dtype(dtype)
+    if secure:
+        if scale < _SECURE_MIN_SCALE:
+            raise ValueError(f"{name} must be >= 2^-979 for secure noise (its grid 2^k needs k >= -1000), got {scale!r}")
+        unit_max = _SECURE_UNIT_MAX[distribution]
+    else:
+        unit_max = _UNIT_MAX[(distribution, gen)]
+        if scale < torch.finfo(gen).tiny:
+            raise ValueError(f"{name} must be 0 or >= {torch.finfo(gen).tiny:.3g} (the smallest normal {gen} the noise "
+                             f"is made in), got {scale!r}")
+    largest = torch.finfo(dtype).max
+    if scale * unit_max > largest:
+        raise ValueError(f"{name} = {scale!r} is too large for {str(dtype).removeprefix('torch.')} noise: "
+                         f"{distribution} noise reaches {unit_max:.3g} x {name}, beyond the dtype's max {largest:.4g}; "
+                         f"{name} must be <= {largest / unit_max:.4g}")
 
 
 def _resolve_stream(n: int, generator, key: Optional[int], offset: Optional[int]) -> tuple[list[int], int]:
@@ -264,10 +394,60 @@ _add_noise_op.register_autograd(_add_noise_backward)
 
 
 def _size(size: Union[int, Sequence[int]]) -> list[int]:
-    dims = [size] if isinstance(size, int) else list(size)
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-        raise ValueError(f"size must be a non-negative int or a sequence of them, got {size!r}")
+    if isinstance(size, (numbers.Integral, torch.Tensor)) and not isinstance(size, (bool, np_bool)):
+        size = [size]
+    if isinstance(size, (str, bytes)) or not isinstance(size, (Sequence, torch.Size)):
+        raise validation.ArgumentTypeError(f"size must be a non-negative int or a sequence of them, got {size!r}")
+    try:
+        dims = [validation.integer(d, "size", low=0) for d in size]
+    except (TypeError, ValueError):
+        raise validation.ArgumentTypeError(f"size must be a non-negative int or a sequence of them, got {size!r}") \
+            from None
+    if math.prod(dims) >= _MAX_ELEMENT:
+        raise ValueError(f"size {tuple(dims)} has {math.prod(dims)} elements, beyond the counter space of 2^63")
     return dims
+
+
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, (NoiseGenerator, SecureNoiseGenerator)):
+        raise validation.ArgumentTypeError(
+            f"generator must be a NoiseGenerator or SecureNoiseGenerator, got {type(generator).__name__}")
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or str(dtype).removeprefix("torch.") not in NOISE_DTYPES:
+        raise validation.ArgumentTypeError(f"dtype must be one of torch.{', torch.'.join(NOISE_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _check_device(device) -> torch.device:
+    """``device`` as a torch.device on cpu or cuda; CUDA must be usable by privleak and torch."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise validation.ArgumentTypeError(f"device must be a torch.device or a string such as 'cpu' or 'cuda', "
+                                           f"got {type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"device must be cpu or cuda, got {device!r} ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    if device.type == "cuda":
+        _check_cuda(device, "device")
+    return device
+
+
+def _check_cuda(device: torch.device, name: str) -> None:
+    """A RuntimeError (privleak's, saying what is missing) unless privleak and torch can run on ``device``."""
+    try:
+        _backend.cuda()
+    except RuntimeError as exc:
+        raise RuntimeError(f"{name} is {device}, but CUDA cannot run here: {exc}") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{name} is {device}, but this torch ({torch.__version__}) cannot use CUDA here")
+    if device.index is not None and not 0 <= device.index < torch.cuda.device_count():
+        raise ValueError(f"{name} is {device}, but there are {torch.cuda.device_count()} CUDA devices")
 
 
 def _op_parameters(distribution: str, scale: float, generator) -> tuple[str, float, int]:
@@ -280,22 +460,50 @@ def _op_parameters(distribution: str, scale: float, generator) -> tuple[str, flo
 def _draw(distribution: str, size, scale: float, scale_name: str, generator, key, offset, dtype, device) -> torch.Tensor:
     dims = _size(size)
     scale = _check_scale(scale, scale_name)
-    dtype_name = str(dtype).removeprefix("torch.")
-    if dtype_name not in NOISE_DTYPES:
-        raise TypeError(f"dtype must be one of {NOISE_DTYPES}, got {dtype}")
-    device = torch.device("cpu" if device is None else device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, got {device}")
+    _check_generator(generator)
+    dtype = _check_dtype(dtype)
+    device = _check_device(device)
+    _check_noise_range(distribution, scale, scale_name, dtype, isinstance(generator, SecureNoiseGenerator))
     op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
     words, offset = _resolve_stream(math.prod(dims), generator, key, offset)
     return torch.ops.privleak.noise(dims, op_distribution, op_scale, words, offset, grid, dtype, device)
 
 
+def _check_inplace_target(x: torch.Tensor) -> None:
+    """Refuse to modify x in place where torch's own in-place ops (``x.add_``) refuse, with the same
+    RuntimeError: an inference tensor outside inference mode, or (with grad mode on) a leaf that
+    requires grad or a view of one."""
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError("x is an inference tensor: an in-place update to it outside torch.inference_mode() is not "
+                           "allowed (torch's own in-place ops refuse it too); clone it first, or use the out-of-place "
+                           "add_*_noise")
+    if torch.is_grad_enabled() and x.requires_grad:
+        if x.is_leaf:
+            raise RuntimeError("x is a leaf tensor that requires grad: it cannot be used in an in-place operation "
+                               "(torch's own in-place ops refuse it too); use the out-of-place add_*_noise, or wrap the "
+                               "call in torch.no_grad()")
+        base = x._base
+        if base is not None and base.is_leaf and base.requires_grad:
+            raise RuntimeError("x is a view of a leaf tensor that requires grad: it cannot be used in an in-place "
+                               "operation (torch's own in-place ops refuse it too); use the out-of-place "
+                               "add_*_noise, or wrap the call in torch.no_grad()")
+
+
 def _add(distribution: str, x: torch.Tensor, scale: float, scale_name: str, generator, key, offset, inplace: bool):
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch tensor, got {type(x).__name__}")
-    _arrays.view(x, "x", dtypes=NOISE_DTYPES)  # dtype and device checks
+        raise validation.ArgumentTypeError(f"x must be a torch tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise validation.ArgumentTypeError(f"x must be a dense (strided) tensor, got layout {x.layout}")
+    view = _arrays.view(x, "x", dtypes=NOISE_DTYPES)  # dtype and device checks
+    if view.is_cuda:
+        _check_cuda(x.device, "x's device")
+    if inplace:
+        _check_inplace_target(x)
     scale = _check_scale(scale, scale_name)
+    _check_generator(generator)
+    secure = isinstance(generator, SecureNoiseGenerator)
+    # The noise itself must fit x's dtype; x + noise may still overflow where x is near the max, as x + y does.
+    _check_noise_range(distribution, scale, scale_name, x.dtype, secure)
     op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
     if grid and x.numel():  # secure mode computes round(x / 2^grid) in int64
         largest = float(x.detach().abs().max())
@@ -337,25 +545,41 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
     Density f(y) = C_p(kappa) exp(kappa mu.y) with C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2}
     I_{p/2-1}(kappa)) (Biswas et al., Sec. IV and Appendix A; Wood 1994). ``mu`` (shape (p,),
     float32 or float64, CPU or CUDA, p >= 2) is normalised to unit length, as Alg. 2 normalises the
-    clipped average: a zero or non-finite ``mu`` is rejected. ``kappa`` must be finite and > 0.
+    clipped average: a zero or non-finite ``mu`` is rejected. The norm is the same bits on every
+    device (:func:`privleak.special.scaled_norm`: exact squares, a fixed-order compensated sum;
+    a library norm sums in a device-dependent order, and a one-ulp change of the norm changes every
+    sample), and huge or subnormal ``mu`` are scaled by a power of two first. ``kappa`` must be
+    finite and > 0; for every such kappa the call returns (as kappa -> inf the samples tend to mu,
+    and from kappa ~ 1e32 on they equal it to working precision).
+
     Returns an (n, p) tensor of unit vectors, sample s a pure function of (key, offset + s); a
-    generator advances by n. Works for p up to 10^7 and kappa from 1e-6 to 1e9 (tested), in
-    O(n p) time and no memory beyond the output.
+    generator advances by n. Counter space (csrc/common/vmf.h): sample S = offset + s reads the
+    Philox counters (block, block >> 32, 2^31 | S >> 32, 0) for block = (S mod 2^32) 2^30 + j,
+    j < ceil((p - 1) / k) (its tangent Gaussians, k = 4 values per block in float32, 2 in float64),
+    and (r, S mod 2^32, 18, S >> 32) for r < 2^32 (Wood's rejection loop). So offset + n must be
+    <= 2^63 and p - 1 <= 2^31 (ValueError naming ``offset`` or ``mu`` otherwise); no two samples
+    share a counter with each other or with any other privleak draw, and a sample's float32 and
+    float64 versions read the same counters (one draw at two precisions). A rejection loop that
+    used up its 2^32 blocks (probability below 2^-(2^29)) raises on CPU and gives NaN on CUDA.
+    Works for p up to 10^7 and kappa from 1e-6 to 1e200 (tested), in O(n p) time and no memory
+    beyond the output.
     """
+    from privleak import special, validation
+
     if not isinstance(mu, torch.Tensor):
         raise TypeError(f"mu must be a torch tensor, got {type(mu).__name__}")
     _arrays.view(mu, "mu", ndim=1)
     if mu.shape[0] < 2:
         raise ValueError(f"mu must have p >= 2 coordinates (a direction on S^(p-1)), got p = {mu.shape[0]}")
-    kappa = _check_scale(kappa, "kappa")
-    if kappa == 0:
-        raise ValueError("kappa must be > 0")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    norm = torch.linalg.vector_norm(mu.double())
-    if not torch.isfinite(norm) or norm == 0:
-        raise ValueError(f"mu must be finite and non-zero, got norm {float(norm)}")
-    unit = (mu.double() / norm).to(mu.dtype).contiguous()
+    if mu.shape[0] - 1 > 2**31:
+        raise ValueError(f"mu must have p - 1 <= 2^31 coordinates (VMF's counter space), got p = {mu.shape[0]}")
+    kappa = validation.positive(kappa, "kappa")
+    n = validation.integer(n, "n", low=0)
+    scaled, norm = special.scaled_norm(mu.detach().double())
+    if not math.isfinite(norm) or norm == 0:
+        raise ValueError(f"mu must be finite and non-zero, got norm {norm}")
+    # A divisor tensor on mu's device: CUDA divides by a CPU scalar as a multiply by its reciprocal.
+    unit = (scaled / torch.tensor(norm, dtype=torch.float64, device=mu.device)).to(mu.dtype).contiguous()
     if isinstance(generator, SecureNoiseGenerator):
         raise ValueError("vmf_sample has no secure mode yet: pass a NoiseGenerator or a key")
     words, offset = _resolve_stream(n, generator, key, offset)
@@ -365,25 +589,58 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
 def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Tensor:
     """log f(y) = log C_p(kappa) + kappa mu.y for directions y (..., p) under VMF(mu, kappa).
 
-    C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2} I_{p/2-1}(kappa)) (Biswas et al., Appendix A),
-    evaluated by :func:`privleak.special.vmf_log_normaliser`, stable for p up to 10^9 and kappa
-    from 1e-6 to 1e9 where the Bessel function over- or underflows. ``mu`` is normalised as in
-    :func:`vmf_sample`. Returns float64.
+    C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2} I_{p/2-1}(kappa)) (Biswas et al., Appendix A; Wood
+    1994). Evaluated as kappa (mu.y - 1) + (log C_p(kappa) + kappa), with no cancellation: the
+    second term from the scaled Bessel function (:func:`privleak.special.vmf_log_scaled_normaliser`),
+    and mu.y - 1 = (mu.y - |mu|) / |mu| from exact products and a compensated sum, so it keeps
+    full relative accuracy as y -> mu. (log C_p(kappa) + kappa mu.y lost kappa eps: 40 ulp at
+    p = 2, kappa = 800.) The result is within a few ulp of its largest term (in practice of the
+    value, or absolutely where the value is near 0) of the exact log density at the float64
+    points y and mu / |mu|, for p up to 10^9 and kappa up to 1e300.
+
+    ``y`` must be finite and on the unit sphere: | |y| - 1 | <= eps (8 + sqrt(p)), eps that of
+    y's dtype (rounding a unit vector to the dtype and normalising it there stay well inside);
+    a point off the sphere has no density and raises ValueError naming ``y``. ``mu`` (shape (p,),
+    p >= 2) is normalised, as in :func:`vmf_sample`. Returns float64 of shape y.shape[:-1] on y's
+    device, without gradient.
     """
-    from privleak.special import vmf_log_normaliser
+    from privleak import special, validation
 
     if not isinstance(y, torch.Tensor) or not isinstance(mu, torch.Tensor):
         raise TypeError("y and mu must be torch tensors")
-    if mu.ndim != 1 or y.shape[-1:] != mu.shape:
+    if mu.ndim != 1 or y.ndim < 1 or y.shape[-1:] != mu.shape:
         raise ValueError(f"y must have shape (..., p) with mu of shape (p,), got {tuple(y.shape)} and {tuple(mu.shape)}")
-    kappa = _check_scale(kappa, "kappa")
-    if kappa == 0:
-        raise ValueError("kappa must be > 0")
-    norm = torch.linalg.vector_norm(mu.double())
-    if not torch.isfinite(norm) or norm == 0:
-        raise ValueError(f"mu must be finite and non-zero, got norm {float(norm)}")
-    log_normaliser = float(vmf_log_normaliser(mu.shape[0], kappa))
-    return log_normaliser + kappa * (y.double() @ (mu.double() / norm))
+    p = mu.shape[0]
+    if p < 2:
+        raise ValueError(f"mu must have p >= 2 coordinates (a direction on S^(p-1)), got p = {p}")
+    kappa = validation.positive(kappa, "kappa")
+    if y.is_complex() or mu.is_complex():
+        raise TypeError("y and mu must be real tensors")
+    scaled_mu, mu_norm = special.scaled_norm(mu.detach().to(device=y.device, dtype=torch.float64))
+    if not math.isfinite(mu_norm) or mu_norm == 0:
+        raise ValueError(f"mu must be finite and non-zero, got norm {mu_norm}")
+    y64 = y.detach().double()
+    if not bool(torch.isfinite(y64).all()):
+        raise ValueError("y must be finite")
+    eps = torch.finfo(y.dtype).eps if y.dtype.is_floating_point else torch.finfo(torch.float64).eps
+    tolerance = eps * (8.0 + math.sqrt(p))
+    squares, errors = special.sum_of_squares(y64)
+    off_sphere = ((squares - 1.0) + errors).abs()  # | |y|^2 - 1 | = 2 | |y| - 1 | to first order
+    bad = ~(off_sphere <= 2.0 * tolerance)  # NaN (a square beyond the split's range) is bad too
+    if bool(bad.any()):
+        norms = torch.sqrt((squares + errors)[bad])
+        worst = float((norms - 1.0).abs().max())
+        raise ValueError(f"y must lie on the unit sphere S^(p-1): | |y| - 1 | <= {tolerance:.3g} for {y.dtype}, "
+                         f"got {worst:.3g}")
+    # mu.y / |mu| - 1 = (mu.y - |mu|) / |mu| with |mu| = r + r_low in twice the precision.
+    square_sum, square_error = special.sum_of_squares(scaled_mu)
+    r = math.sqrt(float(square_sum) + float(square_error))
+    r_square, r_square_error = special.two_product(r, r)
+    r_low = (((float(square_sum) - r_square) - r_square_error) + float(square_error)) / (2.0 * r)
+    dot, dot_error = special.compensated_sum(*special.two_product(y64, scaled_mu))
+    head, low = special.two_sum(dot, -r)
+    cos_minus_one = (head + ((low + dot_error) - r_low)) / r
+    return float(special.vmf_log_scaled_normaliser(p, kappa)) + kappa * cos_minus_one
 
 
 _STREAM_DOC = """

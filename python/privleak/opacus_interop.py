@@ -35,7 +35,7 @@ import torch
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-from privleak import dpsgd
+from privleak import dpsgd, validation
 from privleak import mechanisms as _mechanisms
 
 
@@ -45,12 +45,23 @@ class PrivleakDPOptimizer(DPOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float, max_grad_norm: float,
                  expected_batch_size: Optional[int], loss_reduction: str = "mean", mechanism: str = "gaussian",
                  kappa: Optional[float] = None, noise_generator=None, **kwargs):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise validation.ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        noise_multiplier = validation.non_negative(noise_multiplier, "noise_multiplier")
+        max_grad_norm = validation.positive(max_grad_norm, "max_grad_norm")
+        if expected_batch_size is not None:
+            expected_batch_size = validation.positive(expected_batch_size, "expected_batch_size")
+        loss_reduction = validation.choice(loss_reduction, "loss_reduction", ("mean", "sum"))
+        if loss_reduction == "mean" and expected_batch_size is None:
+            raise ValueError("expected_batch_size must be given (a number > 0) with loss_reduction='mean'")
+        mechanism = validation.choice(mechanism, "mechanism", ("gaussian", "vmf"))
+        if mechanism == "vmf" and kappa is None:
+            raise ValueError("the VMF mechanism needs kappa: kappa must be a number > 0, got None")
+        if kappa is not None:
+            kappa = validation.positive(kappa, "kappa")
+        _mechanisms._check_generator(noise_generator)
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          expected_batch_size=expected_batch_size, loss_reduction=loss_reduction, **kwargs)
-        if mechanism not in ("gaussian", "vmf"):
-            raise ValueError(f"mechanism must be 'gaussian' or 'vmf', got {mechanism!r}")
-        if mechanism == "vmf" and kappa is None:
-            raise ValueError("the VMF mechanism needs kappa")
         if self.secure_mode:
             if mechanism == "vmf":
                 raise ValueError("secure_mode: the VMF mechanism has no secure mode yet")
