@@ -58,3 +58,53 @@ def test_non_contiguous_rows_are_named_in_the_error():
 def test_non_arrays_are_type_errors(bad):
     with pytest.raises(TypeError, match="x must be a numpy array or a torch tensor"):
         _arrays.view(bad, "x")
+
+
+def _unaligned_float64(n):
+    return np.zeros(8 * n + 8, dtype=np.uint8)[1:8 * n + 1].view(np.float64)
+
+
+def test_unaligned_numpy_views_are_refused_with_a_fix():
+    with pytest.raises(ValueError, match=r"x is not aligned.*element size 8.*np\.array\(x\)"):
+        _arrays.view(_unaligned_float64(4), "x")
+
+
+def test_unaligned_tensors_are_refused():
+    t = torch.frombuffer(bytearray(65), dtype=torch.float32, offset=1, count=16)
+    with pytest.raises(ValueError, match="x is not aligned"):
+        _arrays.view(t, "x")
+    _arrays.view(t.clone(), "x")  # the suggested fix
+
+
+def test_empty_arrays_need_no_alignment():
+    assert _arrays.view(_unaligned_float64(0), "x").shape == (0,)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("make, words", [
+    (lambda: torch.zeros(3, 3).to_sparse(), "x has layout torch.sparse_coo"),
+    (lambda: torch.zeros(3, 3).to_sparse_csr(), "x has layout torch.sparse_csr"),
+    (lambda: torch.zeros(3, 3).to_sparse_csc(), "x has layout torch.sparse_csc"),
+    (lambda: torch.zeros(3, device="meta"), "x is on device meta"),
+    (lambda: torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8), "x is a quantized tensor"),
+])
+def test_tensors_without_plain_strided_data_are_type_errors(make, words):
+    with pytest.raises(TypeError, match=words):
+        _arrays.view(make(), "x")
+
+
+def test_check_allocation_refuses_more_than_is_available(monkeypatch):
+    like = _arrays.view(np.zeros(2), "x")
+    monkeypatch.setattr(_arrays, "_cpu_available_bytes", lambda: 1000)
+    _arrays.check_allocation(1000, like, "op")
+    with pytest.raises(MemoryError, match="op needs 1001 bytes"):
+        _arrays.check_allocation(1001, like, "op")
+    with pytest.raises(ValueError):
+        _arrays.check_allocation(1001, like, "op")
+
+
+def test_cpu_available_bytes_is_positive_and_below_physical_memory():
+    import os
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < _arrays._cpu_available_bytes() <= physical

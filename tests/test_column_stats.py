@@ -172,3 +172,39 @@ def test_subsets_of_statistics_match_the_full_pass(stats, dtype, threads):
 def test_unknown_statistics_are_rejected(stats):
     with pytest.raises(ValueError, match="stats must be a non-empty subset"):
         privleak.column_stats(np.ones((2, 2)), stats=stats)
+
+
+@pytest.mark.parametrize("weights, error, words", [
+    ([None, 1.0, 1.0], TypeError, "row_weights must hold real numbers"),
+    (["1", "1", "1"], TypeError, "row_weights must hold real numbers"),
+    (np.array([1.0, np.nan, 1.0]), ValueError, "row_weights must be finite"),
+    (np.array([1.0, np.inf, 1.0]), ValueError, "row_weights must be finite"),
+    (torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64), ValueError, "row_weights must be finite"),
+    (np.array([1 + 1j, 1, 1]), TypeError, "row_weights must hold real numbers"),
+])
+def test_non_numeric_or_non_finite_row_weights_are_rejected(weights, error, words):
+    matrix = torch.ones(3, 2, dtype=torch.float64) if isinstance(weights, torch.Tensor) else np.ones((3, 2))
+    with pytest.raises(error, match=words):
+        privleak.column_stats(matrix, weights)
+
+
+def test_unaligned_matrix_is_rejected_not_read():
+    matrix = np.zeros(8 * 12 + 8, dtype=np.uint8)[1:8 * 12 + 1].view(np.float64).reshape(3, 4)
+    with pytest.raises(ValueError, match="matrix is not aligned"):
+        privleak.column_stats(matrix)
+    assert privleak.column_stats(np.array(matrix)).max.shape == (4,)
+
+
+def test_outputs_larger_than_memory_are_refused_before_allocating(monkeypatch):
+    from privleak import _arrays
+
+    monkeypatch.setattr(_arrays, "_cpu_available_bytes", lambda: 10_000)
+    privleak.column_stats(np.ones((2, 10)), stats="max")
+    with pytest.raises(MemoryError, match=r"column_stats needs \d+ bytes"):
+        privleak.column_stats(np.ones((2, 1000)))
+
+
+@pytest.mark.parametrize("stats", [None, 3, ["max", None]])
+def test_bad_stats_are_named(stats):
+    with pytest.raises((TypeError, ValueError), match="stats must be a non-empty subset"):
+        privleak.column_stats(np.ones((2, 2)), stats=stats)

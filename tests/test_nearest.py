@@ -238,3 +238,25 @@ def test_cuda_tensor_cores_need_float32_and_a_product():
         privleak.nearest(x, x, "inner_product", tensor_cores=True)
     with pytest.raises(ValueError, match="tensor_cores=True needs CUDA float32"):
         privleak.nearest(x.float(), x.float(), "l1", tensor_cores=True)
+
+
+def test_stride_zero_inputs_whose_norms_exceed_memory_are_refused_before_any_pass(monkeypatch):
+    # (2^31 + 3) x 1 rows of one stored value: the squared-L2 norms alone would take 16 GiB.
+    from privleak import _arrays
+
+    monkeypatch.setattr(_arrays, "_cpu_available_bytes", lambda: 1 << 30)
+    inputs = np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**31 + 3, 1), strides=(0, 8))
+    with pytest.raises(MemoryError, match=r"nearest needs 1[0-9]{10} bytes"):
+        privleak.nearest(np.zeros((1, 1)), inputs, "squared_l2")
+
+
+def test_absurd_stride_zero_inputs_are_refused_on_any_machine():
+    inputs = np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**42, 1), strides=(0, 8))
+    with pytest.raises(ValueError, match="nearest needs"):
+        privleak.nearest(np.zeros((1, 1)), inputs, "squared_l2")
+
+
+def test_unaligned_queries_are_rejected():
+    queries = np.zeros(8 * 6 + 8, dtype=np.uint8)[1:8 * 6 + 1].view(np.float64).reshape(2, 3)
+    with pytest.raises(ValueError, match="queries is not aligned"):
+        privleak.nearest(queries, np.zeros((2, 3)), "l1")

@@ -7,11 +7,14 @@ caller hands in a tensor (or a DLPack array that lives on a GPU).
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+
+from privleak.validation import ArgumentTypeError
 
 FLOAT_DTYPES = ("float32", "float64")
 _DLPACK_CPU = 1
@@ -61,12 +64,30 @@ def _as_array(x: Any, name: str) -> Any:
 
 
 def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = FLOAT_DTYPES) -> ArrayView:
-    """Check ``x`` and describe it for the core. Raises TypeError/ValueError naming ``name``."""
+    """Check ``x`` and describe it for the core. Raises TypeError/ValueError naming ``name``.
+
+    Refused (the kernels read raw memory through a typed pointer): tensors that are not dense and
+    strided (sparse COO/CSR/CSC/BSR/BSC, mkldnn, nested), quantized tensors and meta tensors, all
+    with a TypeError (:class:`privleak.validation.ArgumentTypeError`, also a ValueError); and arrays
+    whose data address or strides are not a multiple of the element size, e.g. a numpy view at an
+    odd byte offset or ``torch.frombuffer(..., offset=1)``: ValueError. privleak never copies such
+    an array silently, not even for out-of-place ops: the caller passes a copy (``np.array(x)``,
+    ``x.clone()``), which is aligned, so the cost of the copy stays visible.
+    """
     x = _as_array(x, name)
     if is_tensor(x):
         torch = _loaded_torch()
+        if x.layout != torch.strided:
+            raise ArgumentTypeError(f"{name} has layout {x.layout}; privleak takes dense strided tensors only "
+                                    "(convert it with .to_dense())")
+        if x.is_quantized:
+            raise ArgumentTypeError(f"{name} is a quantized tensor ({x.dtype}); pass .dequantize() instead")
+        if getattr(x, "is_nested", False):
+            raise ArgumentTypeError(f"{name} is a nested tensor; privleak takes dense strided tensors only")
         dtype = str(x.dtype).removeprefix("torch.")
         device = x.device.type
+        if device == "meta":
+            raise ArgumentTypeError(f"{name} is on device meta (a tensor without data); privleak needs data on cpu or cuda")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"{name} is on device {x.device}; privleak runs on cpu and cuda")
         index = x.device.index if device == "cuda" else -1
@@ -74,18 +95,25 @@ def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = 
             index = torch.cuda.current_device()
         stream = torch.cuda.current_stream(x.device).cuda_stream if device == "cuda" else 0
         shape, strides, address = tuple(x.shape), tuple(x.stride()), x.data_ptr()
+        itemsize, size = x.element_size(), x.numel()
     else:
         if not x.dtype.isnative:
             raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with .astype(native dtype)")
         dtype, device, index, stream = x.dtype.name, "cpu", -1, 0
         itemsize = x.dtype.itemsize
         if any(s % itemsize for s in x.strides):
-            raise ValueError(f"{name} has strides {x.strides} that are not a multiple of its item size {itemsize}")
+            raise ValueError(f"{name} has strides {x.strides} that are not a multiple of its item size {itemsize}; "
+                             "pass a copy (np.array(x)), which is aligned")
         shape, strides, address = x.shape, tuple(s // itemsize for s in x.strides), x.__array_interface__["data"][0]
+        size = x.size
     if dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {dtype}")
     if ndim is not None and len(shape) != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(shape)}")
+    if size and itemsize and address % itemsize:
+        raise ValueError(f"{name} is not aligned: its data address {address:#x} is not a multiple of its element "
+                         f"size {itemsize} bytes (a view at an odd byte offset); pass a copy "
+                         "(np.array(x) or x.clone()), which is aligned")
     return ArrayView(x, address, tuple(shape), strides, dtype, device, index, stream)
 
 
@@ -123,6 +151,11 @@ def convert_like(x: Any, name: str, like: ArrayView) -> ArrayView:
     For small side inputs (weights, priors) whose dtype a user should not have to match by hand.
     """
     x = _as_array(x, name)
+    kind = x.dtype.kind if isinstance(x, np.ndarray) else ("b" if x.dtype == _loaded_torch().bool else
+                                                           "f" if x.dtype.is_floating_point else
+                                                           "c" if x.dtype.is_complex else "i")
+    if kind not in "biuf":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     if is_tensor(like.array):
         torch = _loaded_torch()
         x = torch.as_tensor(x).to(device=like.array.device, dtype=getattr(torch, like.dtype)).contiguous()
@@ -131,3 +164,59 @@ def convert_like(x: Any, name: str, like: ArrayView) -> ArrayView:
             raise TypeError(f"{name} is a torch tensor but the other arguments are numpy arrays")
         x = np.ascontiguousarray(x, dtype=like.dtype)
     return view(x, name, dtypes=(like.dtype,))
+
+
+class AllocationTooLarge(MemoryError, ValueError):
+    """An op's outputs or workspace would not fit in memory. Both a MemoryError and a ValueError."""
+
+
+def available_bytes(like: ArrayView) -> int:
+    """Memory an op on ``like``'s device can still allocate, in bytes.
+
+    CUDA: free device memory plus what torch's caching allocator holds unused. CPU: the kernel's
+    MemAvailable (Linux), capped by the cgroup's limit less its usage, else the free physical pages.
+    """
+    if like.is_cuda:
+        torch = _loaded_torch()
+        free, _ = torch.cuda.mem_get_info(like.device_index)
+        cached = torch.cuda.memory_reserved(like.device_index) - torch.cuda.memory_allocated(like.device_index)
+        return int(free) + max(int(cached), 0)
+    return _cpu_available_bytes()
+
+
+def _cpu_available_bytes() -> int:
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 1 << 62  # unknown: let the allocator decide
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit_file, open("/sys/fs/cgroup/memory.current") as usage_file:
+            limit = limit_file.read().strip()
+            if limit != "max":
+                available = min(available, int(limit) - int(usage_file.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_allocation(nbytes: int, like: ArrayView, what: str) -> None:
+    """Raise :class:`AllocationTooLarge` (before allocating) if ``nbytes`` exceed :func:`available_bytes`."""
+    if nbytes <= 0:
+        return
+    available = available_bytes(like)
+    if nbytes > available:
+        raise AllocationTooLarge(
+            f"{what} needs {nbytes} bytes ({nbytes / 2**30:.3g} GiB) of outputs and workspace on {like.device}, "
+            f"but only {available} bytes ({available / 2**30:.3g} GiB) are available; check its arguments' shapes "
+            "(a broadcast or stride-0 view can describe far more rows than it stores)"
+        )

@@ -18,6 +18,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from privleak import _arrays, _backend
+from privleak.validation import ArgumentTypeError, choice
 
 # The bits of the kernels' statistics mask (csrc/common/column_stats.h, ColumnStat).
 _STAT_BITS = {"max": 1, "argmax": 2, "min": 4, "sum": 8}
@@ -58,7 +59,10 @@ def column_stats(matrix: Any, row_weights: Any = None, *, stats: Iterable[str] =
     has NaN max, min and sum, and its argmax is the first NaN. Results are deterministic and
     identical on CPU and CUDA, for any thread count.
     """
-    wanted = set([stats] if isinstance(stats, str) else stats)
+    try:
+        wanted = set([stats] if isinstance(stats, str) else stats)
+    except TypeError:
+        raise ArgumentTypeError(f"stats must be a non-empty subset of {ALL_STATS}, got {stats!r}") from None
     if not wanted or not wanted <= set(ALL_STATS):
         raise ValueError(f"stats must be a non-empty subset of {ALL_STATS}, got {stats!r}")
     if "argmax" in wanted:
@@ -74,8 +78,12 @@ def column_stats(matrix: Any, row_weights: Any = None, *, stats: Iterable[str] =
         weights = _arrays.convert_like(row_weights, "row_weights", m)
         if weights.shape != (rows,):
             raise ValueError(f"row_weights must have shape ({rows},) to match matrix, got {weights.shape}")
+        if not _all_finite(weights.array):
+            raise ValueError("row_weights must be finite (it holds NaN or infinity, or None converted to NaN)")
 
     dtypes = {"max": m.dtype, "argmax": "int64", "min": m.dtype, "sum": "float64"}
+    _arrays.check_allocation(cols * sum(_ITEMSIZE[dtypes[name]] for name in wanted)
+                             + _column_stats_workspace_bytes(m, rows, cols), m, "column_stats")
     out = ColumnStats(**{name: _arrays.empty(m, (cols,), dtypes[name]) if name in wanted else None
                          for name in ALL_STATS})
     outs = [0 if a is None else _arrays.address(a) for a in out]
@@ -141,8 +149,7 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
     Raises TypeError/ValueError naming the argument for a wrong type, dtype, shape, device or
     metric, non-finite values, or values so large that squared distances would overflow.
     """
-    if metric not in NEAREST_METRICS:
-        raise ValueError(f"metric must be one of {NEAREST_METRICS}, got {metric!r}")
+    choice(metric, "metric", NEAREST_METRICS)
     if not isinstance(tensor_cores, bool):
         raise TypeError(f"tensor_cores must be a bool, got {type(tensor_cores).__name__}")
     q = _arrays.view(queries, "queries", ndim=2)
@@ -162,6 +169,8 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
     _arrays.require_contiguous_rows(x, "inputs")
     if tensor_cores and (not q.is_cuda or q.dtype != "float32" or metric == "l1"):
         raise ValueError("tensor_cores=True needs CUDA float32 data and metric 'inner_product' or 'squared_l2'")
+
+    _arrays.check_allocation(_nearest_bytes(metric, q, n_queries, n_inputs, p, tensor_cores), q, "nearest")
 
     input_stats = column_stats(x.array, stats=("max", "min", "sum") if metric == "squared_l2" else ("max", "min"))
     _check_magnitude(input_stats, "inputs", q.dtype, p)
@@ -195,3 +204,51 @@ def _check_magnitude(stats: ColumnStats, name: str, dtype: str, p: int) -> None:
     if max(-low, high) > bound:
         raise ValueError(f"{name} has values up to {max(-low, high):.3g} in magnitude; with p = {p} squared "
                          f"distances would overflow {dtype} (keep them below {bound:.3g})")
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8}
+# CPU kernels' constants (csrc/cpu/column_stats.cpp, csrc/cpu/nearest.cpp) that bound their workspaces.
+_COLUMN_PARTIAL_BYTES = 32  # ColumnPartial<T>: max, argmax, min and a double sum
+_MAX_ROW_CHUNKS = 1024
+_NEAREST_MAX_RANGE = 1 << 30
+_NEAREST_INPUT_BLOCK = 120
+_NEAREST_QUERY_BLOCK = 512
+_NEAREST_PACKED_INPUT_BUDGET = 512 << 20
+_NEAREST_PACKED_QUERY_BUDGET = 1 << 20
+
+
+def _all_finite(values: Any) -> bool:
+    if _arrays.is_tensor(values):
+        return bool(_arrays._loaded_torch().isfinite(values).all())
+    return bool(np.isfinite(values).all())
+
+
+def _column_stats_workspace_bytes(m: _arrays.ArrayView, rows: int, cols: int) -> int:
+    if m.is_cuda:
+        return _backend.cuda().column_stats_workspace_bytes(m.dtype, rows, cols)
+    # Per-chunk partials, at most 1024 chunks, when there are fewer column blocks than threads.
+    return min(rows, _MAX_ROW_CHUNKS) * cols * _COLUMN_PARTIAL_BYTES if cols < 4096 * _backend.num_threads() else 0
+
+
+def _nearest_bytes(metric: str, q: _arrays.ArrayView, n_queries: int, n_inputs: int, p: int,
+                   tensor_cores: bool) -> int:
+    """An upper bound on what :func:`nearest` allocates: outputs, the input statistics pass,
+    and the kernel's workspace (input norms, per-range winners, packing buffers)."""
+    itemsize = _ITEMSIZE[q.dtype]
+    total = 16 * n_queries + p * (3 * itemsize + 16)  # outputs; column statistics and centre of the inputs
+    if n_queries == 0:
+        return total
+    if q.is_cuda:
+        return total + _backend.cuda().nearest_workspace_bytes(metric, q.dtype, n_queries, n_inputs, tensor_cores,
+                                                              q.device_index)
+    threads = _backend.num_threads()
+    if metric == "squared_l2":
+        total += n_inputs * itemsize
+    query_blocks = -(-n_queries // _NEAREST_QUERY_BLOCK)
+    ranges = max(-(-n_inputs // _NEAREST_MAX_RANGE), min(-(-2 * threads // query_blocks),
+                                                        -(-n_inputs // _NEAREST_INPUT_BLOCK)))
+    total += ranges * n_queries * (itemsize + 8)
+    total += min(n_inputs * p * itemsize, _NEAREST_PACKED_INPUT_BUDGET)
+    query_block = min(_NEAREST_QUERY_BLOCK, n_queries)
+    total += threads * itemsize * (min(query_block * p, _NEAREST_PACKED_QUERY_BUDGET) + 2048 * query_block)
+    return total
