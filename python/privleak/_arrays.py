@@ -96,6 +96,8 @@ def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = 
         stream = torch.cuda.current_stream(x.device).cuda_stream if device == "cuda" else 0
         shape, strides, address = tuple(x.shape), tuple(x.stride()), x.data_ptr()
         itemsize, size = x.element_size(), x.numel()
+        if torch.compiler.is_compiling():  # traced: no real address to check (the op itself runs on real data)
+            size = 0
     else:
         if not x.dtype.isnative:
             raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with .astype(native dtype)")
