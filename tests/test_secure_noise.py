@@ -35,6 +35,28 @@ def test_chacha20_matches_the_cryptography_keystream(seed):
     assert ours == keystream
 
 
+# Secure draws use fresh OS entropy on every run, so each statistical check below states how often
+# it fails by chance: ALPHA per check.
+ALPHA = 1e-6
+
+
+def assert_mean_and_variance(z, variance, kurtosis):
+    """The sample mean and variance of n iid draws against the true ones, each check two-sided at
+    false-failure probability ALPHA: the mean is normal with sd sqrt(variance / n); for Gaussian
+    draws (kurtosis 3) (n - 1) s^2 / variance is chi-square(n - 1); otherwise s^2 is taken as normal
+    with sd variance sqrt((kurtosis - 1) / n) (the CLT; n is in the hundreds of thousands).
+    The discretised scale (rounded up by at most 2^-19) is far inside these bounds."""
+    z = np.asarray(z, dtype=np.float64)
+    n, quantile = len(z), scipy.stats.norm.isf(ALPHA / 2)
+    assert abs(z.mean()) < quantile * math.sqrt(variance / n)
+    s2 = z.var(ddof=1)
+    if kurtosis == 3.0:
+        chi2 = (n - 1) * s2 / variance
+        assert scipy.stats.chi2.ppf(ALPHA / 2, n - 1) < chi2 < scipy.stats.chi2.isf(ALPHA / 2, n - 1)
+    else:
+        assert abs(s2 / variance - 1) < quantile * math.sqrt((kurtosis - 1) / n)
+
+
 def integer_draws(distribution, scale, n, key=(1, 2, 3, 4, 5, 6, 7, 8)):
     """Raw discrete samples: grid 2^0, nothing added."""
     out = np.empty(n)
@@ -57,6 +79,8 @@ def chi_square_pvalue(samples, log_weight, support):
     return scipy.stats.chisquare(observed, expected).pvalue
 
 
+# The pmf tests use fixed keys (the bits never change); the p-value bound 1e-3 is what a fresh key
+# would fail with probability 1e-3, and what a wrong pmf fails with certainty at 200,000 draws.
 @pytest.mark.parametrize("sigma2", [1, 3, 50])
 def test_discrete_gaussian_has_the_exact_pmf(sigma2):
     samples = integer_draws("gaussian", sigma2, 200_000)
@@ -78,7 +102,7 @@ def test_secure_noise_lies_on_the_grid_and_has_the_requested_scale(distribution)
     units = z / 2.0 ** M._grid(scale)
     np.testing.assert_array_equal(units, np.round(units))
     std = scale if distribution == "gaussian" else math.sqrt(2) * scale
-    assert abs(z.std() / std - 1) < 0.01 and abs(z.mean()) < 5 * std / math.sqrt(len(z))
+    assert_mean_and_variance(z, std**2, kurtosis=3.0 if distribution == "gaussian" else 6.0)
 
 
 def test_adding_secure_noise_rounds_the_input_to_the_grid_first():
@@ -87,7 +111,7 @@ def test_adding_secure_noise_rounds_the_input_to_the_grid_first():
     g = 2.0 ** M._grid(0.5)
     noise_units = y.numpy() / g - np.floor(x.numpy() / g + 0.5)
     np.testing.assert_array_equal(noise_units, np.round(noise_units))
-    assert abs(noise_units.std() * g / 0.5 - 1) < 0.03
+    assert_mean_and_variance(noise_units * g, 0.5**2, kurtosis=3.0)
 
 
 def test_the_discrete_scale_is_rounded_up():
