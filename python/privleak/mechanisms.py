@@ -599,8 +599,16 @@ _STREAM_DOC = """
         generator: a :class:`NoiseGenerator` whose offset the draw advances (default: the
             module's default generator), or a :class:`SecureNoiseGenerator` for secure mode
             (discretised noise from ChaCha20, see the module docstring). Or, instead:
-        key, offset: an explicit position in the noise stream, key in [0, 2^64), offset >= 0;
-            element i is then noise element offset + i of the key's stream."""
+        key, offset: an explicit position in the noise stream, key in [0, 2^64), offset >= 0 and
+            offset + numel <= 2^63 (the counter space, see :class:`NoiseGenerator`); element i is
+            then noise element offset + i of the key's stream.
+
+    The scale must be finite and >= 0, and its noise representable in the output dtype: unit
+    noise reaches 6.77 (Gaussian) or 22.2 (Laplace) in float32 generation, 8.65 or 37.4 in float64,
+    so scale x that must not exceed the dtype's max (float16: std <= 9685); in secure mode 20 sd or
+    100 scales. A positive scale below the generation precision's smallest normal (1.2e-38 in
+    float32) is refused, as its noise would vanish. Adding noise checks the scale only: x + noise
+    can still overflow where x itself is near the dtype's max, as x + y does."""
 
 
 def gaussian_noise(size, std: float = 1.0, *, generator: Optional[NoiseGenerator] = None, key: Optional[int] = None,
