@@ -299,3 +299,84 @@ def test_dpsgd_vmf_is_vmf_on_the_whole_sphere():
 def test_bad_input_raises_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name}"):
         call()
+
+
+# --- extremes of the representable range, against mpmath ---------------------------------------
+
+
+def _mp_gaussian_ball_log_capacity(p, radius, noise_std):
+    """log of int_0^inf t^(p-1) exp(-max(0, t - rho)^2 / 2) dt / J_0 at 80 digits (rho exact, no overflow)."""
+    import mpmath as mp
+
+    with mp.workdps(80):
+        p, rho = mp.mpf(p), mp.mpf(radius) / mp.mpf(noise_std)
+        log_j0 = (p / 2 - 1) * mp.log(2) + mp.loggamma(p / 2)
+        log_inside = p * mp.log(rho) - mp.log(p)
+        peak = 2 * (p - 1) / (rho + mp.sqrt(rho**2 + 4 * (p - 1))) if p > 1 else mp.mpf(0)
+        log_peak = (p - 1) * mp.log(peak + rho) - peak**2 / 2
+        points = sorted({mp.mpf(0), *[x for x in (peak - 40, peak - 10, peak, peak + 10, peak + 40) if x > 0]})
+        tail = log_peak + mp.log(mp.quad(lambda u: mp.exp((p - 1) * mp.log(u + rho) - u**2 / 2 - log_peak),
+                                         points + [mp.inf]))
+        top = max(log_inside, tail)
+        return top + mp.log(mp.exp(log_inside - top) + mp.exp(tail - top)) - log_j0
+
+
+@pytest.mark.parametrize("dim, radius, noise_std", [
+    (2**60, 1.0, 1.0), (2**60, 1e-6, 1.0), (2**60, 1e154, 1.0), (2**60, 1e300, 1e-300),
+    (10, 1e300, 1.0), (10, 1.0, 1e-300), (10, 1e154, 1.0), (10, 1e300, 1e-300), (1, 1e300, 1e-300),
+    (2**62, 1e10, 1e-10), (10**6, 1e100, 1.0),
+    # small rho: the cumulant series (the quadrature's absolute error would be a large relative one)
+    (1, 1e-10, 1.0), (1, 9.9e-6, 1.0), (2, 1e-6, 1.0), (10, 1e-8, 1.0), (201, 1e-6, 1.0), (10**9, 1e-6, 1.0),
+])
+def test_gaussian_ball_at_the_extremes_matches_mpmath(dim, radius, noise_std):
+    exact = float(_mp_gaussian_ball_log_capacity(dim, radius, noise_std))
+    got = cap.gaussian_ball_log_capacity(dim, radius, noise_std).log
+    assert math.isfinite(got) and got >= 0
+    assert got == pytest.approx(exact, rel=1e-13)
+
+
+def test_gaussian_ball_with_rho_below_the_smallest_float_is_tiny_but_positive():
+    got = cap.gaussian_ball_log_capacity(10, 1e-300, 1.0).log
+    mean_chi_10 = math.sqrt(2) * math.gamma(5.5) / math.gamma(5)  # log C ~ rho E[chi_10]
+    assert got == pytest.approx(1e-300 * mean_chi_10, rel=1e-14)
+    assert cap.gaussian_ball_log_capacity(10, 1e-300, 1e300).log == 0.0  # rho underflows to 0 exactly
+
+
+@pytest.mark.parametrize("dim, kappa", [(10, 1e300), (3, 1e154), (2**20, 1e300), (2**60, 1e300), (2**60, 1.0)])
+def test_vmf_at_the_extremes_matches_mpmath(dim, kappa):
+    import mpmath as mp
+
+    with mp.workdps(40 + int(math.log10(kappa))):
+        p, k = mp.mpf(dim), mp.mpf(kappa)
+        nu = p / 2 - 1
+        exact = mp.log(2) + nu * mp.log(k) + k - mp.loggamma(p / 2) - (p / 2) * mp.log(2) - mp.log(mp.besseli(nu, k))
+    assert cap.vmf_log_capacity(dim, kappa).log == pytest.approx(float(exact), rel=1e-13)
+
+
+def test_dpsgd_gaussian_with_tiny_noise_is_finite_and_right():
+    mechanism = cap.dpsgd_gaussian(10, 1.0, 1e-300, 1)
+    assert mechanism.log_capacity().log == pytest.approx(float(_mp_gaussian_ball_log_capacity(10, 1.0, 1e-300)),
+                                                         rel=1e-13)
+
+
+@pytest.mark.parametrize("args", [(10, 1.0, 1e-300, 2**60), (10, 1e300, 1e300, 1), (10, 1e-300, 1e-10, 1)])
+def test_dpsgd_gaussian_noise_outside_float64_is_refused(args):
+    with pytest.raises(ValueError, match="^noise_multiplier: the noise std"):
+        cap.dpsgd_gaussian(*args)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: cap.gaussian_ball_log_capacity("3", 1.0, 1.0), "dim"),
+    (lambda: cap.gaussian_ball_log_capacity(3.0, 1.0, 1.0), "dim"),
+    (lambda: cap.gaussian_ball_log_capacity(2**70, 1.0, 1.0), "dim"),
+    (lambda: cap.gaussian_ball_log_capacity(3, "1", 1.0), "radius"),
+    (lambda: cap.gaussian_ball_log_capacity(3, 1.0, True), "noise_std"),
+    (lambda: cap.gaussian_ball_log_capacity(3, 1.0, None), "noise_std"),
+    (lambda: cap.vmf_log_capacity(3, "1"), "kappa"),
+    (lambda: cap.dpsgd_gaussian(10, 1.0, 1.0, 2**70), "batch_size"),
+    (lambda: cap.dpsgd_vmf(None, 1.0), "dim"),
+    (lambda: cap.Gaussian("1"), "noise_std"),
+])
+def test_wrong_types_are_named(call, name):
+    with pytest.raises((TypeError, ValueError), match=rf"^{name}"):
+        call()
