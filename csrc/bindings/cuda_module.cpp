@@ -17,9 +17,12 @@ namespace marshal = privleak::bindings;
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "privleak's CUDA kernels. Private: call them through the privleak package.";
 
-  m.def("column_stats_workspace_bytes", [](const std::string& dtype, int64_t rows, int64_t cols) {
-    return privleak::cuda::column_stats_workspace_bytes(privleak::parse_dtype(dtype), rows, cols);
-  });
+  m.def(
+      "column_stats_workspace_bytes",
+      [](const std::string& dtype, int64_t rows, int64_t cols) {
+        return privleak::cuda::column_stats_workspace_bytes(privleak::parse_dtype(dtype), rows, cols);
+      },
+      py::arg("dtype"), py::arg("rows"), py::arg("cols"));
 
   m.def(
       "column_stats",

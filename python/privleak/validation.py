@@ -40,7 +40,10 @@ def real(value: Any, name: str, *, low: Optional[float] = None, high: Optional[f
     value = _scalar(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        raise ValueError(f"{name} must be {'a number' if allow_inf else 'finite'}, got {value!r}") from None
     if math.isnan(number) or (math.isinf(number) and not allow_inf):
         raise ValueError(f"{name} must be {'a number' if allow_inf else 'finite'}, got {number!r}")
     if low is not None and (number < low or (low_open and number == low)):
