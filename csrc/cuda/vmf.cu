@@ -1,6 +1,7 @@
 // CUDA VMF sampling: the CPU's three passes as three kernels. Pass 1 gives one thread a chunk of
 // tangent coordinates (its Gaussians and their sums, in the chunk order of common/vmf.h), pass 2
-// one thread a sample (fold, Wood's step, frame), pass 3 one thread a coordinate.
+// one thread a sample (fold, Wood's step, frame), pass 3 one thread a coordinate. A sample whose
+// rejection loop ran out of counters (common/vmf.h; never in practice) comes out NaN.
 #include "cuda/vmf.h"
 
 #include <cuda_runtime.h>
@@ -36,8 +37,9 @@ __global__ void gaussians_and_sums(const T* mu, int64_t p, int64_t n, uint64_t k
   const int64_t sample = id / chunks, chunk = id % chunks;
   const int64_t begin = chunk * kVmfChunk, end = min(m, begin + kVmfChunk);
   constexpr int k = kValuesPerBlock<T>;
-  const uint32_t stream = kVmfTangentStream | (sizeof(T) == 8 ? 1u : 0u);
-  const uint64_t first_element = (offset + static_cast<uint64_t>(sample)) * m;
+  const uint64_t global = offset + static_cast<uint64_t>(sample);  // S in common/vmf.h's counter space
+  const uint32_t stream = vmf_tangent_stream(global);
+  const uint64_t first_element = vmf_tangent_first_element(global, k);
   T* z = out + sample * p + 1;
   double norm_sq = 0.0, dot = 0.0;
   int64_t i = begin;
@@ -102,7 +104,11 @@ int64_t vmf_workspace_bytes(int64_t p, int64_t n) {
 
 void vmf_sample(DType dtype, const void* mu, int64_t p, double kappa, int64_t n, uint64_t key, uint64_t offset,
                 void* out, void* workspace, int device, void* stream) {
-  if (p < 2 || n < 0 || !(kappa > 0.0)) throw std::invalid_argument("vmf_sample needs p >= 2, n >= 0, kappa > 0");
+  if (p < 2 || n < 0 || !(kappa > 0.0) || !(kappa <= 1.7976931348623157e308))
+    throw std::invalid_argument("vmf_sample needs p >= 2, n >= 0, finite kappa > 0");
+  if (p - 1 > kVmfMaxTangent) throw std::invalid_argument("vmf_sample: mu must have p - 1 <= 2^31 coordinates");
+  if (offset > kVmfSampleLimit || static_cast<uint64_t>(n) > kVmfSampleLimit - offset)
+    throw std::invalid_argument("vmf_sample: offset + n must be <= 2^63 (VMF's counter space)");
   if (n == 0) return;
   const DeviceGuard guard(device);
   const auto s = static_cast<cudaStream_t>(stream);

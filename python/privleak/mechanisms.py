@@ -545,25 +545,41 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
     Density f(y) = C_p(kappa) exp(kappa mu.y) with C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2}
     I_{p/2-1}(kappa)) (Biswas et al., Sec. IV and Appendix A; Wood 1994). ``mu`` (shape (p,),
     float32 or float64, CPU or CUDA, p >= 2) is normalised to unit length, as Alg. 2 normalises the
-    clipped average: a zero or non-finite ``mu`` is rejected. ``kappa`` must be finite and > 0.
+    clipped average: a zero or non-finite ``mu`` is rejected. The norm is the same bits on every
+    device (:func:`privleak.special.scaled_norm`: exact squares, a fixed-order compensated sum;
+    a library norm sums in a device-dependent order, and a one-ulp change of the norm changes every
+    sample), and huge or subnormal ``mu`` are scaled by a power of two first. ``kappa`` must be
+    finite and > 0; for every such kappa the call returns (as kappa -> inf the samples tend to mu,
+    and from kappa ~ 1e32 on they equal it to working precision).
+
     Returns an (n, p) tensor of unit vectors, sample s a pure function of (key, offset + s); a
-    generator advances by n. Works for p up to 10^7 and kappa from 1e-6 to 1e9 (tested), in
-    O(n p) time and no memory beyond the output.
+    generator advances by n. Counter space (csrc/common/vmf.h): sample S = offset + s reads the
+    Philox counters (block, block >> 32, 2^31 | S >> 32, 0) for block = (S mod 2^32) 2^30 + j,
+    j < ceil((p - 1) / k) (its tangent Gaussians, k = 4 values per block in float32, 2 in float64),
+    and (r, S mod 2^32, 18, S >> 32) for r < 2^32 (Wood's rejection loop). So offset + n must be
+    <= 2^63 and p - 1 <= 2^31 (ValueError naming ``offset`` or ``mu`` otherwise); no two samples
+    share a counter with each other or with any other privleak draw, and a sample's float32 and
+    float64 versions read the same counters (one draw at two precisions). A rejection loop that
+    used up its 2^32 blocks (probability below 2^-(2^29)) raises on CPU and gives NaN on CUDA.
+    Works for p up to 10^7 and kappa from 1e-6 to 1e200 (tested), in O(n p) time and no memory
+    beyond the output.
     """
+    from privleak import special, validation
+
     if not isinstance(mu, torch.Tensor):
         raise TypeError(f"mu must be a torch tensor, got {type(mu).__name__}")
     _arrays.view(mu, "mu", ndim=1)
     if mu.shape[0] < 2:
         raise ValueError(f"mu must have p >= 2 coordinates (a direction on S^(p-1)), got p = {mu.shape[0]}")
-    kappa = _check_scale(kappa, "kappa")
-    if kappa == 0:
-        raise ValueError("kappa must be > 0")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    norm = torch.linalg.vector_norm(mu.double())
-    if not torch.isfinite(norm) or norm == 0:
-        raise ValueError(f"mu must be finite and non-zero, got norm {float(norm)}")
-    unit = (mu.double() / norm).to(mu.dtype).contiguous()
+    if mu.shape[0] - 1 > 2**31:
+        raise ValueError(f"mu must have p - 1 <= 2^31 coordinates (VMF's counter space), got p = {mu.shape[0]}")
+    kappa = validation.positive(kappa, "kappa")
+    n = validation.integer(n, "n", low=0)
+    scaled, norm = special.scaled_norm(mu.detach().double())
+    if not math.isfinite(norm) or norm == 0:
+        raise ValueError(f"mu must be finite and non-zero, got norm {norm}")
+    # A divisor tensor on mu's device: CUDA divides by a CPU scalar as a multiply by its reciprocal.
+    unit = (scaled / torch.tensor(norm, dtype=torch.float64, device=mu.device)).to(mu.dtype).contiguous()
     if isinstance(generator, SecureNoiseGenerator):
         raise ValueError("vmf_sample has no secure mode yet: pass a NoiseGenerator or a key")
     words, offset = _resolve_stream(n, generator, key, offset)
@@ -573,25 +589,56 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
 def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Tensor:
     """log f(y) = log C_p(kappa) + kappa mu.y for directions y (..., p) under VMF(mu, kappa).
 
-    C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2} I_{p/2-1}(kappa)) (Biswas et al., Appendix A),
-    evaluated by :func:`privleak.special.vmf_log_normaliser`, stable for p up to 10^9 and kappa
-    from 1e-6 to 1e9 where the Bessel function over- or underflows. ``mu`` is normalised as in
-    :func:`vmf_sample`. Returns float64.
+    C_p(kappa) = kappa^{p/2-1} / ((2 pi)^{p/2} I_{p/2-1}(kappa)) (Biswas et al., Appendix A; Wood
+    1994). Evaluated as kappa (mu.y - 1) + (log C_p(kappa) + kappa), with no cancellation: the
+    second term from the scaled Bessel function (:func:`privleak.special.vmf_log_scaled_normaliser`),
+    and mu.y - 1 from exact products and a compensated sum (:func:`privleak.special.two_product`,
+    :func:`privleak.special.compensated_sum`), so it keeps full relative accuracy as y -> mu.
+    (log C_p(kappa) + kappa mu.y lost kappa eps: 40 ulp at p = 2, kappa = 800.) The result is
+    within a few ulp of the exact log density at the float64 points y and mu (of the value, or
+    absolutely where the value is near 0: see tests/test_vmf.py), for p up to 10^9 and kappa up
+    to 1e300.
+
+    ``y`` must be finite and on the unit sphere: | |y| - 1 | <= eps (8 + sqrt(p)), eps that of
+    y's dtype (rounding a unit vector to the dtype and normalising it there stay well inside);
+    a point off the sphere has no density and raises ValueError naming ``y``. ``mu`` (shape (p,),
+    p >= 2) is normalised as in :func:`vmf_sample`, to the float64 direction fl(mu / |mu|) that the
+    sampler uses (a mu already unit to rounding is left as it is). Returns float64 of shape y.shape[:-1] on y's
+    device, without gradient.
     """
-    from privleak.special import vmf_log_normaliser
+    from privleak import special, validation
 
     if not isinstance(y, torch.Tensor) or not isinstance(mu, torch.Tensor):
         raise TypeError("y and mu must be torch tensors")
-    if mu.ndim != 1 or y.shape[-1:] != mu.shape:
+    if mu.ndim != 1 or y.ndim < 1 or y.shape[-1:] != mu.shape:
         raise ValueError(f"y must have shape (..., p) with mu of shape (p,), got {tuple(y.shape)} and {tuple(mu.shape)}")
-    kappa = _check_scale(kappa, "kappa")
-    if kappa == 0:
-        raise ValueError("kappa must be > 0")
-    norm = torch.linalg.vector_norm(mu.double())
-    if not torch.isfinite(norm) or norm == 0:
-        raise ValueError(f"mu must be finite and non-zero, got norm {float(norm)}")
-    log_normaliser = float(vmf_log_normaliser(mu.shape[0], kappa))
-    return log_normaliser + kappa * (y.double() @ (mu.double() / norm))
+    p = mu.shape[0]
+    if p < 2:
+        raise ValueError(f"mu must have p >= 2 coordinates (a direction on S^(p-1)), got p = {p}")
+    kappa = validation.positive(kappa, "kappa")
+    if y.is_complex() or mu.is_complex():
+        raise TypeError("y and mu must be real tensors")
+    scaled_mu, mu_norm = special.scaled_norm(mu.detach().to(device=y.device, dtype=torch.float64))
+    if not math.isfinite(mu_norm) or mu_norm == 0:
+        raise ValueError(f"mu must be finite and non-zero, got norm {mu_norm}")
+    y64 = y.detach().double()
+    if not bool(torch.isfinite(y64).all()):
+        raise ValueError("y must be finite")
+    eps = torch.finfo(y.dtype).eps if y.dtype.is_floating_point else torch.finfo(torch.float64).eps
+    tolerance = eps * (8.0 + math.sqrt(p))
+    squares, errors = special.sum_of_squares(y64)
+    off_sphere = ((squares - 1.0) + errors).abs()  # | |y|^2 - 1 | = 2 | |y| - 1 | to first order
+    bad = ~(off_sphere <= 2.0 * tolerance)  # NaN (a square beyond the split's range) is bad too
+    if bool(bad.any()):
+        norms = torch.sqrt((squares + errors)[bad])
+        worst = float((norms - 1.0).abs().max())
+        raise ValueError(f"y must lie on the unit sphere S^(p-1): | |y| - 1 | <= {tolerance:.3g} for {y.dtype}, "
+                         f"got {worst:.3g}")
+    unit = scaled_mu / torch.tensor(mu_norm, dtype=torch.float64, device=y.device)
+    dot, dot_error = special.compensated_sum(*special.two_product(y64, unit))
+    head, low = special.two_sum(dot, -1.0)
+    cos_minus_one = head + (low + dot_error)  # mu.y - 1 to about 1 ulp
+    return float(special.vmf_log_scaled_normaliser(p, kappa)) + kappa * cos_minus_one
 
 
 _STREAM_DOC = """
