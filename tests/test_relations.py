@@ -353,10 +353,10 @@ def test_dp_does_not_imply_mutual_information_privacy():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: rel.mbp_from_ldp(-1.0), "ldp_epsilon must be a non-negative number"),
-    (lambda: rel.ldp_from_lip(1.0, math.nan), "eps_lower must be a non-negative number"),
+    (lambda: rel.mbp_from_ldp(-1.0), "ldp_epsilon must be >= 0"),
+    (lambda: rel.ldp_from_lip(1.0, math.nan), "eps_lower must be a number"),
     (lambda: rel.abp_from_mbp(1.0, -0.5), "prior_mismatch must be"),
-    (lambda: rel.pac_robustness_failure_probability(1.0, 1.5), r"beta must be a probability in \[0, 1\]"),
+    (lambda: rel.pac_robustness_failure_probability(1.0, 1.5), "beta must be <= 1"),
     (lambda: rel.lip_from_ldp(1.0, np.array([0.5, 0.6])), "prior sums to"),
 ])
 def test_bad_arguments_raise_value_error(call, message):

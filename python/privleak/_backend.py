@@ -27,6 +27,9 @@ except ImportError as exc:  # built, but a library it needs is missing or broken
 
 core = _core
 
+# More OpenMP threads than this is a mistake (and past 2^31 - 1 the core's int cannot hold it).
+MAX_THREADS = 1 << 16
+
 
 @functools.lru_cache(maxsize=None)
 def _cuda_devices() -> tuple[int, str | None]:
@@ -47,9 +50,9 @@ def cuda() -> Any:
 
 def set_num_threads(threads: int) -> None:
     """Set the number of CPU threads privleak's kernels use (OpenMP). Results do not depend on it."""
-    if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(f"threads must be an int, got {type(threads).__name__}")
-    _core.set_num_threads(threads)
+    from privleak.validation import integer
+
+    _core.set_num_threads(integer(threads, "threads", low=1, high=MAX_THREADS))
 
 
 def num_threads() -> int:

@@ -51,7 +51,7 @@ from typing import Any, Callable, Union
 import numpy as np
 from scipy.special import rel_entr
 
-from privleak import _arrays
+from privleak import _arrays, validation
 from privleak.channels import as_prior, mbp_xi
 from privleak.relations import mbp_from_ldp
 
@@ -136,13 +136,12 @@ def count_recoveries(scores: Any, criterion: Criterion, threshold: float, *, bat
     NaN scores (decide first whether a diverged run failed), a non-finite threshold, an unknown
     criterion or one that returns the wrong shape or dtype.
     """
-    values = _as_numpy(scores, "scores").astype(np.float64)
+    values = _real_array(scores, "scores")
     if values.ndim != 3 or 0 in values.shape:
         raise ValueError(f"scores must have shape (n_releases, trials, n_samples), none 0, got {values.shape}")
     if np.isnan(values).any():
         raise ValueError("scores has NaN entries: map failed attack runs to a score that fails the criterion")
-    if isinstance(threshold, bool) or not isinstance(threshold, _REAL) or not math.isfinite(threshold):
-        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    threshold = validation.real(threshold, "threshold")
     if callable(criterion):
         recovered = np.asarray(criterion(values, threshold))
         if recovered.shape != values.shape or recovered.dtype != np.bool_:
@@ -175,7 +174,7 @@ def chernoff_relative_error(expected_successes: float, confidence: float) -> flo
     than the eps here), false beyond (e.g. T = 100, k1 = 0.001, eps = 18: promised failure
     probability 4.1e-5, exact 4.6e-3), and with T in place of M for f^O. Returns inf for mu = 0.
     """
-    mu = _check_nonnegative(expected_successes, "expected_successes")
+    mu = validation.non_negative(expected_successes, "expected_successes")
     log_term = _tail_log(1.0 - _check_confidence(confidence))
     if mu == 0.0:
         return math.inf
@@ -196,7 +195,7 @@ def chernoff_interval(successes: Any, n_terms: int, confidence: float) -> tuple[
     X = sum_m M_d^m / T and p = S f^O(d). Elementwise over array-like ``successes``; each interval
     holds with probability >= ``confidence`` on its own.
     """
-    totals = _as_numpy(successes, "successes").astype(np.float64)
+    totals = _real_array(successes, "successes")
     if not (np.isfinite(totals).all() and (totals >= 0).all()):
         raise ValueError("successes must be finite and >= 0")
     n_terms = _check_count(n_terms, "n_terms")
@@ -454,6 +453,14 @@ def _as_numpy(values: Any, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be an array: {error}") from None
 
 
+def _real_array(values: Any, name: str) -> np.ndarray:
+    """``values`` as a float64 numpy array; strings, objects and complex numbers are refused."""
+    array = _as_numpy(values, name)
+    if array.dtype.kind not in "biuf":
+        raise validation.ArgumentTypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
+    return array.astype(np.float64)
+
+
 def _check_counts(counts: Any) -> RecoveryCounts:
     if not isinstance(counts, RecoveryCounts):
         raise TypeError(f"counts must be a RecoveryCounts (see count_recoveries), got {type(counts).__name__}")
@@ -470,25 +477,16 @@ def _check_sample_prior(prior: Any, n_samples: int) -> np.ndarray:
 
 
 def _check_count(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
+    return validation.integer(value, name, low=1)
 
 
 def _check_nonnegative(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, _REAL) or not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    return float(value)
+    return validation.non_negative(value, name, allow_inf=True)
 
 
 def _check_confidence(confidence: Any) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, _REAL) or not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    return float(confidence)
+    return validation.probability(confidence, "confidence", open_low=True, open_high=True)
 
 
 def _check_tv(tv_distance: Any) -> float:
-    value = _check_nonnegative(tv_distance, "tv_distance")
-    if value > 1.0:
-        raise ValueError(f"tv_distance must be in [0, 1], got {tv_distance!r}")
-    return value
+    return validation.probability(tv_distance, "tv_distance")

@@ -564,7 +564,7 @@ def estimate(
 
     from privleak.reductions import nearest
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(None if seed is None else validation.integer(seed, "seed", low=0))
     centres64 = centres.astype(np.float64)
     chunk = max(1, 2**22 // batch)  # proposal points per logsumexp step: about 4M exponents
     log_weights = []

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Union
 
 import numpy as np
 
-from privleak import _arrays
+from privleak import _arrays, validation
 from privleak.reductions import ColumnStats, column_stats
 
 ROW_SUM_TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-9}
@@ -118,8 +118,9 @@ def gain_matrix(gain_function: Callable[[np.ndarray, np.ndarray], Any], n_action
     The function is called once with broadcasting index arrays ``w`` of shape (n_actions, 1) and
     ``x`` of shape (1, n_secrets) ([004], Sec. II-B: a gain function g: W x X -> R).
     """
-    if n_actions < 1 or n_secrets < 1:
-        raise ValueError(f"n_actions and n_secrets must be at least 1, got {n_actions} and {n_secrets}")
+    n_actions = validation.integer(n_actions, "n_actions", low=1)
+    n_secrets = validation.integer(n_secrets, "n_secrets", low=1)
+    _check_matrix_fits(n_actions, n_secrets, "gain_matrix")
     values = gain_function(np.arange(n_actions)[:, None], np.arange(n_secrets)[None, :])
     matrix = np.array(np.broadcast_to(np.asarray(values, dtype=np.float64), (n_actions, n_secrets)))
     if not np.isfinite(matrix).all():
@@ -133,6 +134,8 @@ def within_distance_gain(n_secrets: int, distance: float) -> np.ndarray:
     The "guess a value close to the secret" attacker of [004], Sec. II-B; distance 0 is the
     identity gain of Eq. (1), whose g-vulnerability is the Bayes vulnerability.
     """
+    n_secrets = validation.integer(n_secrets, "n_secrets", low=1)
+    distance = validation.non_negative(distance, "distance", allow_inf=True)
     return gain_matrix(lambda w, x: np.abs(w - x) <= distance, n_secrets, n_secrets)
 
 
@@ -372,7 +375,9 @@ def parallel_composition(first: Any, second: Any) -> Any:
 
 def deterministic_channel(mapping: Any, n_outputs: int) -> np.ndarray:
     """The 0/1 channel of a function f: F[x, y] = 1 if y == mapping[x] ([004], Sec. II-A)."""
+    n_outputs = validation.integer(n_outputs, "n_outputs", low=1)
     targets = as_mapping(mapping, n_outputs)
+    _check_matrix_fits(targets.size, n_outputs, "deterministic_channel")
     matrix = np.zeros((targets.size, n_outputs))
     matrix[np.arange(targets.size), targets] = 1.0
     return matrix
@@ -401,6 +406,15 @@ def as_mapping(mapping: Any, n_targets: int, name: str = "mapping") -> np.ndarra
 
 
 # --- internals -------------------------------------------------------------------------------
+
+
+def _check_matrix_fits(rows: int, cols: int, what: str) -> None:
+    """A float64 rows x cols matrix must fit in the memory still available (checked before allocating)."""
+    nbytes = 8 * rows * cols
+    available = _arrays._cpu_available_bytes()
+    if nbytes > available:
+        raise _arrays.AllocationTooLarge(f"{what}: a {rows} x {cols} float64 matrix needs {nbytes} bytes "
+                                         f"({nbytes / 2**30:.3g} GiB), but only {available} bytes are available")
 
 
 def _as_numpy(values: Any, name: str) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from privleak import validation
 from privleak.channels import _capacity_over_rows, as_channel, as_gain, as_mapping, as_prior, bayes_capacity
 
 
@@ -177,9 +178,8 @@ def pac_robustness_failure_probability(mbp_xi: float, beta: float, prior: Any = 
     text also quotes a confidence 1 - beta / gamma and a radius log(1/gamma) / (2 n xi) that the
     theorem does not contain.
     """
+    beta = validation.probability(beta, "beta")
     eta = ldp_from_mbp(mbp_xi, prior)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be a probability in [0, 1], got {beta!r}")
     if math.isinf(eta):
         return 1.0
     grown = beta * _exp(eta) if beta > 0 else 0.0
@@ -218,11 +218,9 @@ def capacity_after_deterministic_preprocessing(mapping: Any, channel: Any) -> fl
 # --- internals -------------------------------------------------------------------------------
 
 
-def _check_epsilon(value: float, name: str) -> float:
-    value = float(value)
-    if not value >= 0.0:  # also rejects NaN
-        raise ValueError(f"{name} must be a non-negative number (inf allowed), got {value!r}")
-    return value
+def _check_epsilon(value: Any, name: str) -> float:
+    """A non-negative epsilon, inf allowed (privleak.validation.non_negative)."""
+    return validation.non_negative(value, name, allow_inf=True)
 
 
 def _exp(x: float) -> float:
