@@ -323,3 +323,15 @@ def test_bad_second_arguments_are_named():
 def test_integer_channels_and_transposed_views_are_accepted():
     assert ch.bayes_capacity(np.eye(3, dtype=np.int64)) == 3.0
     assert ch.ldp_epsilon(np.array([[0.5, 0.25], [0.5, 0.75]]).T) == pytest.approx(math.log(2))
+
+
+def test_unaligned_channels_are_copied_not_refused():
+    # A float64 view at byte offset 1 (e.g. read from a packed file): the kernels refuse it, the
+    # metrics take an aligned copy.
+    buffer = np.zeros(8 * 4 + 8, dtype=np.uint8)
+    matrix = buffer[1:33].view(np.float64).reshape(2, 2)
+    matrix[...] = [[0.5, 0.5], [0.25, 0.75]]
+    assert not matrix.flags.aligned
+    assert ch.bayes_capacity(matrix) == pytest.approx(1.25)
+    tensor = torch.frombuffer(bytearray(buffer.tobytes()), dtype=torch.float64, offset=1, count=4).reshape(2, 2)
+    assert ch.bayes_capacity(tensor) == pytest.approx(1.25)

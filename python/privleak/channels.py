@@ -21,7 +21,8 @@ Conventions
   whose name ends in ``_bits`` use base 2.
 - Channels are numpy arrays or torch tensors (CPU or CUDA) of float32 or float64 whose rows are
   contiguous. They are never copied (integer numpy input is converted to float64 first, and an
-  array without contiguous rows is made contiguous, both copies). Metrics read the matrix through
+  array without contiguous rows is made contiguous, one not aligned to its element size is
+  copied to aligned memory: all copies). Metrics read the matrix through
   :func:`privleak.reductions.column_stats`, one pass per statistic set, plus one matrix-vector
   product that checks the row sums. Priors and gains are small: they are converted to float64.
 - Checks: a channel must be 2-D with at least one row and one column, its entries finite and
@@ -433,6 +434,8 @@ def _checked_channel(channel: Any, name: str = "channel") -> tuple[Any, ColumnSt
         matrix = channel.detach()
         if matrix.ndim == 2 and matrix.shape[1] > 1 and matrix.stride(1) != 1:
             matrix = matrix.contiguous()
+        if matrix.layout == torch_strided() and matrix.numel() and matrix.data_ptr() % matrix.element_size():
+            matrix = matrix.clone()  # unaligned (torch.frombuffer at an odd offset): the kernels need aligned data
     elif isinstance(channel, np.ndarray):
         if channel.dtype.kind in "biu":
             matrix = channel.astype(np.float64)
@@ -442,6 +445,8 @@ def _checked_channel(channel: Any, name: str = "channel") -> tuple[Any, ColumnSt
             raise TypeError(f"{name} must have dtype float32 or float64, got {channel.dtype}")
         if matrix.ndim == 2 and matrix.shape[1] > 1 and matrix.strides[1] != matrix.itemsize:
             matrix = np.ascontiguousarray(matrix)
+        if not matrix.flags.aligned:
+            matrix = matrix.copy()  # a view at an odd byte offset: the kernels need aligned data
     else:
         raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(channel).__name__}")
     if matrix.ndim != 2 or matrix.shape[0] == 0 or matrix.shape[1] == 0:
@@ -464,6 +469,10 @@ def _checked_channel(channel: Any, name: str = "channel") -> tuple[Any, ColumnSt
         raise ValueError(f"{name} row {row} sums to {float(sums[row])!r}, not 1 "
                          f"(tolerance {tolerance:g} for {matrix.dtype})")
     return matrix, stats
+
+
+def torch_strided() -> Any:
+    return _arrays._loaded_torch().strided
 
 
 def _ones_like_row(matrix: Any) -> Any:

@@ -46,7 +46,8 @@ def column_stats(matrix: Any, row_weights: Any = None, *, stats: Iterable[str] =
         matrix: 2-D float32 or float64 numpy array or torch tensor (CPU or CUDA) with at least one
             row. Rows must be contiguous; the row stride is free, so row slices and sub-blocks of a
             larger matrix are read in place.
-        row_weights: optional 1-D array of length ``matrix.shape[0]``; converted to the matrix's
+        row_weights: optional 1-D array of length ``matrix.shape[0]`` of finite real numbers
+            (strings, None entries, NaN and infinities are refused); converted to the matrix's
             kind, dtype and device (a copy of this vector only).
         stats: which of "max", "argmax", "min", "sum" to compute (all by default). Fewer
             statistics make a faster pass: the column maxima alone (Bayes capacity) run at memory
@@ -54,6 +55,11 @@ def column_stats(matrix: Any, row_weights: Any = None, *, stats: Iterable[str] =
 
     Returns:
         :class:`ColumnStats` of arrays of length ``matrix.shape[1]``.
+
+    The matrix must be aligned to its element size (a view at an odd byte offset raises
+    ValueError: pass a copy) and dense (sparse, quantized and meta tensors raise TypeError). Outputs
+    and workspace are checked against the memory still available before anything is allocated
+    (:class:`privleak._arrays.AllocationTooLarge`, a MemoryError and a ValueError).
 
     Ties in the max go to the lowest row index. NaN propagates as in numpy: a column holding NaN
     has NaN max, min and sum, and its argmax is the first NaN. Results are deterministic and
@@ -147,7 +153,10 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
     the thread count, and (without tensor cores) identical on CPU and CUDA.
 
     Raises TypeError/ValueError naming the argument for a wrong type, dtype, shape, device or
-    metric, non-finite values, or values so large that squared distances would overflow.
+    metric, non-finite values, or values so large that squared distances would overflow, for
+    unaligned arrays (pass a copy) and non-dense tensors; and AllocationTooLarge (a MemoryError and
+    a ValueError) before allocating when the outputs and workspace (e.g. the squared-L2 input norms
+    of a stride-0 view of 2^31 rows) exceed the memory still available.
     """
     choice(metric, "metric", NEAREST_METRICS)
     if not isinstance(tensor_cores, bool):
