@@ -94,7 +94,9 @@ CASES = [
      MemoryError, "^nearest needs"),
     # --- capacity -------------------------------------------------------------------------------
     ("dim str", lambda: cap.gaussian_ball_log_capacity("3", 1.0, 1.0), ArgumentTypeError, "^dim must be an int"),
-    ("dim float", lambda: cap.gaussian_ball_log_capacity(3.0, 1.0, 1.0), ArgumentTypeError, "^dim must be an int"),
+    ("dim 2.5", lambda: cap.gaussian_ball_log_capacity(2.5, 1.0, 1.0), ValueError, "^dim must be a whole number"),
+    ("dim nan", lambda: cap.gaussian_ball_log_capacity(math.nan, 1.0, 1.0), ValueError, "^dim must be a whole number"),
+    ("dim bool", lambda: cap.gaussian_ball_log_capacity(True, 1.0, 1.0), ArgumentTypeError, "^dim must be an int"),
     ("dim 2^70", lambda: cap.gaussian_ball_log_capacity(2**70, 1.0, 1.0), ValueError, "^dim must be <="),
     ("radius None", lambda: cap.gaussian_ball_log_capacity(3, None, 1.0), ArgumentTypeError, "^radius must be a real"),
     ("noise_std bool", lambda: cap.gaussian_ball_log_capacity(3, 1.0, True), ArgumentTypeError, "^noise_std must be"),

@@ -367,7 +367,7 @@ def test_dpsgd_gaussian_noise_outside_float64_is_refused(args):
 
 @pytest.mark.parametrize("call, name", [
     (lambda: cap.gaussian_ball_log_capacity("3", 1.0, 1.0), "dim"),
-    (lambda: cap.gaussian_ball_log_capacity(3.0, 1.0, 1.0), "dim"),
+    (lambda: cap.gaussian_ball_log_capacity(3.5, 1.0, 1.0), "dim"),
     (lambda: cap.gaussian_ball_log_capacity(2**70, 1.0, 1.0), "dim"),
     (lambda: cap.gaussian_ball_log_capacity(3, "1", 1.0), "radius"),
     (lambda: cap.gaussian_ball_log_capacity(3, 1.0, True), "noise_std"),
@@ -380,3 +380,9 @@ def test_dpsgd_gaussian_noise_outside_float64_is_refused(args):
 def test_wrong_types_are_named(call, name):
     with pytest.raises((TypeError, ValueError), match=rf"^{name}"):
         call()
+
+
+def test_whole_float_dims_and_batch_sizes_are_accepted():
+    # dpsgd.privacy_report passes a float expected batch size when it is whole (64.0).
+    assert cap.dpsgd_gaussian(10, 1.0, 1.0, 64.0) == cap.dpsgd_gaussian(10, 1.0, 1.0, 64)
+    assert cap.gaussian_ball_log_capacity(1e9, 1.0, 1.0) == cap.gaussian_ball_log_capacity(10**9, 1.0, 1.0)

@@ -56,7 +56,6 @@ from privleak.channels import as_prior, mbp_xi
 from privleak.relations import mbp_from_ldp
 
 Criterion = Union[str, Callable[[np.ndarray, float], Any]]
-_REAL = (int, float, np.integer, np.floating)
 
 
 # --- counting recoveries ([000] C.1) -----------------------------------------------------------

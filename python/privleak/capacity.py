@@ -623,5 +623,6 @@ MAX_DIM = 2**62
 
 
 def _check_dim(value: Any, name: str) -> int:
-    """A positive int (bools and floats, even 1e9, are refused: see privleak.validation.integer)."""
-    return validation.integer(value, name, low=1, high=MAX_DIM)
+    """A positive int; a whole float such as 1e9 or a batch size of 64.0 is accepted (bools,
+    strings and 2.5 are not)."""
+    return validation.integer(value, name, low=1, high=MAX_DIM, integral_float=True)

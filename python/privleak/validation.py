@@ -68,9 +68,20 @@ def probability(value: Any, name: str, *, open_low: bool = False, open_high: boo
     return real(value, name, low=0.0, high=1.0, low_open=open_low, high_open=open_high)
 
 
-def integer(value: Any, name: str, *, low: Optional[int] = None, high: Optional[int] = None) -> int:
-    """``value`` as an int in [low, high]; bools and floats (even 3.0) are refused."""
+def integer(value: Any, name: str, *, low: Optional[int] = None, high: Optional[int] = None,
+            integral_float: bool = False) -> int:
+    """``value`` as an int in [low, high]; bools and floats (even 3.0) are refused.
+
+    With ``integral_float`` a float with an integer value (3.0, 1e9, a float batch size that
+    happens to be whole) is accepted too; 2.5, NaN and infinities still raise ValueError.
+    """
     value = _scalar(value)
+    if integral_float and not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Real) \
+            and not isinstance(value, numbers.Integral):
+        number = float(value)
+        if not (math.isfinite(number) and number.is_integer()):
+            raise ValueError(f"{name} must be a whole number, got {number!r}")
+        value = int(number)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     number = int(value)
