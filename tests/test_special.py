@@ -200,3 +200,103 @@ def test_edge_values_and_shapes():
 def test_bad_input_raises_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name} "):
         call()
+
+
+# --- extreme arguments, the low-order recurrence, and the scaled VMF normaliser --------------
+
+EPS = np.finfo(np.float64).eps
+
+
+@pytest.mark.parametrize("nu", [0.0, 0.5, 1.0, 3.0, 49.5, 50.0, 1e3, 1e5, 1e7, 1e9])
+@pytest.mark.parametrize("x", [5e-324, 1e-320, 1e-310, 1e-300, 1e-200])
+def test_log_bessel_iv_at_subnormal_and_tiny_x(nu, x):
+    # log I_nu(x) = nu log(x/2) - lgamma(nu + 1) + O(x^2): log(x / 2) of a subnormal x rounded
+    # (5e-324 / 2 = 0) and log_bessel_iv(3, 5e-324) was -inf.
+    with mp.workdps(DPS):
+        reference = float(nu * mp.log(mp.mpf(x) / 2) - mp.loggamma(nu + 1))
+    got = float(special.log_bessel_iv(nu, x))
+    assert abs(got - reference) <= 4 * np.spacing(max(abs(reference), 1.0))
+
+
+def test_huge_arguments_raise_no_warning_and_stay_finite():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for nu in (0.0, 3.0, 100.0, 1e9):
+            for x in (1e155, 1e200, 1e300):
+                values = [special.log_bessel_iv(nu, x), special.log_bessel_ive(nu, x),
+                          special.log_bessel_iv_normalised(nu, x), special.bessel_iv_ratio(nu, x)]
+                assert np.all(np.isfinite(values))
+                # log e^-x I_nu(x) -> -log(2 pi x) / 2 as x -> inf (DLMF 10.40.1)
+                assert abs(special.log_bessel_ive(nu, x) + 0.5 * math.log(2 * math.pi * x)) < 1e-12
+
+
+LOW_ORDERS = [0.0, 0.5, 1.0, 1.5, 2.5, 5.0, 10.5, 20.5, 30.0, 49.0, 49.5]
+LOW_ARGUMENTS = [2.01, 4.0, 8.0, 16.0, 25.0, 100.0, 1e3, 1e4, 1e5, 9e5]
+
+
+@pytest.mark.parametrize("nu", LOW_ORDERS)
+def test_low_integer_and_half_integer_orders_are_accurate(nu):
+    # Where scipy's ive was the method (nu < 50, 2 sqrt(nu + 1) < x <= 1e6) it is off by up to
+    # 250 ulp at half-integer and large orders (ive(0.5, 4): 100 ulp). The backward recurrence
+    # multiplies nu - nu0 ratios, each within about an ulp: ask for (8 + nu) eps in log ive and
+    # 8 ulp in the ratio.
+    for x in LOW_ARGUMENTS:
+        if x * x <= 4 * (nu + 1):
+            continue
+        with mp.workdps(DPS):
+            log_ive = mp.log(mp.besseli(nu, x)) - x
+            ratio = mp.besseli(nu + 1, x) / mp.besseli(nu, x)
+        assert abs(special.log_bessel_ive(nu, x) - float(log_ive)) <= (8 + nu) * EPS, (nu, x)
+        assert abs(special.bessel_iv_ratio(nu, x) / float(ratio) - 1) <= 8 * EPS, (nu, x)
+
+
+def mp_log_ive(nu, x):
+    with mp.workdps(DPS):
+        nu, x = mp.mpf(nu), mp.mpf(x)
+        if x > 1e6 and x > 100 * nu * nu:  # the large-argument series at mpmath precision
+            total, term = mp.mpf(1), mp.mpf(1)
+            for k in range(1, 40):
+                term = -term * (4 * nu * nu - (2 * k - 1) ** 2) / (8 * k * x)
+                total += term
+            return -mp.log(2 * mp.pi * x) / 2 + mp.log(total)
+    with mp.workdps(DPS + 320):
+        return mp_log_iv(float(nu), float(x)) - mp.mpf(x)
+
+
+SCALED_GRID = [(p, kappa) for p in (2, 3, 4, 17, 101, 102, 2002, 200_002, 10**6, 2 * 10**9 + 2)
+               for kappa in (5e-324, 1e-300, 1e-4, 0.1, 1.0, 4.0, 10.0, 800.0, 1e4, 1e6, 1e9, 1e12, 1e100, 1e300)]
+
+
+@pytest.mark.parametrize("p, kappa", SCALED_GRID)
+def test_vmf_log_scaled_normaliser_matches_mpmath(p, kappa):
+    # log C_p(kappa) + kappa: each term it adds is within an ulp or so, so the error is a few ulp
+    # of the largest term: of the value, except near its zero (p = 2, 3, 4 at kappa ~ 4; p = 17,
+    # where |S^16| ~ 2.4 comes from terms ~ 10), where it is absolute. Tolerance: 8 ulp of
+    # max(|value|, |log|S^{p-1}||, 1).
+    nu = p / 2 - 1
+    with mp.workdps(DPS + 320):
+        reference = float(nu * mp.log(mp.mpf(kappa)) - (nu + 1) * mp.log(2 * mp.pi) - mp_log_ive(nu, kappa))
+    got = float(special.vmf_log_scaled_normaliser(p, kappa))
+    scale = max(abs(reference), abs(float(special.log_sphere_area(p))), 1.0)
+    assert abs(got - reference) <= 8 * np.spacing(scale), (got, reference)
+    # ... and log C_p(kappa) itself, which for large kappa is this minus kappa.
+    plain = float(special.vmf_log_normaliser(p, kappa))
+    assert abs(plain - (reference - kappa)) <= 8 * np.spacing(max(scale, abs(reference - kappa), kappa))
+
+
+def test_compensated_sums_are_exact_to_rounding_and_order_free():
+    from fractions import Fraction
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 7, 100, 1001):
+        a, b = rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n), rng.standard_normal(n)
+        hi, lo = special.two_product(a, b)
+        assert all(Fraction(h) + Fraction(e) == Fraction(x) * Fraction(y) for h, e, x, y in zip(hi, lo, a, b))
+        s, e = special.compensated_sum(hi, lo)
+        exact = sum(Fraction(x) * Fraction(y) for x, y in zip(a, b))
+        assert s + e == float(exact)  # correctly rounded here (the bound is eps^2-level)
+        order = rng.permutation(n)
+        s2, e2 = special.compensated_sum(hi[order], lo[order])
+        assert s2 + e2 == s + e

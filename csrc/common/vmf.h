@@ -1,7 +1,7 @@
 // Von Mises-Fisher sampling on S^{p-1} (Wood, "Simulation of the von Mises Fisher distribution",
 // Commun. Statist. Simul. 1994), written so that it stays exact for p up to 10^7 and kappa from
-// 1e-6 to 1e9 (and it returns for every finite kappa > 0), and deterministic: only IEEE operations and privleak's own log (fp_math.h), so
-// CPU and CUDA give the same bits.
+// 1e-6 to 1e9, returns for every finite kappa > 0 (the sample tends to mu), and is deterministic:
+// only IEEE operations and privleak's own log (fp_math.h), so CPU and CUDA give the same bits.
 //
 // A sample is y = w mu + sqrt(1 - w^2) v, with w = mu.y from Wood's rejection step and v uniform
 // on the unit sphere orthogonal to mu. v comes from p - 1 Gaussians mapped by the Householder
