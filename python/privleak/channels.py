@@ -123,7 +123,11 @@ def gain_matrix(gain_function: Callable[[np.ndarray, np.ndarray], Any], n_action
     n_secrets = validation.integer(n_secrets, "n_secrets", low=1)
     _check_matrix_fits(n_actions, n_secrets, "gain_matrix")
     values = gain_function(np.arange(n_actions)[:, None], np.arange(n_secrets)[None, :])
-    matrix = np.array(np.broadcast_to(np.asarray(values, dtype=np.float64), (n_actions, n_secrets)))
+    try:
+        matrix = np.array(np.broadcast_to(np.asarray(values, dtype=np.float64), (n_actions, n_secrets)))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"gain_function must return real numbers broadcastable to ({n_actions}, {n_secrets}), "
+                         f"got {type(values).__name__} {getattr(values, 'shape', '')}: {error}") from None
     if not np.isfinite(matrix).all():
         raise ValueError("gain_function returned non-finite values")
     return matrix
