@@ -152,6 +152,28 @@ def test_empty_parameter_tensors_give_empty_sums():
     assert torch.equal(got.norms, torch.zeros(4, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("count", [1, 5, 50])
+def test_flat_norms_add_the_tensors_squares_left_to_right(count):
+    # The flat norm is sqrt(s_0 + s_1 + ... + s_{T-1}) over the kernel's per-tensor squares, added
+    # left to right in float64 (the order of the clip factors), the same bits on every device and
+    # for any split of the batch. Squares spanning 2^-60 .. 2^60 make the order show in the bits.
+    g = torch.Generator().manual_seed(count)
+    grads = [torch.randn(16, 1 + t % 3, generator=g) * 2.0 ** torch.randint(-30, 30, (16, 1), generator=g)
+             for t in range(count)]
+    got = dpsgd.clip_and_accumulate(grads, 1.0)
+    squares = torch.ops.privleak.clip_accumulate(grads, torch.ones(1, dtype=torch.float64), False, 0.0, [0, 0], 0,
+                                                 1.0)[-1].numpy()
+    total = squares[:, 0].copy()
+    for t in range(1, count):
+        total = total + squares[:, t]
+    assert got.norms.dtype == torch.float64
+    np.testing.assert_array_equal(got.norms.numpy(), np.sqrt(total))
+    pieces = [dpsgd.clip_and_accumulate([x[rows] for x in grads], 1.0).norms for rows in (slice(0, 3), slice(3, 16))]
+    assert torch.equal(torch.cat(pieces), got.norms)
+    per_layer = dpsgd.clip_and_accumulate(grads, 1.0, per_layer=True).norms
+    np.testing.assert_array_equal(per_layer.numpy(), np.sqrt(squares))
+
+
 def test_bits_do_not_depend_on_thread_count(threads):
     grads = per_sample(SHAPES[2], batch=64)
     results = []
@@ -241,14 +263,43 @@ def test_bad_arguments_are_rejected(call, error, words):
         call(per_sample(SHAPES[0], batch=4))
 
 
+# The CUDA comparison's cases. Its CPU half runs on every machine (test_cuda_cases_are_valid_on_the_cpu),
+# so an argument the CPU refuses shows up without a GPU. The last two shape lists fill a whole
+# launch group of the CUDA kernel (48 tensors) with empty tensors, which must launch nothing.
+CUDA_SHAPES = {"mixed": SHAPES[2], "empty_group": [(0,)] * 48 + [(3, 0), (5,)], "all_empty": [(0,), (2, 0)] * 25}
+CUDA_CASES = [pytest.param(shapes, per_layer, dtype, batch, id=f"{shapes}-{per_layer}-{str(dtype)[6:]}-{batch}")
+              for shapes in CUDA_SHAPES for per_layer in (False, True)
+              for dtype in (torch.float32, torch.bfloat16, torch.float16) for batch in (64, 0)]
+
+
+def cuda_case(shapes, per_layer, dtype, batch):
+    """(per-sample gradients on the CPU, clip_and_accumulate's other arguments) for one case."""
+    grads = per_sample(CUDA_SHAPES[shapes], batch=batch, dtype=dtype)
+    # An empty batch needs batch_size (its default, B, is 0); a full one keeps the default.
+    kwargs = dict(per_layer=per_layer, noise_std=0.4, key=2, batch_size=3.3 if batch == 0 else None)
+    return grads, kwargs
+
+
+@pytest.mark.parametrize("shapes, per_layer, dtype, batch", CUDA_CASES)
+def test_cuda_cases_are_valid_on_the_cpu(shapes, per_layer, dtype, batch):
+    grads, kwargs = cuda_case(shapes, per_layer, dtype, batch)
+    got = dpsgd.clip_and_accumulate(grads, 1.0, **kwargs)
+    assert [g.shape for g in got.grads] == [g.shape[1:] for g in grads]
+    assert got.norms.shape == ((batch, len(grads)) if per_layer else (batch,))
+    if batch and "empty" in shapes:  # the empty tensors add nothing to the norms
+        nonempty = [g for g in grads if g[0].numel()]
+        want = [torch.zeros(batch, dtype=torch.float64)] if not nonempty else \
+            [g.double().reshape(batch, -1).norm(dim=1) for g in nonempty]
+        want = torch.stack(want, dim=1).norm(dim=1)
+        torch.testing.assert_close(got.norms if not per_layer else got.norms.norm(dim=1), want)
+
+
 @requires_cuda
-@pytest.mark.parametrize("per_layer", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch", [64, 0])
-def test_cuda_matches_cpu(per_layer, dtype, batch):
-    grads = per_sample(SHAPES[2], batch=batch, dtype=dtype)
-    cpu = dpsgd.clip_and_accumulate(grads, 1.0, per_layer=per_layer, noise_std=0.4, key=2)
-    gpu = dpsgd.clip_and_accumulate([g.cuda() for g in grads], 1.0, per_layer=per_layer, noise_std=0.4, key=2)
+@pytest.mark.parametrize("shapes, per_layer, dtype, batch", CUDA_CASES)
+def test_cuda_matches_cpu(shapes, per_layer, dtype, batch):
+    grads, kwargs = cuda_case(shapes, per_layer, dtype, batch)
+    cpu = dpsgd.clip_and_accumulate(grads, 1.0, **kwargs)
+    gpu = dpsgd.clip_and_accumulate([g.cuda() for g in grads], 1.0, **kwargs)
     assert torch.equal(cpu.norms, gpu.norms.cpu())
     for a, b in zip(cpu.grads, gpu.grads):
         assert torch.equal(a, b.cpu())

@@ -160,8 +160,13 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
     using In = decltype(zero);
     int64_t partial_base = 0;
     for (const Group& g : make_groups(tensors, nullptr, [&](int64_t n) { return batch * clip_chunks(n); })) {
-      chunk_sums<In><<<blocks_for(g.starts[g.count] * kClipLanes), kThreads, 0, s>>>(g, batch, partials, partial_base);
-      check(cudaGetLastError(), "clip_accumulate: chunk_sums launch");
+      // A group whose tensors all have numel 0 has no chunks: a 0-block launch is an error
+      // (cudaErrorInvalidConfiguration), so skip it; fold_chunks still writes their squares (0).
+      if (g.starts[g.count] > 0) {
+        chunk_sums<In><<<blocks_for(g.starts[g.count] * kClipLanes), kThreads, 0, s>>>(g, batch, partials,
+                                                                                      partial_base);
+        check(cudaGetLastError(), "clip_accumulate: chunk_sums launch");
+      }
       fold_chunks<<<blocks_for(g.count * batch), kThreads, 0, s>>>(g, batch, partials, partial_base, squares);
       check(cudaGetLastError(), "clip_accumulate: fold_chunks launch");
       partial_base += g.starts[g.count];
@@ -169,6 +174,7 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
     sample_factors<<<blocks_for(batch), kThreads, 0, s>>>(squares, clip_norms, batch, num_tensors, per_layer, factors);
     check(cudaGetLastError(), "clip_accumulate: sample_factors launch");
     for (const Group& g : make_groups(tensors, &outs, [](int64_t n) { return n; })) {
+      if (g.starts[g.count] == 0) continue;  // no output elements: nothing to launch (0 blocks is an error)
       accumulate<In><<<std::min(blocks_for(g.starts[g.count]), 65536u), kThreads, 0, s>>>(
           g, batch, factors, static_cast<float>(noise_std), key, offset, static_cast<float>(scale));
       check(cudaGetLastError(), "clip_accumulate: accumulate launch");

@@ -23,7 +23,6 @@ and its square overflows: a gradient that has diverged.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -150,6 +149,25 @@ def _noise_alone(grads: list[torch.Tensor], noise_std: float, words: list[int], 
     return [part.mul(scale).reshape(g.shape[1:]) for part, g in zip(flat.split(sizes), grads)]
 
 
+def _sum_columns_in_order(squares: torch.Tensor) -> torch.Tensor:
+    """Row sums of the (B, T) float64 squares, column 0 + column 1 + ... left to right: the order
+    the kernels' clip factors use, and the same bits on every device (torch's own reduction adds
+    in an order that differs between CPU and CUDA)."""
+    total = squares[:, 0].clone()
+    for t in range(1, squares.shape[1]):
+        total.add_(squares[:, t])
+    return total
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a float64 tensor, as the kernels' std::sqrt gives it.
+    Torch's CPU sqrt of float64 is not: about 1 result in 75 is 1 ulp off, on every instruction
+    set. numpy's is (the hardware's); CUDA's float64 sqrt is IEEE-exact."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.from_numpy(np.sqrt(x.numpy()))
+    return x.sqrt()
+
+
 def clip_and_accumulate(
     per_sample_grads: Sequence[torch.Tensor],
     clip_norm: Union[float, Sequence[float]],
@@ -217,7 +235,7 @@ def clip_and_accumulate(
     if non_finite == "raise" and bool(bad.any()):
         raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite (or beyond 1.8e19); "
                          "pass non_finite='drop' to leave such samples out")
-    norms = (squares if per_layer else squares.sum(dim=1)).sqrt()
+    norms = _sqrt(squares if per_layer else _sum_columns_in_order(squares))
     if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
         for out in outs:
             _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
