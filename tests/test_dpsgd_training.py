@@ -7,6 +7,7 @@ from torch.nn.functional import cross_entropy
 
 from privleak import dpsgd
 from privleak import mechanisms as M
+from privleak.opacus_interop import PrivleakDPOptimizer  # Opacus is a test dependency: no skip without it
 
 
 def small_model(seed=0):
@@ -129,10 +130,6 @@ def test_sampling_is_poisson_or_fixed():
 
 # ------------------------------------------------------------------------------- Opacus interop
 
-opacus = pytest.importorskip("opacus", reason="Opacus interop needs opacus (a test dependency)")
-from privleak.opacus_interop import PrivleakDPOptimizer  # noqa: E402
-
-
 def opacus_grads(optimizer_factory, noise_multiplier):
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
@@ -189,6 +186,8 @@ def test_opacus_trains_with_privleak(mechanism, kwargs):
             optimizer.zero_grad()
             cross_entropy(model(xb), yb).backward()
             optimizer.step()
+    # Margin: over 8 seeds of the model, the Poisson sampling and the noise, 8 epochs ended at
+    # 0.28-0.49 (Gaussian) and 0.47-0.54 (VMF) of the first loss; a step that does not learn stays near 1.
     assert loss() < 0.8 * first
     # Opacus's accountant counts the Gaussian steps privleak took, and no VMF step as Gaussian.
     assert engine.accountant.history == ([(0.3, 64 / 512, 8 * len(loader))] if mechanism == "gaussian" else [])
