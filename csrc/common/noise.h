@@ -16,9 +16,9 @@ namespace privleak {
 
 enum class Distribution : uint32_t { gaussian = 1, laplace = 2 };
 
-// Philox stream tags. Noise streams are (distribution << 1) | is_double; VMF's own streams come after.
-constexpr uint32_t kVmfTangentStream = 16;  // (| is_double) the Gaussian tangent coordinates
-constexpr uint32_t kVmfScalarStream = 18;   // Wood's rejection step, one sub-stream per sample
+// Philox stream tags (counter word 2). Noise streams are (distribution << 1) | is_double; VMF's
+// rejection step has its own tag, and its tangent coordinates use word 2 >= 2^31 (vmf.h).
+constexpr uint32_t kVmfScalarStream = 18;  // Wood's rejection step, one sub-stream per sample
 
 // The element types a noise kernel writes; half types are generated in float and rounded.
 enum class NoiseDType { float32, float64, bfloat16, float16 };
