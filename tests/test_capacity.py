@@ -12,6 +12,7 @@ about 1e-16 |log C|, so 1e-14 |log C| is allowed on top.
 import math
 
 import mpmath as mp
+import numpy as np
 import pytest
 from scipy import integrate
 
@@ -386,3 +387,14 @@ def test_whole_float_dims_and_batch_sizes_are_accepted():
     # dpsgd.privacy_report passes a float expected batch size when it is whole (64.0).
     assert cap.dpsgd_gaussian(10, 1.0, 1.0, 64.0) == cap.dpsgd_gaussian(10, 1.0, 1.0, 64)
     assert cap.gaussian_ball_log_capacity(1e9, 1.0, 1.0) == cap.gaussian_ball_log_capacity(10**9, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("kappa", [1e3, 1e200])
+def test_estimate_keeps_exact_weights_where_the_exponents_are_huge(kappa):
+    # N orthonormal inputs under VMF of large kappa: the densities' overlap is below e^-(kappa/2),
+    # so C = N to working precision (every weight is N). At kappa = 1e200 the exponents are about
+    # 1e200 and a difference of two of them used to round to 0, giving log C = 0.
+    inputs = np.eye(4)
+    for proposal in (None, inputs[::-1].copy()):
+        est = cap.estimate(cap.VMF(kappa), inputs, 200, seed=3, proposal=proposal)
+        assert est.log == pytest.approx(math.log(4), rel=1e-12)

@@ -522,9 +522,10 @@ def estimate(
 
         log w(y) = max_i e(x_i, y) - log((1/M) sum_m exp(e(z_m, y)))
 
-    where the max over the N inputs is :func:`privleak.nearest` (min ||x - y||^2, max <x, y>, min
-    ||x - y||_1 for Gaussian, VMF, Laplace) and the mixture is a logsumexp over the M proposal
-    points (scipy's cdist or a matrix product, in float64, in chunks).
+    where the mixture is a logsumexp over the M proposal points (scipy's cdist or a matrix product,
+    in float64, in chunks), and the max over the N inputs is the mixture's largest exponent when
+    the proposal points are the inputs (the default), else :func:`privleak.nearest` (min
+    ||x - y||^2, max <x, y>, min ||x - y||_1 for Gaussian, VMF, Laplace).
 
     The estimate is log mean(w) = logsumexp(log w) - log n, with a confidence interval from the
     delta method: log C is approximately normal with standard error sd(w) / (mean(w) sqrt(n)).
@@ -572,12 +573,21 @@ def estimate(
         count = min(batch, n - start)
         outputs = mechanism.sample(centres64[rng.integers(len(centres), size=count)], rng).astype(points.dtype)
         outputs64 = outputs.astype(np.float64)
-        log_sup = mechanism.exponent(nearest(outputs, points, mechanism.metric).value)
-        log_mixture = np.full(count, -np.inf)
+        # The mixture's logsumexp is kept as (top exponent, log of the sum relative to it), so that
+        # log w = (sup - top) - log(sum) + log M never subtracts two huge exponents: at kappa = 1e200
+        # both are about 1e200 and their difference would round away.
+        top = np.full(count, -np.inf)
+        log_sum = np.full(count, -np.inf)
         for first in range(0, len(centres), chunk):
             exponents = mechanism.pairwise_exponents(outputs64, centres64[first:first + chunk])
-            log_mixture = np.logaddexp(log_mixture, logsumexp(exponents, axis=1))
-        log_weights.append(log_sup - (log_mixture - math.log(len(centres))))
+            new_top = np.maximum(top, exponents.max(axis=1))
+            log_sum = np.logaddexp(log_sum + (top - new_top), logsumexp(exponents - new_top[:, None], axis=1))
+            top = new_top
+        if proposal is None:  # the proposal points are the inputs: the sup is the top exponent itself
+            sup_minus_top = 0.0
+        else:
+            sup_minus_top = mechanism.exponent(nearest(outputs, points, mechanism.metric).value) - top
+        log_weights.append(sup_minus_top - log_sum + math.log(len(centres)))
     log_w = np.concatenate(log_weights)
 
     top = float(log_w.max())
