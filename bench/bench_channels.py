@@ -18,10 +18,9 @@ import argparse
 import math
 
 import numpy as np
-
 import privleak
-from privleak import channels
 from _measure import copy_bandwidth, seconds, table
+from privleak import channels
 
 
 def numpy_capacity(c):

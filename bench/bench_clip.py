@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from opacus.optimizers import DPOptimizer
-
 import privleak
-from privleak import dpsgd
+import torch
 from _measure import copy_bandwidth, cuda_copy_bandwidth, read_bandwidth, seconds_interleaved, table
+from opacus.optimizers import DPOptimizer
+from privleak import dpsgd
 
 CLIP, SIGMA = 1.0, 1.0
 
@@ -74,6 +73,25 @@ def main() -> None:
     print(f"privleak {privleak.__version__}, torch {torch.__version__}, {where}; "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), "
           f"read bandwidth {reading / 1e9:.1f} GB/s (torch sum)\n")
+    def measure(batch: int, total: int) -> dict:
+        """One (B, P) setting, timed on the three sides; its gradients are freed on return."""
+        nbytes = batch * total * 4
+        grads = [torch.randn(batch, n, device=device) for n in split(total)]
+        times = seconds_interleaved({
+            "privleak": lambda: dpsgd.clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1,
+                                                          batch_size=batch),
+            "opacus": opacus_runner(grads, batch),
+            "torch": lambda: torch_clip(grads, batch),
+        }, sync=sync)
+        t_ours, t_opacus, t_torch = times["privleak"], times["opacus"], times["torch"]
+        return {
+            "B": batch, "P": f"{total:.0e}", "privleak ms": f"{t_ours * 1e3:.1f}",
+            "opacus ms": f"{t_opacus * 1e3:.1f}", "torch ms": f"{t_torch * 1e3:.1f}",
+            "vs opacus": f"{t_opacus / t_ours:.2f}x", "vs torch": f"{t_torch / t_ours:.2f}x",
+            "grads GB/s": f"{nbytes / t_ours / 1e9:.1f}", "of copy bw": f"{2 * nbytes / t_ours / bandwidth:.0%}",
+            "reads GB/s": f"{2 * nbytes / t_ours / 1e9:.1f}", "2x opacus needs": f"{4 * nbytes / t_opacus / 1e9:.1f}",
+        }
+
     rows = []
     for batch in args.batches:
         for total in args.params:
@@ -81,22 +99,7 @@ def main() -> None:
             if nbytes > args.max_gb * 1e9:
                 print(f"skipped B={batch}, P={total:.0e}: {nbytes / 1e9:.1f} GB of per-sample gradients > --max-gb")
                 continue
-            grads = [torch.randn(batch, n, device=device) for n in split(total)]
-            times = seconds_interleaved({
-                "privleak": lambda: dpsgd.clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1,
-                                                              batch_size=batch),
-                "opacus": opacus_runner(grads, batch),
-                "torch": lambda: torch_clip(grads, batch),
-            }, sync=sync)
-            t_ours, t_opacus, t_torch = times["privleak"], times["opacus"], times["torch"]
-            rows.append({
-                "B": batch, "P": f"{total:.0e}", "privleak ms": f"{t_ours * 1e3:.1f}",
-                "opacus ms": f"{t_opacus * 1e3:.1f}", "torch ms": f"{t_torch * 1e3:.1f}",
-                "vs opacus": f"{t_opacus / t_ours:.2f}x", "vs torch": f"{t_torch / t_ours:.2f}x",
-                "grads GB/s": f"{nbytes / t_ours / 1e9:.1f}", "of copy bw": f"{2 * nbytes / t_ours / bandwidth:.0%}",
-                "reads GB/s": f"{2 * nbytes / t_ours / 1e9:.1f}", "2x opacus needs": f"{4 * nbytes / t_opacus / 1e9:.1f}",
-            })
-            del grads
+            rows.append(measure(batch, total))
     print(table(rows, list(rows[0])))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 import privleak
 from _measure import copy_bandwidth, seconds, table
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 import privleak
-from privleak import mechanisms as M
+import torch
 from _measure import copy_bandwidth, seconds, table
+from privleak import mechanisms as M
 
 
 def main() -> None:

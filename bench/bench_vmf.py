@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import privleak
 import scipy.stats
 import torch
-
-import privleak
-from privleak import mechanisms as M
 from _measure import seconds, table
+from privleak import mechanisms as M
 
 
 def numpy_householder_vmf(mu: np.ndarray, kappa: float, n: int, rng: np.random.Generator) -> np.ndarray:

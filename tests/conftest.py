@@ -1,6 +1,5 @@
-import pytest
-
 import privleak
+import pytest
 
 try:
     import torch

@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import pytest
-
 from privleak import accounting
 from privleak.validation import ArgumentTypeError
 

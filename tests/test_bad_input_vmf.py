@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from privleak import mechanisms as M
 from privleak import special
 

@@ -10,17 +10,16 @@ binomial test at level 1e-3, not by a hand-picked count.
 """
 import math
 
+import discrete_channels as ref
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from scipy.stats import binom
-
 from privleak import bayesian_privacy as bp
 from privleak import channels as ch
 from privleak import relations as rel
-import discrete_channels as ref
+from scipy.stats import binom
 
 # Joint counts J[d, w] with equal column sums 9: the posterior P(d | w) = J[d, w] / 9 is a whole
 # number of ninths, so 9 k attack runs can produce exactly the expected counts.

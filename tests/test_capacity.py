@@ -14,9 +14,8 @@ import math
 import mpmath as mp
 import numpy as np
 import pytest
-from scipy import integrate
-
 from privleak import capacity as cap
+from scipy import integrate
 from test_special import DPS, mp_log_integral
 
 QUAD = dict(epsabs=0.0, epsrel=1e-13, limit=200)

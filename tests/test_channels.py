@@ -2,16 +2,15 @@
 import math
 import tracemalloc
 
+import discrete_channels as ref
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from privleak import channels as ch
-import discrete_channels as ref
 from conftest import requires_cuda
 from discrete_channels import channels, channels_with_prior, gains, priors
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from privleak import channels as ch
 
 FAST = settings(deadline=None, max_examples=100)
 

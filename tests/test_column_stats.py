@@ -1,11 +1,10 @@
 """privleak.column_stats against the numpy reference (privleak.reference.column_stats)."""
 import numpy as np
+import privleak
 import pytest
 import torch
-
-import privleak
-from privleak import reference
 from conftest import requires_cuda
+from privleak import reference
 
 SHAPES = [(1, 1), (1, 700), (700, 1), (3, 5), (257, 513), (1000, 1030), (5000, 3), (4096, 4096)]
 

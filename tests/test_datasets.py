@@ -5,7 +5,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-
 from privleak import datasets
 
 

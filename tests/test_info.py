@@ -2,9 +2,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 import privleak
+import pytest
 from conftest import HAS_CUDA
 
 

@@ -6,13 +6,12 @@ expanded form), so a winner may differ from the reference's only between inputs 
 are within the scores' rounding error; the returned value must be the chosen input's exact value.
 """
 import numpy as np
+import privleak
 import pytest
 import torch
-
-import privleak
+from conftest import requires_cuda
 from privleak import _backend, reference
 from privleak.reductions import NEAREST_METRICS
-from conftest import requires_cuda
 
 # (n_queries, n_inputs, p): single rows and columns, sizes off the kernels' tiles (16 or 8
 # queries x 6 inputs) and blocks (120 inputs, 256 or 128 coordinates), several input blocks.

@@ -8,17 +8,16 @@ false, an example shows it.
 import itertools
 import math
 
+import discrete_channels as ref
 import mpmath
 import numpy as np
 import pytest
+from discrete_channels import channels, channels_with_prior, gains, priors
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from scipy.optimize import linprog
-
 from privleak import channels as ch
 from privleak import relations as rel
-import discrete_channels as ref
-from discrete_channels import channels, channels_with_prior, gains, priors
+from scipy.optimize import linprog
 
 FAST = settings(deadline=None, max_examples=100)
 SLOW = settings(deadline=None, max_examples=40)

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from conftest import requires_cuda
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-
 from privleak import _backend
 from privleak import mechanisms as M
-from conftest import requires_cuda
 
 
 def test_chacha20_matches_rfc8439_section_2_3_2():

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from privleak import special
 
 DPS = 30
@@ -143,7 +142,7 @@ def test_vmf_log_normaliser_matches_mpmath_and_integrates_to_one_on_s2():
     # On S^2 the density C e^(kappa cos th) integrates to 2 pi C int_0^pi e^(kappa cos th) sin th dth = 1.
     for kappa in (1e-6, 0.7, 30.0):
         c = math.exp(special.vmf_log_normaliser(3, kappa))
-        polar = mp.quad(lambda th: mp.exp(kappa * mp.cos(th)) * mp.sin(th), [0, mp.pi])
+        polar = mp.quad(lambda th, kappa=kappa: mp.exp(kappa * mp.cos(th)) * mp.sin(th), [0, mp.pi])
         assert math.isclose(c * 2 * math.pi * float(polar), 1.0, rel_tol=1e-13)
 
 

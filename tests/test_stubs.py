@@ -8,9 +8,8 @@ import importlib
 import re
 from pathlib import Path
 
-import pytest
-
 import privleak
+import pytest
 
 STUBS = Path(privleak.__file__).parent
 

@@ -7,9 +7,8 @@ import pytest
 import scipy.special
 import scipy.stats
 import torch
-
-from privleak import mechanisms as M
 from conftest import requires_cuda
+from privleak import mechanisms as M
 
 
 def mean_resultant_length(p: int, kappa: float) -> float:
@@ -277,9 +276,10 @@ def mp_log_scaled_normaliser(p, kappa):
 
 
 def mp_log_iv(nu, k):
-    import mpmath as mp
-    import sys
     import os
+    import sys
+
+    import mpmath as mp
 
     sys.path.insert(0, os.path.dirname(__file__))
     from test_special import mp_log_iv as reference

@@ -29,12 +29,11 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from scipy.optimize import brentq
-from scipy.special import gammaln, log_ndtr, logsumexp
-
 from dp_accounting import dp_event, privacy_accountant, rdp
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution
+from scipy.optimize import brentq
+from scipy.special import gammaln, log_ndtr, logsumexp
 
 from privleak import validation
 
