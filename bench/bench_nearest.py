@@ -33,7 +33,6 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
-
 import privleak  # noqa: E402
 from _measure import table  # noqa: E402
 
@@ -147,7 +146,8 @@ def main() -> None:
         faiss.omp_set_num_threads(args.threads)
     sgemm = sgemm_runs(torch)
     print(f"privleak {privleak.__version__}, {args.threads} threads")
-    print(f"torch {torch.__version__ if torch else 'not installed'}, faiss {faiss.__version__ if faiss else 'not installed'}\n")
+    print(f"torch {torch.__version__ if torch else 'not installed'}, "
+          f"faiss {faiss.__version__ if faiss else 'not installed'}\n")
     cuda = torch is not None and torch.cuda.is_available() and privleak.info()["cuda_usable"]
 
     rows, gpu_rows = [], []
@@ -207,7 +207,8 @@ def gpu_measurements(torch, queries, inputs, metric, flops, repeat):
         rows.append({"metric": METRIC_NAMES[metric], "N": len(queries), "p": queries.shape[1],
                      "path": "tf32" if tensor_cores else "fp32", "privleak ms": f"{seconds['privleak'] * 1e3:.2f}",
                      "TFLOP/s": f"{rate / 1e12:.1f}", "of peak": f"{rate / peak:.0%}" if peak else "?",
-                     "torch ms": f"{seconds['torch'] * 1e3:.2f}", "vs torch": f"{seconds['torch'] / seconds['privleak']:.2f}x"})
+                     "torch ms": f"{seconds['torch'] * 1e3:.2f}",
+                     "vs torch": f"{seconds['torch'] / seconds['privleak']:.2f}x"})
     torch.backends.cuda.matmul.allow_tf32 = False
     return rows
 

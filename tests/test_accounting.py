@@ -14,12 +14,10 @@ import torch
 from dp_accounting import dp_event, pld
 from opacus.accountants import PRVAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
-from scipy.optimize import brentq
-from scipy.special import gammaln, logsumexp
-from scipy.stats import norm
-
 from privleak import accounting
 from privleak import mechanisms as M
+from scipy.optimize import brentq
+from scipy.stats import norm
 
 # dp-accounting's default RDP orders, written out: Opacus evaluates the RDP on the same grid, so the
 # two agree up to the series truncation of the fractional orders, not up to the grid.
@@ -208,7 +206,8 @@ def binomial_epsilon(kappa, q, steps, delta):
     """The same pair for T too large to enumerate: all T + 1 counts k of first outcomes, no window, in
     mpmath, bisection."""
     first, second = subsampled_pair(kappa, q)
-    log_c = [mpmath.loggamma(steps + 1) - mpmath.loggamma(k + 1) - mpmath.loggamma(steps - k + 1) for k in range(steps + 1)]
+    log_c = [mpmath.loggamma(steps + 1) - mpmath.loggamma(k + 1) - mpmath.loggamma(steps - k + 1)
+             for k in range(steps + 1)]
     p = [mpmath.exp(c + k * mpmath.log(first[0]) + (steps - k) * mpmath.log(first[1])) for k, c in enumerate(log_c)]
     r = [mpmath.exp(c + k * mpmath.log(second[0]) + (steps - k) * mpmath.log(second[1])) for k, c in enumerate(log_c)]
 

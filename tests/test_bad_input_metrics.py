@@ -8,10 +8,9 @@ raise AllocationTooLarge (a MemoryError and a ValueError) before anything is all
 import math
 
 import numpy as np
+import privleak
 import pytest
 import torch
-
-import privleak
 from privleak import _arrays
 from privleak import bayesian_privacy as bp
 from privleak import capacity as cap
@@ -48,7 +47,8 @@ CASES = [
     ("matrix None", lambda: privleak.column_stats(None), TypeError, "^matrix must be a numpy array"),
     ("matrix str", lambda: privleak.column_stats("1"), TypeError, "^matrix must be a numpy array"),
     ("matrix bool", lambda: privleak.column_stats(True), TypeError, "^matrix must have dtype"),
-    ("matrix int", lambda: privleak.column_stats(np.ones((2, 2), dtype=np.int64)), TypeError, "^matrix must have dtype"),
+    ("matrix int", lambda: privleak.column_stats(np.ones((2, 2), dtype=np.int64)), TypeError,
+     "^matrix must have dtype"),
     ("matrix 1-D", lambda: privleak.column_stats(np.ones(3)), ValueError, "^matrix must be 2-D"),
     ("matrix empty", lambda: privleak.column_stats(np.ones((0, 3))), ValueError, "^matrix must have at least one row"),
     ("matrix unaligned", lambda: privleak.column_stats(unaligned((3, 4))), ValueError, "^matrix is not aligned"),
@@ -56,7 +56,8 @@ CASES = [
      "^matrix is not aligned"),
     ("matrix sparse", lambda: privleak.column_stats(torch.eye(3, dtype=torch.float64).to_sparse()), TypeError,
      "^matrix has layout torch.sparse_coo"),
-    ("matrix meta", lambda: privleak.column_stats(torch.ones(3, 3, device="meta")), TypeError, "^matrix is on device meta"),
+    ("matrix meta", lambda: privleak.column_stats(torch.ones(3, 3, device="meta")), TypeError,
+     "^matrix is on device meta"),
     ("row_weights None entry", lambda: privleak.column_stats(np.ones((2, 2)), [None, 1.0]), TypeError,
      "^row_weights must hold real numbers"),
     ("row_weights str", lambda: privleak.column_stats(np.ones((2, 2)), ["1", "1"]), TypeError,
@@ -87,7 +88,8 @@ CASES = [
                                                    torch.eye(2, dtype=torch.float64).to_sparse_csr(), "l1"),
      TypeError, "^inputs has layout torch.sparse_csr"),
     ("metric None", lambda: privleak.nearest(np.zeros((1, 2)), np.zeros((1, 2)), None), ValueError, "^metric must be"),
-    ("metric unknown", lambda: privleak.nearest(np.zeros((1, 2)), np.zeros((1, 2)), "l2"), ValueError, "^metric must be"),
+    ("metric unknown", lambda: privleak.nearest(np.zeros((1, 2)), np.zeros((1, 2)), "l2"), ValueError,
+     "^metric must be"),
     ("tensor_cores int", lambda: privleak.nearest(np.zeros((1, 2)), np.zeros((1, 2)), "l1", tensor_cores=1), TypeError,
      "^tensor_cores must be a bool"),
     ("inputs 2^42 stride-0 rows", lambda: privleak.nearest(np.zeros((1, 1)), stride_zero_rows(2**42), "squared_l2"),
@@ -100,13 +102,16 @@ CASES = [
     ("dim 2^70", lambda: cap.gaussian_ball_log_capacity(2**70, 1.0, 1.0), ValueError, "^dim must be <="),
     ("radius None", lambda: cap.gaussian_ball_log_capacity(3, None, 1.0), ArgumentTypeError, "^radius must be a real"),
     ("noise_std bool", lambda: cap.gaussian_ball_log_capacity(3, 1.0, True), ArgumentTypeError, "^noise_std must be"),
-    ("noise_std inf", lambda: cap.gaussian_ball_log_capacity(3, 1.0, math.inf), ValueError, "^noise_std must be finite"),
+    ("noise_std inf", lambda: cap.gaussian_ball_log_capacity(3, 1.0, math.inf), ValueError,
+     "^noise_std must be finite"),
     ("method None", lambda: cap.gaussian_ball_log_capacity(3, 1.0, 1.0, method=None), ValueError, "^method must be"),
     ("radii[1] str", lambda: cap.gaussian_product_of_balls_log_capacity([1, 2], [1.0, "2"], 1.0), ArgumentTypeError,
      r"^radii\[1\] must be a real"),
     ("kappa str", lambda: cap.vmf_log_capacity(3, "1"), ArgumentTypeError, "^kappa must be a real"),
-    ("dpsgd tiny noise", lambda: cap.dpsgd_gaussian(10, 1.0, 1e-300, 2**60), ValueError, "^noise_multiplier: the noise std"),
-    ("dpsgd huge noise", lambda: cap.dpsgd_gaussian(10, 1e300, 1e300, 1), ValueError, "^noise_multiplier: the noise std"),
+    ("dpsgd tiny noise", lambda: cap.dpsgd_gaussian(10, 1.0, 1e-300, 2**60), ValueError,
+     "^noise_multiplier: the noise std"),
+    ("dpsgd huge noise", lambda: cap.dpsgd_gaussian(10, 1e300, 1e300, 1), ValueError,
+     "^noise_multiplier: the noise std"),
     ("batch_size 2^70", lambda: cap.dpsgd_gaussian(10, 1.0, 1.0, 2**70), ValueError, "^batch_size must be <="),
     ("per-layer noise", lambda: cap.dpsgd_gaussian_per_layer([2, 2], [1e300, 1e300], 1e300, 1), ValueError,
      "^noise_multiplier: the noise std"),
@@ -144,13 +149,15 @@ CASES = [
     ("n_secrets None", lambda: ch.within_distance_gain(None, 1), ArgumentTypeError, "^n_secrets must be an int"),
     ("n_secrets bool", lambda: ch.within_distance_gain(True, 1), ArgumentTypeError, "^n_secrets must be an int"),
     ("n_secrets 0", lambda: ch.within_distance_gain(0, 1), ValueError, "^n_secrets must be >= 1"),
-    ("n_secrets 2^70", lambda: ch.within_distance_gain(2**70, 1), MemoryError, "^gain_matrix: a 1180591620717411303424"),
+    ("n_secrets 2^70", lambda: ch.within_distance_gain(2**70, 1), MemoryError,
+     "^gain_matrix: a 1180591620717411303424"),
     ("n_actions float", lambda: ch.gain_matrix(lambda w, x: w == x, 2.0, 2), ArgumentTypeError,
      "^n_actions must be an int"),
     ("n_outputs str", lambda: ch.deterministic_channel(np.array([0, 1]), "2"), ArgumentTypeError,
      "^n_outputs must be an int"),
     ("n_outputs 0", lambda: ch.deterministic_channel(np.array([0, 1]), 0), ValueError, "^n_outputs must be >= 1"),
-    ("n_outputs 2^70", lambda: ch.deterministic_channel(np.array([0, 1]), 2**70), MemoryError, "^deterministic_channel"),
+    ("n_outputs 2^70", lambda: ch.deterministic_channel(np.array([0, 1]), 2**70), MemoryError,
+     "^deterministic_channel"),
     ("gain_function wrong shape", lambda: ch.gain_matrix(lambda w, x: np.ones(3), 2, 2), ValueError,
      r"^gain_function must return real numbers broadcastable to \(2, 2\)"),
     ("gain_function strings", lambda: ch.gain_matrix(lambda w, x: np.full((2, 2), "a"), 2, 2), ValueError,
@@ -161,7 +168,8 @@ CASES = [
     ("channel empty", lambda: ch.bayes_capacity(np.zeros((0, 2))), ValueError, "^channel must be a 2-D array"),
     ("channel str", lambda: ch.bayes_capacity(np.array([["1"]])), TypeError, "^channel must have dtype"),
     ("prior list", lambda: ch.prior_bayes_vulnerability([0.5, 0.5]), TypeError, "^prior must be a numpy array"),
-    ("prior str dtype", lambda: ch.prior_bayes_vulnerability(np.array(["1"])), TypeError, "^prior must have a real dtype"),
+    ("prior str dtype", lambda: ch.prior_bayes_vulnerability(np.array(["1"])), TypeError,
+     "^prior must have a real dtype"),
     ("gain nan", lambda: ch.prior_g_vulnerability(P, np.array([[math.nan, 1.0]])), ValueError, "^gain has non-finite"),
     # --- bayesian_privacy -----------------------------------------------------------------------
     ("expected_successes inf", lambda: bp.chernoff_relative_error(math.inf, 0.9), ValueError,

@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from privleak import dpsgd, validation
 from privleak import mechanisms as M
 
@@ -60,7 +59,8 @@ CASES = [
     ("std huge int", lambda: M.gaussian_noise(3, 10**400), ValueError, "std must be finite"),
     ("std float max", lambda: M.gaussian_noise(3, 1.7e308, dtype=torch.float64), ValueError, "std = .* too large"),
     ("std 1e38 f32", lambda: M.gaussian_noise(3, 1e38), ValueError, "std = .* too large for float32"),
-    ("std 1e4 f16", lambda: M.gaussian_noise(3, 1e4, dtype=torch.float16), ValueError, "std = .* too large for float16"),
+    ("std 1e4 f16", lambda: M.gaussian_noise(3, 1e4, dtype=torch.float16), ValueError,
+     "std = .* too large for float16"),
     ("std subnormal", lambda: M.gaussian_noise(3, 1e-45), ValueError, "std must be 0 or >="),
     ("std tensor", lambda: M.gaussian_noise(3, torch.ones(2)), ValueError, "std must be a scalar"),
     ("scale 2e37 lap", lambda: M.laplace_noise(3, 2e37), ValueError, "scale = .* too large for float32"),
@@ -188,7 +188,8 @@ CASES = [
     ("report dataset 0", lambda: report(dataset_size=0), ValueError, "dataset_size must be >= 1"),
     ("report dataset float", lambda: report(dataset_size=100.0), TypeError, "dataset_size must be an int"),
     ("report L 0", lambda: report(expected_batch_size=0), ValueError, "expected_batch_size must be > 0"),
-    ("report L > N", lambda: report(expected_batch_size=200), ValueError, "expected_batch_size must be <= dataset_size"),
+    ("report L > N", lambda: report(expected_batch_size=200), ValueError,
+     "expected_batch_size must be <= dataset_size"),
     ("report L nan", lambda: report(expected_batch_size=NAN), ValueError, "expected_batch_size must be finite"),
     ("report steps -1", lambda: report(steps=-1), ValueError, "steps must be >= 0"),
     ("report steps float", lambda: report(steps=1.0), TypeError, "steps must be an int"),
@@ -209,7 +210,8 @@ CASES = [
     # ---- DPOptimizer
     ("opt optimizer", lambda: optimizer(optimizer=None), TypeError, "optimizer must be a torch.optim.Optimizer"),
     ("opt config", lambda: optimizer(config=None), TypeError, "config must be a DPSGDConfig"),
-    ("opt config clip", lambda: optimizer(config=CFG._replace(clip_norm=0)), ValueError, "config.clip_norm must be > 0"),
+    ("opt config clip", lambda: optimizer(config=CFG._replace(clip_norm=0)), ValueError,
+     "config.clip_norm must be > 0"),
     ("opt L", lambda: optimizer(expected_batch_size=-2), ValueError, "expected_batch_size must be > 0"),
     ("opt L None", lambda: optimizer(expected_batch_size=None), TypeError, "expected_batch_size must be a real"),
     ("opt generator", lambda: optimizer(generator=torch.Generator()), TypeError, "generator must be"),

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-
+from conftest import requires_cuda
 from privleak import dpsgd, reference
 from privleak import mechanisms as M
-from conftest import requires_cuda
 
 SHAPES = [[(5, 3), (7,), (2, 4, 6)], [(1,)], [(3000,), (1030, 7)], [(5000,)]]
 
@@ -249,7 +248,8 @@ def test_ops_pass_opcheck():
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, non_finite="ignore"), ValueError, "non_finite must be"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=0), ValueError, "batch_size must be"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size="2"), TypeError, "batch_size must be a real number"),
-        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=1e-310), ValueError, "batch_size = 1e-310 is out of range"),
+        (lambda g: dpsgd.clip_and_accumulate(g, 1.0, batch_size=1e-310), ValueError,
+         "batch_size = 1e-310 is out of range"),
         (lambda g: dpsgd.clip_and_accumulate(g, 1.0, noise_std=-1.0), ValueError, "noise_std must be finite"),
         (lambda g: dpsgd.clip_and_accumulate([g[0].double()], 1.0), TypeError, "must have dtype"),
         (lambda g: dpsgd.clip_and_accumulate([g[0].transpose(1, 2)], 1.0), ValueError, "must be contiguous"),

@@ -5,14 +5,13 @@ import subprocess
 import sys
 
 import numpy as np
+import privleak
 import pytest
 import scipy.stats
 import torch
-
-import privleak
+from conftest import requires_cuda
 from privleak import mechanisms as M
 from privleak import reference
-from conftest import requires_cuda
 
 # Random123's known-answer vectors for Philox4x32-10 (tests/kat_vectors): counter, key, output.
 PHILOX_KAT = [
@@ -232,7 +231,8 @@ def test_cuda_noise_is_bit_identical_to_cpu(distribution, dtype):
 
 @requires_cuda
 def test_cuda_ops_pass_opcheck():
-    torch.library.opcheck(torch.ops.privleak.add_noise.default, (torch.randn(5, 3, device="cuda"), "gaussian", 0.5, [1, 0], 0, 0))
+    torch.library.opcheck(torch.ops.privleak.add_noise.default,
+                          (torch.randn(5, 3, device="cuda"), "gaussian", 0.5, [1, 0], 0, 0))
 
 
 # ------------------------------------------------------------------ counter space and output range

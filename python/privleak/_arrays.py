@@ -87,7 +87,8 @@ def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = 
         dtype = str(x.dtype).removeprefix("torch.")
         device = x.device.type
         if device == "meta":
-            raise ArgumentTypeError(f"{name} is on device meta (a tensor without data); privleak needs data on cpu or cuda")
+            raise ArgumentTypeError(f"{name} is on device meta (a tensor without data); "
+                                    "privleak needs data on cpu or cuda")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"{name} is on device {x.device}; privleak runs on cpu and cuda")
         index = x.device.index if device == "cuda" else -1

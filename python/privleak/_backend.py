@@ -66,9 +66,9 @@ def info() -> dict[str, Any]:
     Keys: ``version``, ``backends`` (compiled: "cpu" and, if built, "cuda"), ``compiler``,
     ``openmp``, ``openmp_threads``, ``cpu_capability`` ("avx2" where the CPU runs privleak's hand-written
     AVX2/F16C paths: the noise's Philox and interleave, the DP-SGD kernel's fp16 widening; else
-    "default"; PRIVLEAK_CPU_CAPABILITY=default forces their portable loops, with the same bits), ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``,
-    ``cuda_version``, ``cuda_usable``, ``cuda_devices``, ``gpu_name`` and ``cuda_error`` (why CUDA is
-    not usable, or None).
+    "default"; PRIVLEAK_CPU_CAPABILITY=default forces their portable loops, with the same bits),
+    ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``, ``cuda_version``, ``cuda_usable``,
+    ``cuda_devices``, ``gpu_name`` and ``cuda_error`` (why CUDA is not usable, or None).
     """
     from privleak import __version__
 

@@ -38,7 +38,7 @@ from scipy.spatial.distance import cdist
 from scipy.special import gammaln, logsumexp, ndtri, roots_legendre
 
 from privleak import validation
-from privleak.special import log_bessel_ive, log_bessel_iv_normalised, log_gamma_stirling_remainder
+from privleak.special import log_bessel_iv_normalised, log_bessel_ive, log_gamma_stirling_remainder
 
 # The finite sum has p + 1 terms; beyond this it is slow and no more exact than the quadrature.
 GAUSSIAN_SUM_MAX_DIM = 10**6
@@ -145,8 +145,9 @@ def _chi_mean_and_variance(p: int) -> tuple[float, float]:
     """
     x = p / 2.0
     if x >= 100.0:
-        r_minus_1 = (-1.0 / 8.0 + (1.0 / 128.0 + (5.0 / 1024.0 + (-21.0 / 32768.0 + (-399.0 / 262144.0 + 869.0 / 4194304.0
-                                                                                    / x) / x) / x) / x) / x) / x
+        r_minus_1 = (-1.0 / 8.0 + (1.0 / 128.0 + (5.0 / 1024.0 + (-21.0 / 32768.0 + (-399.0 / 262144.0
+                                                                                     + 869.0 / 4194304.0 / x)
+                                                                  / x) / x) / x) / x) / x
     else:
         r_minus_1 = math.gamma(x + 0.5) / (math.gamma(x) * math.sqrt(x)) - 1.0
     r = 1.0 + r_minus_1
@@ -621,7 +622,8 @@ def _check_points(points: Any, name: str, mechanism: Any) -> np.ndarray:
         norms = np.linalg.norm(array.astype(np.float64), axis=1)
         tolerance = 1e-5 if array.dtype == np.float32 else 1e-12
         if np.abs(norms - 1.0).max() > tolerance:
-            raise ValueError(f"{name} must be unit vectors for VMF (norms range from {norms.min():.6g} to {norms.max():.6g})")
+            raise ValueError(f"{name} must be unit vectors for VMF "
+                             f"(norms range from {norms.min():.6g} to {norms.max():.6g})")
     return np.ascontiguousarray(array)
 
 

@@ -70,19 +70,21 @@ class ClippedSum(NamedTuple):
 
 
 def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(per_sample_grads, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(per_sample_grads, Iterable):
-        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, one per parameter, "
-                                           f"got {type(per_sample_grads).__name__}")
+    if (isinstance(per_sample_grads, (torch.Tensor, np.ndarray, str, bytes))
+            or not isinstance(per_sample_grads, Iterable)):
+        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, "
+                                           f"one per parameter, got {type(per_sample_grads).__name__}")
     grads = list(per_sample_grads)
     if not grads:
-        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, one per parameter, "
-                                           "got an empty one")
+        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, "
+                                           "one per parameter, got an empty one")
     first = None
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):
             raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a torch tensor, got {type(g).__name__}")
         if g.layout != torch.strided:
-            raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a dense (strided) tensor, got {g.layout}")
+            raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a dense (strided) tensor, "
+                                               f"got {g.layout}")
         view = _arrays.view(g, f"per_sample_grads[{i}]", dtypes=GRAD_DTYPES)
         first = first or view
         if g.ndim < 1:
@@ -233,8 +235,8 @@ def clip_and_accumulate(
                                                             stream_offset, kernel_scale)
     bad = ~torch.isfinite(squares).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
-        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite (or beyond 1.8e19); "
-                         "pass non_finite='drop' to leave such samples out")
+        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite "
+                         "(or beyond 1.8e19); pass non_finite='drop' to leave such samples out")
     norms = _sqrt(squares if per_layer else _sum_columns_in_order(squares))
     if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
         for out in outs:
@@ -425,7 +427,8 @@ def privacy_report(config: DPSGDConfig, parameter_shapes: Sequence[Sequence[int]
         if delta == 0:
             raise ValueError("delta must be > 0 for the Gaussian mechanism (it is not pure DP)")
     if sum(sizes) == 0 or (config.per_layer and 0 in sizes):
-        raise ValueError(f"parameter_shapes must have at least one element{' in each tensor' if config.per_layer else ''}, "
+        raise ValueError("parameter_shapes must have at least one element"
+                         f"{' in each tensor' if config.per_layer else ''}, "
                          f"got {[tuple(shape) for shape in parameter_shapes]}")
     q = expected_batch_size / dataset_size
     if config.mechanism == "vmf":
@@ -481,7 +484,8 @@ class DPOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, config: DPSGDConfig, expected_batch_size: float,
                  generator=None, sampling: str = "poisson"):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise validation.ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise validation.ArgumentTypeError("optimizer must be a torch.optim.Optimizer, "
+                                               f"got {type(optimizer).__name__}")
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.sampling = _check_sampling(sampling)
         self.optimizer = optimizer

@@ -126,7 +126,9 @@ def run(experiment: Estimation, progress: Optional[Callable[[str, int, int], Non
         bound = math.inf if setting.mechanism == "gaussian" else \
             bayesian_privacy.implied_mbp_bound(2.0 * setting.kappa, prior)
         estimates.append(SettingEstimate(
-            setting, _recovery_rate(counts, experiment.images), float(_own_similarity(scores, experiment.images).mean()), bayesian_privacy.estimate_mbp(counts, prior, confidence=experiment.confidence),
+            setting, _recovery_rate(counts, experiment.images),
+            float(_own_similarity(scores, experiment.images).mean()),
+            bayesian_privacy.estimate_mbp(counts, prior, confidence=experiment.confidence),
             bayesian_privacy.estimate_abp(counts, prior, releases="drawn", confidence=experiment.confidence), bound))
         if progress is not None:
             progress("settings", i + 1, len(grid))

@@ -151,7 +151,8 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
             local = copy.deepcopy(model)
             generator, noise = client_streams(seed, round_, index)
             update, batches = client.local_update(local, config, batch_size=batch_size, local_steps=local_steps,
-                                                  learning_rate=learning_rate, generator=generator, noise=noise, loss_fn=loss_fn)
+                                                  learning_rate=learning_rate, generator=generator, noise=noise,
+                                                  loss_fn=loss_fn)
             leaked = LeakedUpdate(round_, index, start, update, local_steps, batches)
             if record:
                 federation.leaked.append(leaked)

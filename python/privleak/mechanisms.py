@@ -277,7 +277,8 @@ def _check_noise_range(distribution: str, scale: float, name: str, dtype: torch.
     gen = _generation_dtype(dtype)
     if secure:
         if scale < _SECURE_MIN_SCALE:
-            raise ValueError(f"{name} must be >= 2^-979 for secure noise (its grid 2^k needs k >= -1000), got {scale!r}")
+            raise ValueError(f"{name} must be >= 2^-979 for secure noise (its grid 2^k needs k >= -1000), "
+                             f"got {scale!r}")
         unit_max = _SECURE_UNIT_MAX[distribution]
     else:
         unit_max = _UNIT_MAX[(distribution, gen)]
@@ -298,7 +299,8 @@ def _resolve_stream(n: int, generator, key: Optional[int], offset: Optional[int]
             raise ValueError("offset needs an explicit key; with a generator the offset is the generator's")
         generator = default_generator if generator is None else generator
         if not isinstance(generator, (NoiseGenerator, SecureNoiseGenerator)):
-            raise TypeError(f"generator must be a NoiseGenerator or SecureNoiseGenerator, got {type(generator).__name__}")
+            raise TypeError("generator must be a NoiseGenerator or SecureNoiseGenerator, "
+                            f"got {type(generator).__name__}")
         key, offset = generator.claim(n)
         return (key if isinstance(generator, SecureNoiseGenerator) else _philox_words(key)), offset
     if generator is not None:
@@ -457,7 +459,8 @@ def _op_parameters(distribution: str, scale: float, generator) -> tuple[str, flo
     return distribution, scale, 0
 
 
-def _draw(distribution: str, size, scale: float, scale_name: str, generator, key, offset, dtype, device) -> torch.Tensor:
+def _draw(distribution: str, size, scale: float, scale_name: str, generator, key, offset, dtype,
+          device) -> torch.Tensor:
     dims = _size(size)
     scale = _check_scale(scale, scale_name)
     _check_generator(generator)
@@ -480,8 +483,8 @@ def _check_inplace_target(x: torch.Tensor) -> None:
     if torch.is_grad_enabled() and x.requires_grad:
         if x.is_leaf:
             raise RuntimeError("x is a leaf tensor that requires grad: it cannot be used in an in-place operation "
-                               "(torch's own in-place ops refuse it too); use the out-of-place add_*_noise, or wrap the "
-                               "call in torch.no_grad()")
+                               "(torch's own in-place ops refuse it too); use the out-of-place add_*_noise, "
+                               "or wrap the call in torch.no_grad()")
         base = x._base
         if base is not None and base.is_leaf and base.requires_grad:
             raise RuntimeError("x is a view of a leaf tensor that requires grad: it cannot be used in an in-place "
@@ -611,7 +614,8 @@ def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Te
     if not isinstance(y, torch.Tensor) or not isinstance(mu, torch.Tensor):
         raise TypeError("y and mu must be torch tensors")
     if mu.ndim != 1 or y.ndim < 1 or y.shape[-1:] != mu.shape:
-        raise ValueError(f"y must have shape (..., p) with mu of shape (p,), got {tuple(y.shape)} and {tuple(mu.shape)}")
+        raise ValueError("y must have shape (..., p) with mu of shape (p,), "
+                         f"got {tuple(y.shape)} and {tuple(mu.shape)}")
     p = mu.shape[0]
     if p < 2:
         raise ValueError(f"mu must have p >= 2 coordinates (a direction on S^(p-1)), got p = {p}")
@@ -694,6 +698,6 @@ def add_laplace_noise_(x: torch.Tensor, scale: float, *, generator: Optional[Noi
     return _add("laplace", x, scale, "scale", generator, key, offset, inplace=True)
 
 
-for _op in (gaussian_noise, laplace_noise, add_gaussian_noise, add_gaussian_noise_, add_laplace_noise, add_laplace_noise_,
-            vmf_sample):
+for _op in (gaussian_noise, laplace_noise, add_gaussian_noise, add_gaussian_noise_, add_laplace_noise,
+            add_laplace_noise_, vmf_sample):
     _op.__doc__ += _STREAM_DOC

@@ -46,7 +46,8 @@ class PrivleakDPOptimizer(DPOptimizer):
                  expected_batch_size: Optional[int], loss_reduction: str = "mean", mechanism: str = "gaussian",
                  kappa: Optional[float] = None, noise_generator=None, **kwargs):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise validation.ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise validation.ArgumentTypeError("optimizer must be a torch.optim.Optimizer, "
+                                               f"got {type(optimizer).__name__}")
         noise_multiplier = validation.non_negative(noise_multiplier, "noise_multiplier")
         max_grad_norm = validation.positive(max_grad_norm, "max_grad_norm")
         if expected_batch_size is not None:

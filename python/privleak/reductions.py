@@ -194,7 +194,8 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
             center.address if center else 0, _arrays.address(out.value), _arrays.address(out.index))
     if q.is_cuda:
         cuda = _backend.cuda()
-        workspace_bytes = cuda.nearest_workspace_bytes(metric, q.dtype, n_queries, n_inputs, tensor_cores, q.device_index)
+        workspace_bytes = cuda.nearest_workspace_bytes(metric, q.dtype, n_queries, n_inputs, tensor_cores,
+                                                       q.device_index)
         workspace = _arrays.empty(q, (workspace_bytes,), "uint8") if workspace_bytes else None
         cuda.nearest(*args, tensor_cores, _arrays.address(workspace) if workspace_bytes else 0, q.device_index,
                      q.stream)

@@ -48,7 +48,8 @@ def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
     mask = np.uint64(0xFFFFFFFF)
     for _ in range(10):
         p0, p1 = _PHILOX_MUL[0] * c[0], _PHILOX_MUL[1] * c[2]
-        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), p0 & mask]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & mask,
+             (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), p0 & mask]
         k0, k1 = (k0 + _PHILOX_WEYL[0]) & 0xFFFFFFFF, (k1 + _PHILOX_WEYL[1]) & 0xFFFFFFFF
     return np.stack(c, axis=-1).astype(np.uint32)
 

@@ -99,7 +99,8 @@ def settings(experiment: Experiment, dim: int) -> list:
                 rows.append(Setting(mechanism, epsilon, sigma, math.nan, bits))
             else:
                 kappa = epsilon / 2.0
-                rows.append(Setting(mechanism, epsilon, math.nan, kappa, capacity.dpsgd_vmf(dim, kappa).log_capacity().bits))
+                rows.append(Setting(mechanism, epsilon, math.nan, kappa,
+                                    capacity.dpsgd_vmf(dim, kappa).log_capacity().bits))
     return rows
 
 
@@ -406,7 +407,8 @@ def write_outputs(experiment: Experiment, results: Results, out: str) -> dict:
     paths = {name: os.path.join(out, name) for name in
              ("reconstructions.csv", "epsilon_vs_mse.png", "capacity_vs_mse.png", "reconstructions.png", "report.md")}
     write_csv(results.rows, paths["reconstructions.csv"])
-    _plot_mse_against(summaries, results.rows, "epsilon", "epsilon of one update (local DP)", paths["epsilon_vs_mse.png"])
+    _plot_mse_against(summaries, results.rows, "epsilon", "epsilon of one update (local DP)",
+                      paths["epsilon_vs_mse.png"])
     _plot_mse_against(summaries, results.rows, "log2_capacity", "log2 Bayes capacity of one update (bits)",
                       paths["capacity_vs_mse.png"])
     _plot_reconstructions(results, experiment.grid_epsilons, paths["reconstructions.png"])
