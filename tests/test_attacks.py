@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from skimage.metrics import structural_similarity
 
-from privleak import accounting, attacks, datasets, dpsgd
+from privleak import accounting, attacks, datasets, dpsgd, mechanisms
 from privleak.models import PaperNetwork, parameter_count
 
 
@@ -168,9 +168,17 @@ def test_a_noiseless_update_is_inverted_almost_exactly(mnist):
     result = attacks.invert_gradients(model, clean, (1, 28, 28), settings=settings,
                                       generator=torch.Generator().manual_seed(0))
     assert torch.equal(result.labels, labels)
-    # A failed attack scores about 0.4 (a noise image), the digits' own pixel variance is about 0.1.
-    assert float(attacks.mse(result.images, images).max()) < 0.02
-    assert float(attacks.ssim(result.images, images).mean()) > 0.8
+    # Which images come out best depends on the trajectory (the signed-gradient Adam follows the
+    # float rounding of the CPU's kernels), so assert on the median image and on a baseline that
+    # needs no attack: guessing the data set's mean digit (MSE 0.057-0.076, SSIM 0.16-0.18 here;
+    # a failed attack, a noise image, scores about 0.37). Margin: over 13 runs (seeds 0-7 native,
+    # 3 seeds on SSE4.1 and 2 on AVX2 kernels) the median MSE was 0.005-0.014, the worst image 0.035
+    # (0.62 of its mean-digit MSE) and the median SSIM 0.73-0.87.
+    mse, ssim = attacks.mse(result.images, images), attacks.ssim(result.images, images)
+    mean_digit = attacks.mse(mnist.images.mean(0, keepdim=True).expand_as(images), images)
+    assert float(mse.median()) < 0.025
+    assert bool((mse < mean_digit).all()), (mse, mean_digit)
+    assert float(ssim.median()) > 0.65
     # The images stay in the box, and the reported objective is theirs (checked by plain autograd).
     assert float(result.images.min()) >= 0.0 and float(result.images.max()) <= 1.0
     np.testing.assert_allclose(result.objective.numpy(),
@@ -189,16 +197,23 @@ def test_mse_rises_with_the_noise(mnist):
     for seed, epsilon in enumerate((math.inf, 1e5, 1e3)):
         sigma = 0.0 if math.isinf(epsilon) else 2 * accounting.analytic_gaussian_noise_multiplier(epsilon, 1e-5)
         config = dpsgd.DPSGDConfig(1.0, "gaussian", noise_multiplier=sigma)
-        one_by_one = [dpsgd.privatize([g[i:i + 1] for g in grads], config, 1, generator=None)
+        noise = mechanisms.NoiseGenerator(seed)
+        one_by_one = [dpsgd.privatize([g[i:i + 1] for g in grads], config, 1, generator=noise)
                       for i in range(len(rows))]
         updates.append([torch.stack(parts) for parts in zip(*one_by_one)])
     leaked = [torch.cat(parts) for parts in zip(*updates)]
     result = attacks.invert_gradients(model, leaked, (1, 28, 28), labels=labels.repeat(3),
                                       settings=attacks.InvertingGradients(iterations=600),
                                       generator=torch.Generator().manual_seed(1))
-    mse = attacks.mse(result.images, images.repeat(3, 1, 1, 1)).reshape(3, len(rows)).mean(1)
-    assert float(mse[0]) < float(mse[1]) < float(mse[2])
-    assert float(mse[2]) > 10 * float(mse[0])
+    mse = attacks.mse(result.images, images.repeat(3, 1, 1, 1)).reshape(3, len(rows))
+    # Medians over the 4 images, not means: one image the noiseless attack misses (MSE up to 0.057)
+    # would otherwise dominate. Each step at least doubles the median. Margin: over 10 runs (8
+    # starting seeds native, 2 on SSE4.1 kernels, each with fresh noise) the medians were 0.006-0.023,
+    # 0.084-0.093 and 0.362-0.371, ratios >= 3.7 and >= 4.0; an attack that learns nothing from the
+    # update scores about the same at every level.
+    median = mse.double().quantile(0.5, dim=1)
+    assert 2 * float(median[0]) < float(median[1]), mse
+    assert 2 * float(median[1]) < float(median[2]), mse
 
 
 def test_restarts_keep_the_lowest_objective_and_per_attack_parameters_are_used(mnist):
@@ -216,7 +231,9 @@ def test_restarts_keep_the_lowest_objective_and_per_attack_parameters_are_used(m
     np.testing.assert_allclose(result.objective.numpy(),
                                _objective_by_autograd(_network(5), result.images, labels, leaked, settings.tv_weight,
                                                       params), atol=2e-5)
-    # The returned restart is the best one, and the restarts really differ.
+    # The returned restart is the best one, and the restarts really differ. Only the last check
+    # depends on where the 40 iterations lead: over 6 starting seeds each attack's worst restart
+    # ended >= 3e-4 above its best (objectives 0.002-0.018), far beyond float32 rounding.
     assert result.restart_objectives.shape == (2, 3)
     assert torch.equal(result.objective, result.restart_objectives.min(1).values)
     assert bool((result.restart_objectives.max(1).values > result.objective).all())

@@ -103,9 +103,14 @@ def test_the_noiseless_attack_beats_the_noisy_ones(small_run):
     results, paths, _ = small_run
     summaries = {(s.setting.mechanism, s.setting.epsilon): s
                  for s in reproduce.summarise(reproduce.read_csv(paths["reconstructions.csv"]), results.settings)}
-    noiseless = summaries[("none", math.inf)].mean_mse
+    # Medians over the 3 clients (one client's attack may stall on another CPU's trajectory), and
+    # each step at least doubles the median. Margin: over 7 runs (seeds 0-5 native, 0 on SSE4.1
+    # kernels) the medians were <= 0.0003 noiseless, 0.0025-0.006 at epsilon 1e6 and 0.33-0.45 at
+    # epsilon 100, ratios >= 8 and >= 50; an attack that ignores the update scores alike at every level.
+    noiseless = summaries[("none", math.inf)].median_mse
     for mechanism in ("gaussian", "vmf"):
-        assert noiseless < summaries[(mechanism, 1e6)].mean_mse < summaries[(mechanism, 100.0)].mean_mse
+        weak, strong = summaries[(mechanism, 1e6)].median_mse, summaries[(mechanism, 100.0)].median_mse
+        assert 2 * noiseless < weak and 2 * weak < strong, (mechanism, noiseless, weak, strong)
 
 
 def _summary(mechanism, epsilon, log2_capacity, mse):
