@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -41,3 +42,20 @@ def test_thread_count_is_validated(threads):
         privleak.set_num_threads(0)
     with pytest.raises(TypeError, match="threads must be an int"):
         privleak.set_num_threads(1.5)
+
+
+@pytest.mark.parametrize("requested", ["default", "avx2", "avx512", "native", None])
+def test_cpu_capability_follows_the_environment_up_to_what_the_cpu_has(requested):
+    # PRIVLEAK_CPU_CAPABILITY lowers the path to the one named; it never raises it above the CPU's.
+    from privleak import _backend
+
+    paths = ["default", "avx2", "avx512"]
+    best = _backend.core.build_info()["cpu_best_capability"]
+    env = {k: v for k, v in os.environ.items() if k != "PRIVLEAK_CPU_CAPABILITY"}
+    if requested is not None:
+        env["PRIVLEAK_CPU_CAPABILITY"] = requested
+    code = "import privleak; print(privleak.info()['cpu_capability'])"
+    chosen = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                            env=env).stdout.strip()
+    want = best if requested in (None, "native") else paths[min(paths.index(requested), paths.index(best))]
+    assert chosen == want

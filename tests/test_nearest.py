@@ -14,7 +14,8 @@ from privleak import _backend, reference
 from privleak.reductions import NEAREST_METRICS
 
 # (n_queries, n_inputs, p): single rows and columns, sizes off the kernels' tiles (16 or 8
-# queries x 6 inputs) and blocks (120 inputs, 256 or 128 coordinates), several input blocks.
+# queries x 6 inputs with AVX2, 32 or 16 x 12 with AVX-512) and blocks (120 inputs, 256 or 128
+# coordinates), several input blocks.
 SHAPES = [(1, 1, 1), (1, 7, 1), (5, 1, 3), (17, 121, 2), (37, 500, 64), (9, 250, 257), (40, 130, 300), (600, 61, 20)]
 
 
@@ -125,27 +126,118 @@ def test_result_bits_do_not_depend_on_thread_count(shape, metric, threads):
         assert other.value.tobytes() == results[0].value.tobytes()
 
 
-def call_core(queries, inputs, metric, force_portable):
+def call_core(queries, inputs, metric, capability=None):
+    """The CPU kernel on `capability`'s path (None: the one chosen at load time), rows read with
+    the arrays' row strides."""
     value, index = np.empty(len(queries)), np.empty(len(queries), dtype=np.int64)
     center = inputs.mean(axis=0).astype(inputs.dtype)
-    _backend.core.nearest(metric, queries.dtype.name, queries.ctypes.data, len(queries), queries.shape[1],
-                          inputs.ctypes.data, len(inputs), inputs.shape[1], queries.shape[1], center.ctypes.data,
-                          value.ctypes.data, index.ctypes.data, force_portable)
+    itemsize = queries.dtype.itemsize
+    _backend.core.nearest(metric, queries.dtype.name, queries.ctypes.data, len(queries), queries.strides[0] // itemsize,
+                          inputs.ctypes.data, len(inputs), inputs.strides[0] // itemsize, queries.shape[1],
+                          center.ctypes.data, value.ctypes.data, index.ctypes.data, capability)
     return value, index
 
 
+CPU_PATHS = ["default", "avx2", "avx512"]
+CPU_BEST = _backend.core.build_info()["cpu_best_capability"]
+
+
+def skip_unless_cpu_runs(path):
+    if CPU_PATHS.index(path) > CPU_PATHS.index(CPU_BEST):
+        pytest.skip(f"this CPU has no {path} (its best path is {CPU_BEST})")
+
+
+# (n_queries, n_inputs, p) off every tile edge: query tiles of 16 or 32 float32 (8 or 16 float64)
+# and input tiles of 6 or 12; input blocks of 120; coordinate blocks of 128 or 256 float32 (128
+# float64) coordinates; one query block (inputs packed by each thread) and several (packed once).
+PATH_SHAPES = [(1, 1, 1), (33, 131, 1), (47, 250, 3), (37, 251, 64), (17, 13, 129), (600, 130, 300),
+               (65, 121, 1000), (1100, 37, 64)]
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+@pytest.mark.parametrize("data", ["normal", "small integers"])
 @pytest.mark.parametrize("metric", NEAREST_METRICS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-# One and several coordinate blocks; one query block (inputs packed as they go) and two (packed once).
-@pytest.mark.parametrize("shape", [(37, 251, 64), (20, 130, 300), (600, 130, 300)])
-def test_simd_kernel_gives_the_portable_kernels_bits(shape, dtype, metric):
-    # The portable kernel is common/nearest.h written out; the AVX2 kernel must match it exactly.
-    rng = np.random.default_rng(5)
-    queries = rng.standard_normal(shape[::2]).astype(dtype)
-    inputs = rng.standard_normal(shape[1:]).astype(dtype)
-    simd = call_core(queries, inputs, metric, force_portable=False)
-    portable = call_core(queries, inputs, metric, force_portable=True)
+@pytest.mark.parametrize("shape", PATH_SHAPES)
+def test_simd_paths_give_the_portable_kernels_bits(shape, dtype, metric, data, path):
+    # The portable kernel is common/nearest.h written out; the AVX2 and AVX-512 kernels (other
+    # tile shapes, the same operations per pair) must match it exactly: values and indices. Small
+    # integers make many exact ties, which must go to the same (lowest) index on every path. The
+    # rows are read through strides wider than p.
+    skip_unless_cpu_runs(path)
+    n_queries, n_inputs, p = shape
+    rng = np.random.default_rng(n_queries + n_inputs + p)
+    def draw(n):
+        return rng.standard_normal((n, p + 5)) if data == "normal" else rng.integers(-2, 3, (n, p + 5))
+
+    queries, inputs = draw(n_queries).astype(dtype)[:, 2:p + 2], draw(n_inputs).astype(dtype)[:, 3:p + 3]
+    portable = call_core(queries, inputs, metric, "default")
+    simd = call_core(queries, inputs, metric, path)
     assert simd[0].tobytes() == portable[0].tobytes() and simd[1].tobytes() == portable[1].tobytes()
+
+
+@pytest.mark.parametrize("metric", NEAREST_METRICS)
+def test_every_path_sends_duplicated_inputs_to_the_lowest_index(metric):
+    # Copies of each input at j and 2n - 1 - j, across tiles, blocks and ranges of every path.
+    rng = np.random.default_rng(11)
+    inputs = rng.standard_normal((500, 40)).astype(np.float32)
+    queries = rng.standard_normal((70, 40)).astype(np.float32)
+    twice = np.concatenate([inputs, inputs[::-1]])
+    want = call_core(queries, inputs, metric, "default")
+    for path in CPU_PATHS[:CPU_PATHS.index(CPU_BEST) + 1]:
+        got = call_core(queries, twice, metric, path)
+        assert got[1].tobytes() == want[1].tobytes() and got[0].tobytes() == want[0].tobytes(), path
+
+
+def test_the_load_time_path_is_the_reported_one():
+    rng = np.random.default_rng(12)
+    queries, inputs = rng.standard_normal((40, 70)), rng.standard_normal((300, 70))
+    chosen, named = call_core(queries, inputs, "inner_product"), call_core(
+        queries, inputs, "inner_product", privleak.info()["cpu_capability"])
+    assert chosen[1].tobytes() == named[1].tobytes() and chosen[0].tobytes() == named[0].tobytes()
+
+
+def test_a_path_the_cpu_lacks_or_an_unknown_one_is_refused():
+    x = np.ones((3, 4))
+    with pytest.raises(ValueError, match="capability must be 'default', 'avx2' or 'avx512'"):
+        call_core(x, x, "l1", "sse2")
+    if CPU_BEST != "avx512":
+        with pytest.raises(ValueError, match="this CPU cannot run the avx512 path"):
+            call_core(x, x, "l1", "avx512")
+
+
+AVX2_TIER = ["avx2", "fma", "f16c"]
+AVX512_TIER = AVX2_TIER + ["avx512f", "avx512bw", "avx512dq", "avx512vl"]
+
+
+@pytest.mark.parametrize(
+    "features, requested, chosen",
+    [
+        ([], None, "default"),
+        ([], "avx512", "default"),  # a request above what the CPU has gets the best it has
+        (["avx2", "fma"], None, "default"),  # AVX2 without F16C
+        (AVX2_TIER, None, "avx2"),
+        (AVX2_TIER, "avx512", "avx2"),
+        (AVX2_TIER, "default", "default"),
+        (AVX2_TIER + ["avx512f"], None, "avx2"),  # AVX-512 F alone (Xeon Phi) is not the avx512 tier
+        (AVX2_TIER + ["avx512f", "avx512bw", "avx512dq"], "avx512", "avx2"),  # no VL
+        (["avx512f", "avx512bw", "avx512dq", "avx512vl"], None, "default"),  # no AVX2 tier under it
+        (AVX512_TIER, None, "avx512"),
+        (AVX512_TIER, "native", "avx512"),
+        (AVX512_TIER, "avx512", "avx512"),
+        (AVX512_TIER, "avx2", "avx2"),
+        (AVX512_TIER, "default", "default"),
+        (AVX512_TIER, "AVX2", "avx512"),  # names are exact; unrecognised ones request nothing
+    ],
+)
+def test_the_load_time_choice_never_exceeds_the_cpu(features, requested, chosen):
+    assert _backend.core.choose_cpu_capability(features, requested) == chosen
+
+
+def test_the_choice_for_this_cpu_is_the_reported_one():
+    assert CPU_PATHS.index(privleak.info()["cpu_capability"]) <= CPU_PATHS.index(CPU_BEST)
+    with pytest.raises(ValueError, match="unknown CPU feature 'sse9'"):
+        _backend.core.choose_cpu_capability(["sse9"])
 
 
 def test_row_stride_views_are_read_in_place():

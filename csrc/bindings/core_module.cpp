@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -41,17 +42,22 @@ PYBIND11_MODULE(_core, m) {
       "nearest",
       [](const std::string& metric, const std::string& dtype, std::uintptr_t queries, int64_t n_queries,
          int64_t query_stride, std::uintptr_t inputs, int64_t n_inputs, int64_t input_stride, int64_t p,
-         std::uintptr_t center, std::uintptr_t out_value, std::uintptr_t out_index, bool force_portable) {
+         std::uintptr_t center, std::uintptr_t out_value, std::uintptr_t out_index,
+         const std::optional<std::string>& capability) {
         const privleak::NearestMetric m = marshal::parse_metric(metric);
         const privleak::DType type = privleak::parse_dtype(dtype);
+        // None: the path chosen at load time. Tests name one to compare the paths' bits.
+        privleak::cpu::CpuCapability path = privleak::cpu::cpu_capability_level();
+        if (capability && !privleak::cpu::parse_capability(capability->c_str(), &path))
+          throw std::invalid_argument("capability must be 'default', 'avx2' or 'avx512', got '" + *capability + "'");
         py::gil_scoped_release release;
         privleak::cpu::nearest(type, m, as_pointer(queries), n_queries, query_stride, as_pointer(inputs), n_inputs,
                                input_stride, p, as_pointer(center), as_pointer<double>(out_value),
-                               as_pointer<int64_t>(out_index), force_portable);
+                               as_pointer<int64_t>(out_index), path);
       },
       py::arg("metric"), py::arg("dtype"), py::arg("queries"), py::arg("n_queries"), py::arg("query_stride"),
       py::arg("inputs"), py::arg("n_inputs"), py::arg("input_stride"), py::arg("p"), py::arg("center"),
-      py::arg("out_value"), py::arg("out_index"), py::arg("force_portable") = false);
+      py::arg("out_value"), py::arg("out_index"), py::arg("capability") = py::none());
 
   m.def(
       "apply_noise",
@@ -120,11 +126,29 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("threads"));
   m.def("num_threads", &privleak::cpu::max_threads);
 
+  // The load-time choice of cpu/platform.h for the CPU features named in `features` (avx2, fma,
+  // f16c, avx512f, avx512bw, avx512dq, avx512vl) and PRIVLEAK_CPU_CAPABILITY = `requested`: lets
+  // tests check the choice for CPUs other than this one.
+  m.def("choose_cpu_capability", [](const std::vector<std::string>& features,
+                                    const std::optional<std::string>& requested) {
+    privleak::cpu::CpuFeatures f;
+    for (const std::string& name : features) {
+      bool* flag = name == "avx2" ? &f.avx2 : name == "fma" ? &f.fma : name == "f16c" ? &f.f16c
+                 : name == "avx512f" ? &f.avx512f : name == "avx512bw" ? &f.avx512bw
+                 : name == "avx512dq" ? &f.avx512dq : name == "avx512vl" ? &f.avx512vl : nullptr;
+      if (!flag) throw std::invalid_argument("unknown CPU feature '" + name + "'");
+      *flag = true;
+    }
+    return std::string(privleak::cpu::capability_name(privleak::cpu::choose_capability(
+        privleak::cpu::best_capability(f), requested ? requested->c_str() : nullptr)));
+  }, py::arg("features"), py::arg("requested") = py::none());
+
   m.def("build_info", [] {
     py::dict info;
     info["compiler"] = PRIVLEAK_COMPILER;
     info["openmp"] = privleak::cpu::has_openmp();
     info["cpu_capability"] = privleak::cpu::cpu_capability();
+    info["cpu_best_capability"] = privleak::cpu::capability_name(privleak::cpu::cpu_best_capability());
     info["openmp_threads"] = privleak::cpu::max_threads();
 #if defined(PRIVLEAK_SANITIZE)
     info["sanitizers"] = "address,undefined";

@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
-// Hand-written AVX2 (and F16C, which every AVX2 CPU has) paths, taken when the CPU has them.
+// Hand-written AVX2 (and F16C, which every AVX2 CPU has) and AVX-512 paths, taken when the CPU has
+// them. Their functions carry target attributes: the rest of the build targets baseline x86-64.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PRIVLEAK_X86_AVX2 1
 #include <immintrin.h>
@@ -60,24 +62,98 @@ inline void set_num_threads(int threads) {
 #endif
 }
 
-// Whether the hand-written AVX2 paths run: on x86-64 CPUs with AVX2 and F16C, unless
-// PRIVLEAK_CPU_CAPABILITY=default (read at the first use) asks for the portable loops. Both give
-// the same bits. The compiler-made clones above are chosen by the CPU alone.
-inline bool avx2_enabled() {
-#if defined(PRIVLEAK_X86_AVX2)
-  static const bool enabled = [] {
-    const char* requested = std::getenv("PRIVLEAK_CPU_CAPABILITY");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-           !(requested && std::strcmp(requested, "default") == 0);
-  }();
-  return enabled;
-#else
-  return false;
-#endif
+// Which hand-written SIMD paths run. The tiers are ordered: a CPU that runs the AVX-512 paths
+// runs the AVX2 paths of kernels that have no AVX-512 path. Every path gives the same bits.
+//   default  portable loops (any CPU)
+//   avx2     AVX2 with FMA and F16C (Haswell, Zen and later)
+//   avx512   AVX-512 F, BW, DQ and VL (x86-64-v4: Skylake-SP, Ice Lake, Sapphire Rapids, Zen 4 and later)
+enum class CpuCapability : int { portable = 0, avx2 = 1, avx512 = 2 };
+
+// The instruction-set extensions the tiers need, as the CPU (and the OS, which must save the
+// wider registers) reports them.
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false;
+};
+
+// The best tier that `features` allow.
+inline CpuCapability best_capability(const CpuFeatures& f) {
+  if (!(f.avx2 && f.fma && f.f16c)) return CpuCapability::portable;
+  if (!(f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl)) return CpuCapability::avx2;
+  return CpuCapability::avx512;
 }
 
-// "avx2" or "default": which paths run on this CPU.
-inline const char* cpu_capability() { return avx2_enabled() ? "avx2" : "default"; }
+inline const char* capability_name(CpuCapability c) {
+  switch (c) {
+    case CpuCapability::avx512:
+      return "avx512";
+    case CpuCapability::avx2:
+      return "avx2";
+    default:
+      return "default";
+  }
+}
+
+// "default", "avx2" or "avx512" into `out`; false for any other name.
+inline bool parse_capability(const char* name, CpuCapability* out) {
+  if (!name) return false;
+  for (CpuCapability c : {CpuCapability::portable, CpuCapability::avx2, CpuCapability::avx512}) {
+    if (std::strcmp(name, capability_name(c)) == 0) {
+      *out = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The tier that runs: the best the CPU has, lowered to `requested` (PRIVLEAK_CPU_CAPABILITY)
+// when that names a lower one. A request above what the CPU has gets the best it has; null,
+// "native" or an unrecognised name asks for nothing.
+inline CpuCapability choose_capability(CpuCapability best, const char* requested) {
+  CpuCapability asked;
+  if (!parse_capability(requested, &asked)) return best;
+  return static_cast<int>(asked) < static_cast<int>(best) ? asked : best;
+}
+
+// What this CPU reports (no request applied).
+inline CpuFeatures detect_cpu_features() {
+  CpuFeatures f;
+#if defined(PRIVLEAK_X86_AVX2)
+  __builtin_cpu_init();
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = __builtin_cpu_supports("fma");
+  f.f16c = __builtin_cpu_supports("f16c");
+  f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512dq = __builtin_cpu_supports("avx512dq");
+  f.avx512vl = __builtin_cpu_supports("avx512vl");
+#endif
+  return f;
+}
+
+// The best tier this CPU can run, whatever PRIVLEAK_CPU_CAPABILITY says.
+inline CpuCapability cpu_best_capability() {
+  static const CpuCapability best = best_capability(detect_cpu_features());
+  return best;
+}
+
+// The tier the kernels run, fixed at the first use: cpu_best_capability() lowered by
+// PRIVLEAK_CPU_CAPABILITY ("default", "avx2" or "avx512"). The compiler-made clones above are
+// chosen by the CPU alone.
+inline CpuCapability cpu_capability_level() {
+  static const CpuCapability level =
+      choose_capability(cpu_best_capability(), std::getenv("PRIVLEAK_CPU_CAPABILITY"));
+  return level;
+}
+
+// Whether the hand-written AVX2 (and F16C) paths run: at the avx2 tier and above.
+inline bool avx2_enabled() { return cpu_capability_level() != CpuCapability::portable; }
+
+// Whether the hand-written AVX-512 paths run.
+inline bool avx512_enabled() { return cpu_capability_level() == CpuCapability::avx512; }
+
+// "avx512", "avx2" or "default": which paths run on this CPU.
+inline const char* cpu_capability() { return capability_name(cpu_capability_level()); }
 
 inline bool has_openmp() {
 #if defined(_OPENMP)
