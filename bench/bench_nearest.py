@@ -1,6 +1,7 @@
 """Sup over inputs (nearest input): privleak.nearest against chunked torch and faiss-cpu, in one run.
 
     python bench/bench_nearest.py [--sizes 10000 100000] [--dims 64 256 1024] [--metrics ...]
+    OMP_NUM_THREADS=1 PRIVLEAK_CPU_CAPABILITY=avx2 python bench/bench_nearest.py --threads 1 --sizes 4000
 
 For each size N and dimension p, the same float32 data (N queries, N inputs, standard normal) go
 to every library; each returns, for every query, the best input's index:
@@ -13,8 +14,11 @@ to every library; each returns, for every query, the best input's index:
 GFLOP/s count 2p operations per (query, input) pair for the inner product and squared L2 (one
 multiply-add per coordinate, as for GEMM) and 3p for L1 (subtract, absolute value, add). The
 fraction is of this machine's sgemm rate, the better of numpy's and torch's float32 matmul on
-4096 x 4096 matrices, timed in the same rounds as the libraries. On a GPU the same is done with CUDA tensors
-(fp32 and TF32 paths, against torch on the GPU) and the fraction is of the card's peak.
+4096 x 4096 matrices, timed in the same rounds as the libraries ("of torch sgemm": torch's alone).
+The header names the CPU and privleak's CPU path (privleak.info()["cpu_capability"]: "avx512",
+"avx2" or "default"; PRIVLEAK_CPU_CAPABILITY picks a lower one), and each row repeats the path.
+On a GPU the same is done with CUDA tensors (fp32 and TF32 paths, against torch on the GPU) and
+the fraction is of the card's peak.
 Each timing is the best of --repeat runs (more for short ones, fewer past 30 s), the libraries
 and sgemm taking turns, after a warm-up on a slice of the queries (the machine may be shared:
 the best run is the least disturbed).
@@ -122,6 +126,21 @@ def gpu_peaks(torch):
     return name, None
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its family/model numbers (Linux), else what platform says."""
+    import platform
+
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000], help="N = number of queries = inputs")
@@ -145,7 +164,8 @@ def main() -> None:
     if faiss is not None:
         faiss.omp_set_num_threads(args.threads)
     sgemm = sgemm_runs(torch)
-    print(f"privleak {privleak.__version__}, {args.threads} threads")
+    path = privleak.info()["cpu_capability"]
+    print(f"privleak {privleak.__version__}, {args.threads} threads, CPU path {path}; CPU {cpu_name()}")
     print(f"torch {torch.__version__ if torch else 'not installed'}, "
           f"faiss {faiss.__version__ if faiss else 'not installed'}\n")
     cuda = torch is not None and torch.cuda.is_available() and privleak.info()["cuda_usable"]
@@ -173,9 +193,12 @@ def main() -> None:
                 seconds, indices = best_times(runs, warm_ups, args.repeat)
                 t_ours = seconds["privleak"]
                 sgemm_rate = 2 * SGEMM_SIDE**3 / min(seconds[name] for name in sgemm)
-                row = {"metric": METRIC_NAMES[metric], "N": n, "p": p, "privleak s": f"{t_ours:.3f}",
+                row = {"metric": METRIC_NAMES[metric], "N": n, "p": p, "path": path, "privleak s": f"{t_ours:.3f}",
                        "GFLOP/s": f"{flops / t_ours / 1e9:.1f}", "sgemm GFLOP/s": f"{sgemm_rate / 1e9:.1f}",
                        "of sgemm": f"{flops / t_ours / sgemm_rate:.0%}"}
+                if "sgemm torch" in seconds:
+                    torch_rate = 2 * SGEMM_SIDE**3 / seconds["sgemm torch"]
+                    row["of torch sgemm"] = f"{flops / t_ours / torch_rate:.0%}"
                 for name in ("torch", "faiss"):
                     if name in runs:
                         row.update({f"{name} s": f"{seconds[name]:.3f}", f"vs {name}": f"{seconds[name] / t_ours:.2f}x",
