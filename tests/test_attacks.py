@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from skimage.metrics import structural_similarity
-
 from privleak import accounting, attacks, datasets, dpsgd, mechanisms
 from privleak.models import PaperNetwork, parameter_count
+from skimage.metrics import structural_similarity
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +118,10 @@ def test_total_variation_matches_loops():
     x = torch.rand(3, 2, 5, 7, dtype=torch.float64)
     a = x.numpy()
     for n in range(3):
-        vertical = np.mean([abs(a[n, c, i + 1, j] - a[n, c, i, j]) for c in range(2) for i in range(4) for j in range(7)])
-        horizontal = np.mean([abs(a[n, c, i, j + 1] - a[n, c, i, j]) for c in range(2) for i in range(5) for j in range(6)])
+        vertical = np.mean([abs(a[n, c, i + 1, j] - a[n, c, i, j])
+                            for c in range(2) for i in range(4) for j in range(7)])
+        horizontal = np.mean([abs(a[n, c, i, j + 1] - a[n, c, i, j])
+                              for c in range(2) for i in range(5) for j in range(6)])
         assert float(attacks.total_variation(x)[n]) == pytest.approx(vertical + horizontal, rel=1e-12)
 
 
@@ -263,4 +264,5 @@ def test_bad_leaked_updates_are_rejected(mnist):
     with pytest.raises(ValueError, match="labels holds 3 labels for 2 attacks"):
         attacks.invert_gradients(model, good, (1, 28, 28), labels=torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="parameters holds"):
-        attacks.invert_gradients(model, good, (1, 28, 28), parameters=[p.detach()[None] for p in model.parameters()][:2])
+        attacks.invert_gradients(model, good, (1, 28, 28),
+                                 parameters=[p.detach()[None] for p in model.parameters()][:2])

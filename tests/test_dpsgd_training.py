@@ -3,11 +3,10 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.functional import cross_entropy
-
 from privleak import dpsgd
 from privleak import mechanisms as M
 from privleak.opacus_interop import PrivleakDPOptimizer  # Opacus is a test dependency: no skip without it
+from torch.nn.functional import cross_entropy
 
 
 def small_model(seed=0):
@@ -32,7 +31,8 @@ def loop_per_sample_gradients(model, x, y):
 
 def test_per_sample_gradients_match_one_backward_per_example():
     model, (x, y) = small_model(), data()
-    for got, want in zip(dpsgd.per_sample_gradients(model, cross_entropy, x, y), loop_per_sample_gradients(model, x, y)):
+    for got, want in zip(dpsgd.per_sample_gradients(model, cross_entropy, x, y),
+                         loop_per_sample_gradients(model, x, y)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
@@ -48,7 +48,8 @@ def test_gaussian_step_matches_a_hand_written_dp_sgd_step():
     z = M.gaussian_noise(sum(p.numel() for p in model.parameters()), key=42).double()
     want, start = [], 0
     for p0, g in zip(before, grads):
-        noisy = (factors.view(-1, *[1] * (g.ndim - 1)) * g.double()).sum(0) + sigma * c * z[start:start + p0.numel()].view_as(p0)
+        noise = sigma * c * z[start:start + p0.numel()].view_as(p0)
+        noisy = (factors.view(-1, *[1] * (g.ndim - 1)) * g.double()).sum(0) + noise
         want.append(p0 - lr * noisy / expected)
         start += p0.numel()
     optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
@@ -84,7 +85,8 @@ def test_a_zero_average_releases_a_uniform_direction():
 def test_an_empty_poisson_batch_is_a_step(mechanism):
     model = small_model()
     config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism=mechanism, noise_multiplier=1.5, kappa=10.0)
-    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, 24, generator=M.NoiseGenerator(4))
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, 24,
+                                  generator=M.NoiseGenerator(4))
     empty = [torch.empty(0, *p.shape) for p in model.parameters()]
     update = torch.cat([u.reshape(-1) for u in optimizer.step(empty)])
     if mechanism == "gaussian":
@@ -153,7 +155,8 @@ def test_privleak_inside_opacus_gives_opacus_update_without_noise():
 
 
 def test_privleak_noise_inside_opacus_is_privleaks_noise():
-    got, grad_samples = opacus_grads(lambda o: PrivleakDPOptimizer.from_opacus(o, noise_generator=M.NoiseGenerator(5)), 1.3)
+    got, grad_samples = opacus_grads(
+        lambda o: PrivleakDPOptimizer.from_opacus(o, noise_generator=M.NoiseGenerator(5)), 1.3)
     want = dpsgd.clip_and_accumulate(grad_samples, 0.5, noise_std=1.3 * 0.5, key=5, batch_size=24.0).grads
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b.view_as(a), rtol=1e-5, atol=1e-6)
@@ -231,7 +234,8 @@ def test_privacy_report_puts_epsilon_next_to_capacity():
 
     model, (x, y) = small_model(), data()
     optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=1.1), 24, generator=M.NoiseGenerator(0))
+                                  dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=1.1), 24,
+                                  generator=M.NoiseGenerator(0))
     for _ in range(3):
         optimizer.step(dpsgd.per_sample_gradients(model, cross_entropy, x, y))
     report = optimizer.privacy_report(dataset_size=600, delta=1e-5)

@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import pytest
-
 from privleak import attacks, bayesian_privacy, cli, estimation
 
 SMALL = estimation.Estimation(dataset="sklearn-digits", epsilons=(1e6,), mechanisms=("vmf",), images=3, releases=3,

@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from privleak import dpsgd, fl
 
 

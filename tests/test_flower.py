@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
-
 from privleak import dpsgd, fl, flower
 from privleak.models import PaperNetwork
 

@@ -4,7 +4,6 @@ import re
 
 import numpy as np
 import pytest
-
 from privleak import accounting, attacks, capacity, cli, reproduce
 from privleak.models import PaperNetwork, parameter_count
 
