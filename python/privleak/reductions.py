@@ -223,6 +223,8 @@ _MAX_ROW_CHUNKS = 1024
 _NEAREST_MAX_RANGE = 1 << 30
 _NEAREST_INPUT_BLOCK = 120
 _NEAREST_QUERY_BLOCK = 512
+_NEAREST_TILE_QUERIES = 32  # the widest tile (AVX-512 float32): query blocks are whole tiles
+_NEAREST_TILE_INPUTS = 12
 _NEAREST_PACKED_INPUT_BUDGET = 512 << 20
 _NEAREST_PACKED_QUERY_BUDGET = 1 << 20
 
@@ -258,7 +260,8 @@ def _nearest_bytes(metric: str, q: _arrays.ArrayView, n_queries: int, n_inputs: 
     ranges = max(-(-n_inputs // _NEAREST_MAX_RANGE), min(-(-2 * threads // query_blocks),
                                                         -(-n_inputs // _NEAREST_INPUT_BLOCK)))
     total += ranges * n_queries * (itemsize + 8)
-    total += min(n_inputs * p * itemsize, _NEAREST_PACKED_INPUT_BUDGET)
-    query_block = min(_NEAREST_QUERY_BLOCK, n_queries)
+    total += min(-(-n_inputs // _NEAREST_TILE_INPUTS) * _NEAREST_TILE_INPUTS * p * itemsize,
+                 _NEAREST_PACKED_INPUT_BUDGET)
+    query_block = min(_NEAREST_QUERY_BLOCK, -(-n_queries // _NEAREST_TILE_QUERIES) * _NEAREST_TILE_QUERIES)
     total += threads * itemsize * (min(query_block * p, _NEAREST_PACKED_QUERY_BUDGET) + 2048 * query_block)
     return total
