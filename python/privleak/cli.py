@@ -14,6 +14,7 @@ the command with one line, ``privleak <command>: error: argument --option: ...``
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -49,38 +50,31 @@ class _BadOption(Exception):
         super().__init__(f"argument {option}: {message}")
 
 
-def _real_type(description: str, **limits):
-    """A ``type=`` function: the text as a float passing ``validation.real(**limits)``."""
+def _checked_type(parse, check, description: str, type_name: str):
+    """A ``type=`` function: ``parse(text)`` (float or int) checked by a :mod:`privleak.validation`
+    rule; argparse reports a refusal as one line naming the option."""
 
-    def real(text: str) -> float:
+    def convert(text: str):
         try:
-            number = float(text)  # takes 'nan' and 'inf' too: validation refuses them
+            value = parse(text)  # float() takes 'nan' and 'inf' too: validation refuses them
         except ValueError:
-            number = text  # refused below as not a number
+            value = text  # refused by the check as not a number
         try:
-            return validation.real(number, "value", **limits)
+            return check(value, "value")
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
 
-    real.__name__ = "real number"
-    return real
+    convert.__name__ = type_name  # argparse names the expected type with it
+    return convert
+
+
+def _real_type(description: str, **limits):
+    return _checked_type(float, functools.partial(validation.real, **limits), description, "real number")
 
 
 def _integer_type(description: str, **limits):
-    """A ``type=`` function: the text as an int passing ``validation.integer(**limits)``."""
-
-    def integer(text: str) -> int:
-        try:
-            number = int(text, 10)
-        except ValueError:
-            number = text
-        try:
-            return validation.integer(number, "value", **limits)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
-
-    integer.__name__ = "integer"
-    return integer
+    return _checked_type(functools.partial(int, base=10), functools.partial(validation.integer, **limits),
+                         description, "integer")
 
 
 _EPSILON = _real_type("a finite number > 0", low=0.0, low_open=True)
