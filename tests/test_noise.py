@@ -1,5 +1,6 @@
 """Counter-based Gaussian and Laplace noise: bits against the numpy reference, distributions
 against scipy, and the torch op contract."""
+import json
 import os
 import subprocess
 import sys
@@ -10,8 +11,8 @@ import pytest
 import scipy.stats
 import torch
 from conftest import requires_cuda
+from privleak import _backend, reference
 from privleak import mechanisms as M
-from privleak import reference
 
 # Random123's known-answer vectors for Philox4x32-10 (tests/kat_vectors): counter, key, output.
 PHILOX_KAT = [
@@ -58,27 +59,66 @@ def test_bits_do_not_depend_on_threads_or_on_how_a_draw_is_split(distribution, t
     assert torch.equal(whole, torch.cat([fn(n, generator=generator) for n in (1, 299_999, 1)]))
 
 
-def test_portable_and_vectorised_cpu_paths_give_the_same_bits():
-    # A second interpreter runs the portable loops (PRIVLEAK_CPU_CAPABILITY=default); this one runs
-    # the AVX2 path where the CPU has it (on other CPUs both run the portable loops). Both must
-    # give the numpy reference's bits, across a 2^32 carry of the block counter.
-    n, key, offset = 5003, 9, 4 * 2**32 - 37
-    cases = [(distribution, dtype) for distribution in DISTRIBUTIONS for dtype in DTYPES]
-    code = (
-        "import sys, torch, privleak\n"
-        "from privleak import mechanisms as M\n"
-        "assert privleak.info()['cpu_capability'] == 'default'\n"
-        f"draws = [fn({n}, key={key}, offset={offset}, dtype=d) for fn in (M.gaussian_noise, M.laplace_noise)\n"
-        "         for d in (torch.float32, torch.float64)]\n"
-        "sys.stdout.write(b''.join(x.numpy().tobytes() for x in draws).hex())\n"
-    )
-    env = dict(os.environ, PRIVLEAK_CPU_CAPABILITY="default")
-    portable = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    here = b"".join(draw(distribution, n, key, offset, dtype).numpy().tobytes() for distribution, dtype in cases)
-    want = b"".join(reference.noise(distribution, n, key, offset, np.dtype(str(dtype).removeprefix("torch.")))
-                    .tobytes() for distribution, dtype in cases)
-    assert bytes.fromhex(portable) == want
-    assert here == want
+CPU_PATHS = ["default", "avx2", "avx512"]
+CPU_BEST = _backend.core.build_info()["cpu_best_capability"]
+# (distribution, output dtype, mode, n, offset). 4 * 2**32 - 37: the blocks cross a 2^32 carry of
+# the counter's low word inside a vector of blocks (float and double generation); the offsets and
+# sizes are no multiples of the lanes (64 blocks a batch, 8 or 16 blocks a vector); 300_001
+# elements split over threads and many batches.
+PATH_CASES = [(distribution, dtype, mode, 5003, 4 * 2**32 - 37) for distribution in DISTRIBUTIONS
+              for dtype in ("float32", "float64", "bfloat16", "float16") for mode in ("new", "add", "add_")]
+PATH_CASES += [("gaussian", "float32", "new", 300_001, 7), ("laplace", "float64", "add_", 300_001, 2**40 + 3),
+               ("gaussian", "float64", "new", 1, 3), ("laplace", "float32", "add", 3, 2**32 - 1)]
+PATH_KEY, PATH_SCALE = 0xDEADBEEF12345678, 0.75
+# Run in a second interpreter, under PRIVLEAK_CPU_CAPABILITY (read once, at the first use).
+PATH_CODE = """
+import json, sys, torch, privleak
+from privleak import mechanisms as M
+assert privleak.info()["cpu_capability"] == sys.argv[1], privleak.info()["cpu_capability"]
+out = []
+for distribution, dtype, mode, n, offset in json.loads(sys.argv[2]):
+    dtype = getattr(torch, dtype)
+    if mode == "new":
+        fn = M.gaussian_noise if distribution == "gaussian" else M.laplace_noise
+        z = fn(n, %r, key=%d, offset=offset, dtype=dtype)
+    else:
+        x = torch.linspace(-3, 3, n, dtype=torch.float64).to(dtype)
+        fn = getattr(M, f"add_{distribution}_noise{'_' if mode == 'add_' else ''}")
+        z = fn(x, %r, key=%d, offset=offset)
+    out.append(z.view(torch.uint8).numpy().tobytes())
+sys.stdout.write(b"".join(out).hex())
+""" % (PATH_SCALE, PATH_KEY, PATH_SCALE, PATH_KEY)
+
+
+def path_case_bits(distribution, dtype, mode, n, offset):
+    # The numpy reference's noise in the generation type (float64 for float64, else float32),
+    # scaled there, added there to the input for the add modes, and rounded once to the output.
+    out = getattr(torch, dtype)
+    gen = torch.float64 if out == torch.float64 else torch.float32
+    z = torch.from_numpy(reference.noise(distribution, n, PATH_KEY, offset, np.dtype(str(gen).removeprefix("torch."))))
+    noise = z * torch.tensor(PATH_SCALE, dtype=gen)
+    if mode != "new":
+        noise = torch.linspace(-3, 3, n, dtype=torch.float64).to(out).to(gen) + noise
+    return noise.to(out).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_portable_and_vectorised_cpu_paths_give_the_same_bits(path):
+    # Each CPU path (portable loops, AVX2, AVX-512: Philox, the transform and the interleave) in
+    # its own interpreter must give the numpy reference's bits, for both distributions, every
+    # output dtype, new draws, out-of-place and in-place addition.
+    if CPU_PATHS.index(path) > CPU_PATHS.index(CPU_BEST):
+        pytest.skip(f"this CPU cannot run the {path} path (its best is {CPU_BEST})")
+    env = dict(os.environ, PRIVLEAK_CPU_CAPABILITY=path)
+    got = subprocess.run([sys.executable, "-c", PATH_CODE, path, json.dumps(PATH_CASES)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    got = bytes.fromhex(got)
+    start = 0
+    for case in PATH_CASES:
+        want = path_case_bits(*case)
+        assert got[start:start + len(want)] == want, (path, case)
+        start += len(want)
+    assert start == len(got)
 
 
 def test_streams_are_independent_across_distributions_and_dtypes():
