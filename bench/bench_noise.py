@@ -5,6 +5,8 @@
 Pairs compare like with like: a new tensor (privleak.gaussian_noise vs torch.randn) and noise
 written into an existing tensor (privleak add in place vs torch's normal_ / exponential_). GB/s is
 output bytes written per second; its fraction is of the copy bandwidth measured in this run.
+The header and every row name privleak's CPU path (privleak.info()["cpu_capability"]: avx512,
+avx2 or default; PRIVLEAK_CPU_CAPABILITY=avx2 lowers it) and the header names the CPU.
 """
 from __future__ import annotations
 
@@ -16,14 +18,31 @@ from _measure import copy_bandwidth, seconds, table
 from privleak import mechanisms as M
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its family/model numbers (Linux), else what platform says."""
+    import platform
+
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7])
     args = parser.parse_args()
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and privleak.info()["cuda_usable"] else [])
     bandwidth = copy_bandwidth()
+    path = privleak.info()["cpu_capability"]
     print(f"privleak {privleak.__version__}, torch {torch.__version__}, {privleak.num_threads()} privleak threads, "
-          f"{torch.get_num_threads()} torch threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
+          f"{torch.get_num_threads()} torch threads; CPU path {path}; CPU {cpu_name()}; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
     rows = []
     for device in devices:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -41,7 +60,8 @@ def main() -> None:
                     t_ours, t_torch = seconds(ours, sync=sync), seconds(theirs, sync=sync)
                     nbytes = n * x.element_size()
                     rows.append({
-                        "device": device, "n": f"{n:.0e}", "dtype": str(dtype).removeprefix("torch."), "op": name,
+                        "device": device, "path": path if device == "cpu" else "", "n": f"{n:.0e}",
+                        "dtype": str(dtype).removeprefix("torch."), "op": name,
                         "privleak ms": f"{t_ours * 1e3:.2f}", "torch ms": f"{t_torch * 1e3:.2f}",
                         "speed-up": f"{t_torch / t_ours:.2f}x", "GB/s": f"{nbytes / t_ours / 1e9:.1f}",
                         "of copy bw": f"{nbytes / t_ours / bandwidth:.0%}" if device == "cpu" else "",
