@@ -95,11 +95,20 @@ def test_tensors_without_plain_strided_data_are_type_errors(make, words):
 def test_check_allocation_refuses_more_than_is_available(monkeypatch):
     like = _arrays.view(np.zeros(2), "x")
     monkeypatch.setattr(_arrays, "_cpu_available_bytes", lambda: 1000)
+    monkeypatch.setattr(_arrays, "_UNCHECKED_BYTES", 0)
     _arrays.check_allocation(1000, like, "op")
     with pytest.raises(MemoryError, match="op needs 1001 bytes"):
         _arrays.check_allocation(1001, like, "op")
     with pytest.raises(ValueError):
         _arrays.check_allocation(1001, like, "op")
+
+
+def test_small_allocations_ask_the_system_nothing(monkeypatch):
+    def unreachable():
+        raise AssertionError("asked the system for the available memory")
+
+    monkeypatch.setattr(_arrays, "_cpu_available_bytes", unreachable)
+    _arrays.check_allocation(_arrays._UNCHECKED_BYTES - 1, _arrays.view(np.zeros(2), "x"), "op")
 
 
 def test_cpu_available_bytes_is_positive_and_below_physical_memory():

@@ -198,6 +198,7 @@ def test_outputs_larger_than_memory_are_refused_before_allocating(monkeypatch):
     from privleak import _arrays
 
     monkeypatch.setattr(_arrays, "_cpu_available_bytes", lambda: 10_000)
+    monkeypatch.setattr(_arrays, "_UNCHECKED_BYTES", 0)
     privleak.column_stats(np.ones((2, 10)), stats="max")
     with pytest.raises(MemoryError, match=r"column_stats needs \d+ bytes"):
         privleak.column_stats(np.ones((2, 1000)))

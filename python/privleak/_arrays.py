@@ -169,6 +169,9 @@ def convert_like(x: Any, name: str, like: ArrayView) -> ArrayView:
     return view(x, name, dtypes=(like.dtype,))
 
 
+_UNCHECKED_BYTES = 64 << 20
+
+
 class AllocationTooLarge(MemoryError, ValueError):
     """An op's outputs or workspace would not fit in memory. Both a MemoryError and a ValueError."""
 
@@ -213,8 +216,11 @@ def _cpu_available_bytes() -> int:
 
 
 def check_allocation(nbytes: int, like: ArrayView, what: str) -> None:
-    """Raise :class:`AllocationTooLarge` (before allocating) if ``nbytes`` exceed :func:`available_bytes`."""
-    if nbytes <= 0:
+    """Raise :class:`AllocationTooLarge` (before allocating) if ``nbytes`` exceed :func:`available_bytes`.
+
+    Below 64 MiB nothing is read: asking the system costs tens of microseconds, as much as a small
+    op itself, and no machine privleak runs on lacks that much."""
+    if nbytes < _UNCHECKED_BYTES:
         return
     available = available_bytes(like)
     if nbytes > available:
