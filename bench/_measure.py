@@ -74,3 +74,18 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.rjust(widths[c]) for c in columns)]
     lines += ["  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its family/model numbers (Linux), else what platform says."""
+    import platform
+
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"

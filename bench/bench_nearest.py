@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import privleak  # noqa: E402
-from _measure import table  # noqa: E402
+from _measure import cpu_name, table  # noqa: E402
 
 METRIC_NAMES = {"inner_product": "max <x,y>", "squared_l2": "min |x-y|^2", "l1": "min |x-y|_1"}
 FLOPS_PER_COORDINATE = {"inner_product": 2, "squared_l2": 2, "l1": 3}
@@ -124,21 +124,6 @@ def gpu_peaks(torch):
         if all(word in name for word in words.split()):
             return name, (fp32, tf32)
     return name, None
-
-
-def cpu_name() -> str:
-    """The CPU's model name and its family/model numbers (Linux), else what platform says."""
-    import platform
-
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
-    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 def main() -> None:

@@ -14,23 +14,8 @@ import argparse
 
 import privleak
 import torch
-from _measure import copy_bandwidth, seconds, table
+from _measure import copy_bandwidth, cpu_name, seconds, table
 from privleak import mechanisms as M
-
-
-def cpu_name() -> str:
-    """The CPU's model name and its family/model numbers (Linux), else what platform says."""
-    import platform
-
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
-    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 def main() -> None:
