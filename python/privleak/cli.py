@@ -5,8 +5,9 @@ the command with one line, ``privleak <command>: error: argument --option: ...``
 2. Each option's range is what the code behind it needs:
 
 - numbers: ``type=`` functions built on :mod:`privleak.validation` (NaN and infinities are refused
-  everywhere; epsilons > 0, delta in (0, 1), SSIM threshold in [-1, 1), counts >= 1, images >= 2,
-  seed in [0, 2^63));
+  everywhere; epsilons > 0, delta in (0, 1) (an audited claim's delta in [0, 1), > 0 for the
+  Gaussian), confidence in (0, 1), SSIM threshold in [-1, 1), counts >= 1, images >= 2, audit
+  releases in [2, 10^8], seed in [0, 2^63));
 - after parsing: no value repeated in a list option, ``--out`` an existing writable folder or one
   that can be created, ``--dataset`` a known name or a readable folder holding IDX files with
   enough images for the clients asked for (only the files' headers are read).
@@ -83,6 +84,9 @@ _THRESHOLD = _real_type("an SSIM in [-1, 1)", low=-1.0, high=1.0, high_open=True
 _COUNT = _integer_type("an integer >= 1", low=1)
 _IMAGES = _integer_type("an integer >= 2 (the prior is uniform over the images)", low=2)
 _SEED = _integer_type("an integer in [0, 2^63)", low=0, high=SEED_LIMIT - 1)
+_DELTA_OR_ZERO = _real_type("a number in [0, 1)", low=0.0, high=1.0, high_open=True)
+_CONFIDENCE = _real_type("a number in (0, 1)", low=0.0, high=1.0, low_open=True, high_open=True)
+_RELEASES = _integer_type("an integer in [2, 10^8]", low=2, high=10**8)  # privleak.audit.release.MAX_RELEASES
 
 
 def _check_distinct(args: argparse.Namespace, names: tuple) -> None:
@@ -264,6 +268,71 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_audit_release(args: argparse.Namespace) -> dict:
+    """audit_release's arguments; the checks that span options (the Gaussian needs delta > 0)."""
+    from privleak.audit import release
+
+    delta = release.DEFAULT_DELTA[args.mechanism] if args.delta is None else args.delta
+    if args.mechanism == "gaussian" and delta == 0.0:
+        raise _BadOption("--delta", "must be > 0 for the gaussian mechanism (no Gaussian noise gives pure DP), got 0")
+    return {"mechanism": args.mechanism, "epsilon": args.epsilon, "delta": delta, "releases": args.releases,
+            "confidence": args.confidence, "seed": args.seed}
+
+
+def _audit_release(args: argparse.Namespace) -> int:
+    from privleak.audit import audit_release
+
+    result = audit_release(**args.prepared)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, allow_nan=False))
+        return 0
+    noise = {"gaussian": "noise std", "laplace": "Laplace scale", "vmf": "kappa"}[result.mechanism]
+    where = f" on S^{result.dim - 1}" if result.mechanism == "vmf" else ""
+    print(f"{result.mechanism} mechanism{where}, {noise} {result.noise:.6g}: {result.releases} releases on each of "
+          f"two neighbouring inputs x0, x1 ({result.selection_releases} choose the test, "
+          f"{result.evaluation_releases} measure it), seed {result.seed}")
+    print(f"claimed epsilon      {result.epsilon:g} at delta {result.delta:g} "
+          f"(privleak's accountant for this noise: {result.accountant_epsilon:.6g})")
+    print(f"audited lower bound  {result.lower_bound:.4f} at {result.confidence:g} confidence "
+          f"({result.lower_bound / result.epsilon:.1%} of the claim)")
+    statistic = "e1.y" if result.mechanism == "vmf" else "y"
+    print(f"attack               'x1 if {statistic} > {result.threshold:.6g}': FPR {result.fpr:.4g} (upper bound "
+          f"{result.fpr_upper:.4g}), FNR {result.fnr:.4g} (upper bound {result.fnr_upper:.4g})")
+    print(f"Bayes capacity       log {result.log_capacity:.4f} nats of one release")
+    if result.lower_bound > result.epsilon:
+        print("the audit contradicts the claim: the mechanism is not as private as claimed (or this is the "
+              f"{1 - result.confidence:g} chance of a false alarm)")
+    return 0
+
+
+def _add_audit_commands(commands) -> None:
+    """``privleak audit``, a command with its own subcommands (``release``; more go beside it)."""
+    audit = commands.add_parser("audit", help="statistical lower bounds on epsilon from attacks on real releases",
+                                description="Privacy auditing: run a mechanism, attack its outputs and turn the "
+                                            "attack's error rates into a lower bound on epsilon.")
+    audit_commands = audit.add_subparsers(dest="audit_command", required=True)
+    release = audit_commands.add_parser(
+        "release", help="audit one release of the Gaussian, Laplace or VMF mechanism in isolation",
+        description="Release the mechanism on two worst-case neighbouring inputs --releases times each (privleak's "
+                    "keyed noise), attack with a threshold test on the privacy-loss statistic chosen on a quarter of "
+                    "the releases, bound its error rates on the rest (Clopper-Pearson) and print the lower bound on "
+                    "epsilon that holds with probability --confidence.")
+    release.add_argument("--mechanism", required=True, choices=["gaussian", "laplace", "vmf"],
+                         help="gaussian (std from the exact (epsilon, delta) calibration), laplace (scale 1 / epsilon) "
+                              "or vmf (kappa = epsilon / 2 on S^1, antipodal means)")
+    release.add_argument("--epsilon", required=True, type=_EPSILON, help="the claimed epsilon, finite and > 0")
+    release.add_argument("--delta", type=_DELTA_OR_ZERO,
+                         help="the claimed delta, in [0, 1); > 0 for gaussian (default 1e-5 for gaussian, 0 for "
+                              "laplace and vmf)")
+    release.add_argument("--releases", type=_RELEASES, default=100_000,
+                         help="releases on each neighbour, in [2, 10^8] (default 100000; ~1 s per 10^6)")
+    release.add_argument("--confidence", type=_CONFIDENCE, default=0.95,
+                         help="probability that the bound is below the true epsilon, in (0, 1) (default 0.95)")
+    release.add_argument("--seed", type=_SEED, default=0, help="key of the noise, an integer in [0, 2^63) (default 0)")
+    release.add_argument("--json", action="store_true", help="print the result as JSON")
+    release.set_defaults(run=_audit_release, prepare=_prepare_audit_release, parser=release)
+
+
 def _add_sweep_arguments(command: argparse.ArgumentParser, default_epsilons: str) -> None:
     """The arguments ``reproduce`` and ``estimate`` share: where to write, what data, which sweep."""
     command.add_argument("--out", required=True,
@@ -318,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--threshold", type=_THRESHOLD,
                           help="a run names no image unless its best SSIM exceeds this; in [-1, 1) (default 0)")
     estimate.set_defaults(run=_estimate, prepare=_prepare_estimate, parser=estimate)
+    _add_audit_commands(commands)
     return parser
 
 
@@ -329,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     if prepare is not None:
         try:
             _check_distinct(args, ("epsilons", "grid_epsilons", "mechanisms"))
-            _check_out(args.out)
+            if hasattr(args, "out"):  # commands that write files
+                _check_out(args.out)
             args.prepared = prepare(args)
         except _BadOption as error:
             args.parser.error(str(error))
