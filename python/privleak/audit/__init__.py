@@ -29,4 +29,13 @@ __all__ = [
 ]
 
 # --- one-run auditing (privleak.audit.one_run) ------------------------------------------------
-# (imports and __all__ entries of the one-run audit go here)
+# Steinke, Nasr and Jagielski (NeurIPS 2023): m canaries in one run, an exact binomial bound.
+from privleak.audit.one_run import (  # noqa: E402
+    OneRunAudit,
+    audit_dpsgd,
+    audit_one_run,
+    one_run_epsilon_lower_bound,
+    one_run_p_value,
+)
+
+__all__ += ["OneRunAudit", "audit_dpsgd", "audit_one_run", "one_run_epsilon_lower_bound", "one_run_p_value"]
