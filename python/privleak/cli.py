@@ -275,6 +275,7 @@ def _prepare_audit_release(args: argparse.Namespace) -> dict:
     delta = release.DEFAULT_DELTA[args.mechanism] if args.delta is None else args.delta
     if args.mechanism == "gaussian" and delta == 0.0:
         raise _BadOption("--delta", "must be > 0 for the gaussian mechanism (no Gaussian noise gives pure DP), got 0")
+    release._check_noise(args.mechanism, args.epsilon, delta, 1.0, None)  # the calibration exists (ValueError: exit 2)
     return {"mechanism": args.mechanism, "epsilon": args.epsilon, "delta": delta, "releases": args.releases,
             "confidence": args.confidence, "seed": args.seed}
 
