@@ -282,13 +282,27 @@ def audit_release(mechanism: str, epsilon: float, *, delta: Optional[float] = No
             scale, VMF kappa), > 0.
         selection_fraction: share of the releases that chooses the threshold, in (0, 1).
 
-    Cost: O(releases) time (O(releases * dim) for VMF) and 16 bytes per release pair; 10^6
-    releases take about a second on one core.
+    Cost: O(releases) time (O(releases * dim) for VMF) and 16 bytes per release pair, plus a
+    sort of the selection quarter: 10^7 Gaussian releases per neighbour take about 0.2 s on 2 cores.
 
-    Power measured (tests/test_audit_release.py, README): with 4 x 10^6 releases, 95% confidence,
-    the Gaussian at delta = 1e-5 reaches >= 0.7 of epsilon for epsilon in [1, 8]
-    (fewer releases reach less: about 0.55-0.65 at 10^5); Laplace and VMF (dim 2), pure DP, reach
-    about 0.9 of epsilon already at 10^5 releases.
+    Power measured (95% confidence, seeds 0-4, fraction of epsilon reached, mean (smallest); the
+    tests assert the Gaussian's 0.7 at 10^7 and Laplace's and VMF's 0.85 at 10^5):
+
+    ===========================  =============  =============  =============  =============
+    releases per neighbour       epsilon 1      epsilon 2      epsilon 4      epsilon 8
+    ===========================  =============  =============  =============  =============
+    Gaussian, delta 1e-5, 10^5   0.54 (0.50)    0.62 (0.60)    0.61 (0.55)    0.55 (0.53)
+    Gaussian, delta 1e-5, 10^6   0.70 (0.65)    0.76 (0.72)    0.74 (0.72)    0.67 (0.65)
+    Gaussian, delta 1e-5, 10^7   0.88 (0.82)    0.88 (0.86)    0.84 (0.81)    0.75 (0.72)
+    Laplace, 10^5                0.98 (0.97)    0.98 (0.97)    0.97 (0.96)    0.94 (0.89)
+    VMF on S^1, 10^5             0.93 (0.92)    0.96 (0.94)    0.95 (0.92)    0.92 (0.91)
+    ===========================  =============  =============  =============  =============
+
+    The Gaussian needs the most: its (epsilon, delta) curve is reached only at error rates of
+    order delta, which take ~1/delta releases to see. VMF's audit weakens with the dimension (at
+    10^5 releases and epsilon 4: 0.94 of 2 kappa on S^2, 0.73 on S^9, 0.20 on S^99), as e1.y
+    concentrates near 0 where the log ratio 2 kappa e1.y is small: 2 kappa is the worst case, not
+    the typical loss.
 
     Raises ValueError (or :class:`privleak.validation.ArgumentTypeError`) naming the argument for
     any bad argument.
