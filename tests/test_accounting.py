@@ -277,3 +277,17 @@ def test_analytic_gaussian_edge_cases():
     # so much noise that delta alone covers it: delta(0) = 2 Phi(1/(2 sigma)) - 1 < 0.5
     assert 2 * norm.cdf(0.5 / 1e3) - 1 < 0.5
     assert accounting.analytic_gaussian_epsilon(1e3, 0.5) == 0.0
+
+
+@pytest.mark.parametrize("kappa", [17.0, 19.0, 50.0, 1e4])
+def test_vmf_without_subsampling_composes_at_large_kappa(kappa):
+    # q = 1 is T-fold randomised response at eps = 2 kappa; delta falls on its last outcome (all
+    # T first outcomes), so eps_T = T eps + log(1 - delta / p^T), p = e^eps / (1 + e^eps), computed
+    # here in mpmath. 1 - (1 - e^-eps) used to round to 0 above eps = 37 (a math domain error).
+    steps, delta = 10, 1e-5
+    with mpmath.workdps(50):
+        eps = mpmath.mpf(2 * kappa)
+        p = mpmath.exp(eps) / (1 + mpmath.exp(eps))
+        expected = float(steps * eps + mpmath.log(1 - delta / p**steps))
+    got = accounting.vmf_privacy(kappa, steps, delta).epsilon
+    assert got == pytest.approx(expected, rel=1e-12)

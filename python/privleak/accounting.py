@@ -217,6 +217,20 @@ def vmf_privacy(kappa: float, steps: int = 1, delta: float = 0.0, *, sampling_ra
     return VMFPrivacy(kappa, step, _subsampled_pure_dp_composition(step, q, steps, delta), delta)
 
 
+def _log_unamplified_loss(epsilon: float, q: float) -> float:
+    """log(1 - q (1 - e^-eps)) = log((1 - q) + q e^-eps), the privacy loss of the subsampled pair's
+    second outcome: log1p where the argument is small, else a log-sum of the two terms (1 - q
+    (1 - e^-eps) cancels once it is below 1/2, and rounds to 0 for q = 1 and eps > 37)."""
+    shrink = q * -math.expm1(-epsilon)
+    if shrink <= 0.5:
+        return math.log1p(-shrink)
+    if q == 1.0:
+        return -epsilon
+    first, second = math.log1p(-q), math.log(q) - epsilon
+    top = max(first, second)
+    return top + math.log1p(math.exp(min(first, second) - top))
+
+
 def _softplus(x: float) -> float:
     """log(1 + e^x) without overflow."""
     return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
@@ -248,7 +262,7 @@ def _subsampled_pure_dp_composition(epsilon: float, q: float, steps: int, delta:
     log_q0 = -_softplus(epsilon)  # Q: first outcome 1 / (1 + e^eps)
     log_q1 = -_softplus(-epsilon)
     log_p0 = amplified + log_q0  # P' first outcome (1 + q (e^eps - 1)) / (1 + e^eps)
-    loss1 = math.log1p(-q * -math.expm1(-epsilon))  # <= 0; -epsilon when q = 1
+    loss1 = _log_unamplified_loss(epsilon, q)  # <= 0; -epsilon when q = 1
     log_p1 = loss1 + log_q1
     floor = math.log(delta) - 60.0
 
