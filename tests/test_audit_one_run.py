@@ -1,6 +1,7 @@
 """One-run auditing (privleak.audit.one_run): the bound against brute force and mpmath, its
 soundness on mechanisms of known epsilon, its power on DP-SGD, and a noise bug it catches."""
 import itertools
+import json
 import math
 
 import mpmath
@@ -292,3 +293,48 @@ def test_audit_dpsgd_bad_arguments(digits):
         O.audit_dpsgd("model", loss, inputs, targets, config, steps=1)
     with pytest.raises(ValueError, match="steps"):
         O.audit_dpsgd(model, loss, inputs, targets, config, steps=0)
+
+
+# ----------------------------------------------------------------------------- privleak audit run
+
+
+def test_audit_digits_is_the_hand_built_run(digits):
+    # The CLI's experiment is exactly run_audit on a calibrated config: same membership, noise and
+    # guesses. The accountant's epsilon of the calibrated run is the requested one (T Gaussian steps
+    # at sigma sqrt(T) compose to the analytic Gaussian at sigma).
+    expected = run_audit(digits, gaussian_config(4.0), seed=1)
+    got = O.audit_digits("gaussian", 4.0, steps=STEPS, canaries=1000, images=300, seed=1)
+    assert got == expected
+    assert got.epsilon_claimed == pytest.approx(4.0, rel=1e-9)
+    vmf = O.audit_digits("vmf", 4.0, delta=0.0, steps=STEPS, canaries=200, images=50, seed=1)
+    assert vmf.epsilon_claimed == pytest.approx(4.0, rel=1e-12) and vmf.epsilon_lower <= 4.0
+
+
+def test_cli_audit_run_json(capsys):
+    from privleak import cli
+
+    assert cli.main(["audit", "run", "--mechanism", "gaussian", "--epsilon", "4", "--steps", "3", "--canaries",
+                     "200", "--images", "50", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["epsilon"] == pytest.approx(4.0, rel=1e-9) and result["confidence"] == 0.95
+    assert 0.0 <= result["lower_bound"] <= result["epsilon"] and result["canaries"] == 200
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--mechanism", "gaussian", "--epsilon", "1", "--delta", "0"], "--delta"),
+    (["--mechanism", "vmf", "--epsilon", "1", "--secure"], "--secure"),
+    (["--mechanism", "gaussian", "--epsilon", "1", "--canaries", "7851"], "--canaries"),
+    (["--mechanism", "gaussian", "--epsilon", "nan"], "--epsilon"),
+    (["--mechanism", "gaussian", "--epsilon", "1", "--steps", "0"], "--steps"),
+    (["--mechanism", "gaussian", "--epsilon", "1", "--images", "5001"], "--images"),
+    (["--mechanism", "laplace", "--epsilon", "1"], "--mechanism"),
+])
+def test_cli_audit_run_refuses_bad_options(capsys, monkeypatch, argv, named):
+    from privleak import cli
+
+    monkeypatch.setattr(O, "audit_digits", lambda **kwargs: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["audit", "run", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and named in error[0]

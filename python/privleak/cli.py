@@ -306,6 +306,45 @@ def _audit_release(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_audit_run(args: argparse.Namespace) -> dict:
+    """audit_digits's arguments; the checks that span options."""
+    from privleak import accounting
+
+    delta = (1e-5 if args.mechanism == "gaussian" else 0.0) if args.delta is None else args.delta
+    if args.mechanism == "gaussian" and delta == 0.0:
+        raise _BadOption("--delta", "must be > 0 for the gaussian mechanism (no Gaussian noise gives pure DP), got 0")
+    if args.secure and args.mechanism != "gaussian":
+        raise _BadOption("--secure", "secure noise is Gaussian only (VMF has no secure mode)")
+    if args.mechanism == "gaussian":
+        accounting.analytic_gaussian_noise_multiplier(args.epsilon, delta)  # the calibration exists (exit 2)
+    if args.canaries > 784 * 10 + 10:
+        raise _BadOption("--canaries", f"must be at most 7850 (one parameter each), got {args.canaries}")
+    return {"mechanism": args.mechanism, "epsilon": args.epsilon, "delta": delta, "steps": args.steps,
+            "canaries": args.canaries, "images": args.images, "secure": args.secure,
+            "confidence": args.confidence, "seed": args.seed}
+
+
+def _audit_run(args: argparse.Namespace) -> int:
+    from privleak.audit.one_run import audit_digits
+
+    result = audit_digits(**args.prepared)
+    if args.json:
+        print(json.dumps({**result._asdict(), "mechanism": args.mechanism, "steps": args.steps,
+                          "epsilon": result.epsilon_claimed, "lower_bound": result.epsilon_lower}, indent=2))
+        return 0
+    print(f"{args.mechanism} DP-SGD, {args.steps} full-batch steps of a logistic regression on {args.images} "
+          f"MNIST digits, {result.canaries} Dirac gradient canaries ({result.included} included), seed {args.seed}")
+    print(f"claimed epsilon      {result.epsilon_claimed:.6g} at delta {result.delta:g} (privleak's accountant)")
+    print(f"audited lower bound  {result.epsilon_lower:.4f} at {result.confidence:g} confidence "
+          f"({result.epsilon_lower / result.epsilon_claimed:.1%} of the claim)")
+    print(f"guesses              {result.correct} of {result.guesses} right ({result.k_plus} 'in' on the highest "
+          f"scores, {result.k_minus} 'out' on the lowest)")
+    if result.epsilon_lower > result.epsilon_claimed:
+        print("the audit contradicts the claim: the run is not as private as claimed (or this is the "
+              f"{1 - result.confidence:g} chance of a false alarm)")
+    return 0
+
+
 def _add_audit_commands(commands) -> None:
     """``privleak audit``, a command with its own subcommands (``release``; more go beside it)."""
     audit = commands.add_parser("audit", help="statistical lower bounds on epsilon from attacks on real releases",
@@ -332,6 +371,30 @@ def _add_audit_commands(commands) -> None:
     release.add_argument("--seed", type=_SEED, default=0, help="key of the noise, an integer in [0, 2^63) (default 0)")
     release.add_argument("--json", action="store_true", help="print the result as JSON")
     release.set_defaults(run=_audit_release, prepare=_prepare_audit_release, parser=release)
+
+    run = audit_commands.add_parser(
+        "run", help="one-run audit of a DP-SGD training run with gradient canaries (Steinke et al. 2023)",
+        description="Train a logistic regression on the shipped MNIST digits with privleak's DP-SGD for --steps "
+                    "full-batch steps, calibrated to claim --epsilon; inject --canaries Dirac gradient canaries, "
+                    "each included with probability 1/2; guess membership from the released updates and print the "
+                    "one-run lower bound on epsilon that holds with probability --confidence.")
+    run.add_argument("--mechanism", required=True, choices=["gaussian", "vmf"],
+                     help="gaussian (Alg. 1, noise multiplier from the exact calibration) or vmf (Alg. 2, "
+                          "kappa = epsilon / (2 steps))")
+    run.add_argument("--epsilon", required=True, type=_EPSILON, help="the run's claimed epsilon, finite and > 0")
+    run.add_argument("--delta", type=_DELTA_OR_ZERO,
+                     help="the claimed delta, in [0, 1); > 0 for gaussian (default 1e-5 for gaussian, 0 for vmf)")
+    run.add_argument("--steps", type=_COUNT, default=10, help="DP-SGD steps, >= 1 (default 10)")
+    run.add_argument("--canaries", type=_COUNT, default=1000,
+                     help="canaries, >= 1 and at most 7850 (one model parameter each; default 1000)")
+    run.add_argument("--images", type=_integer_type("an integer in [1, 5000]", low=1, high=5000), default=300,
+                     help="training digits, in [1, 5000] (default 300)")
+    run.add_argument("--secure", action="store_true", help="secure Gaussian noise (SecureNoiseGenerator)")
+    run.add_argument("--confidence", type=_CONFIDENCE, default=0.95,
+                     help="probability that the bound is below the true epsilon, in (0, 1) (default 0.95)")
+    run.add_argument("--seed", type=_SEED, default=0, help="an integer in [0, 2^63) (default 0)")
+    run.add_argument("--json", action="store_true", help="print the result as JSON")
+    run.set_defaults(run=_audit_run, prepare=_prepare_audit_run, parser=run)
 
 
 def _add_sweep_arguments(command: argparse.ArgumentParser, default_epsilons: str) -> None:

@@ -9,7 +9,18 @@ is tight.
   VMF mechanism in isolation (thousands to millions of releases on a worst-case neighbouring
   pair, a threshold test on the privacy-loss statistic, Clopper-Pearson bounds on its error
   rates), where an audit can be tight. CLI: ``privleak audit release``.
+- :mod:`privleak.audit.one_run`: one-run auditing of a DP-SGD run (Steinke, Nasr and Jagielski,
+  NeurIPS 2023): m gradient canaries, each included with probability 1/2, guesses on the top and
+  bottom scores, and the paper's exact binomial bound. CLI: ``privleak audit run``.
 """
+from privleak.audit.one_run import (
+    OneRunAudit,
+    audit_digits,
+    audit_dpsgd,
+    audit_one_run,
+    one_run_epsilon_lower_bound,
+    one_run_p_value,
+)
 from privleak.audit.release import (
     MECHANISMS,
     ReleaseAudit,
@@ -21,21 +32,15 @@ from privleak.audit.release import (
 
 __all__ = [
     "MECHANISMS",
+    "OneRunAudit",
     "ReleaseAudit",
+    "audit_digits",
+    "audit_dpsgd",
+    "audit_one_run",
     "audit_release",
     "clopper_pearson_upper",
     "epsilon_lower_bound",
     "laplace_segment_log_capacity",
+    "one_run_epsilon_lower_bound",
+    "one_run_p_value",
 ]
-
-# --- one-run auditing (privleak.audit.one_run) ------------------------------------------------
-# Steinke, Nasr and Jagielski (NeurIPS 2023): m canaries in one run, an exact binomial bound.
-from privleak.audit.one_run import (  # noqa: E402
-    OneRunAudit,
-    audit_dpsgd,
-    audit_one_run,
-    one_run_epsilon_lower_bound,
-    one_run_p_value,
-)
-
-__all__ += ["OneRunAudit", "audit_dpsgd", "audit_one_run", "one_run_epsilon_lower_bound", "one_run_p_value"]

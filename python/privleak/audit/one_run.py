@@ -384,3 +384,41 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     claimed = optimizer.privacy_report(dataset_size=dataset_size, delta=delta).epsilon
     return audit_one_run(scores, included, delta=delta, confidence=confidence, guesses=pairs, seed=seed,
                          epsilon_claimed=claimed)
+
+
+def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: float = 1e-5, steps: int = 10,
+                 canaries: int = 1000, images: int = 300, secure: bool = False, confidence: float = 0.95,
+                 seed: int = 0) -> OneRunAudit:
+    """The one-run audit ``privleak audit run`` performs: full-batch DP-SGD of a logistic regression
+    (784 -> 10, clip norm 1) on the first ``images`` of the shipped MNIST digits for ``steps``
+    steps, calibrated so that the run claims ``epsilon`` at ``delta``, audited with ``canaries``
+    Dirac gradient canaries (:func:`audit_dpsgd`).
+
+    Calibration: T full-batch Gaussian steps of noise multiplier sigma compose exactly to one
+    Gaussian of multiplier sigma / sqrt(T), so sigma = sqrt(T) x the analytic calibration of
+    (epsilon, delta) (Balle and Wang 2018); VMF steps are 2 kappa-DP each and compose to
+    2 kappa T, so kappa = epsilon / (2 T). ``secure`` draws the Gaussian noise from a
+    :class:`~privleak.mechanisms.SecureNoiseGenerator`.
+    """
+    import torch
+
+    from privleak import accounting, datasets, dpsgd
+    from privleak import mechanisms as _mechanisms
+
+    mechanism = validation.choice(mechanism, "mechanism", ("gaussian", "vmf"))
+    epsilon = validation.positive(epsilon, "epsilon")
+    steps = validation.integer(steps, "steps", low=1)
+    images = validation.integer(images, "images", low=1, high=5000)
+    if mechanism == "gaussian":
+        multiplier = accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps)
+        config = dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=multiplier)
+    else:
+        if secure:
+            raise ValueError("secure noise is Gaussian only: VMF has no secure mode")
+        config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=epsilon / (2.0 * steps))
+    data = datasets.mnist_5k()
+    torch.manual_seed(seed)
+    return audit_dpsgd(torch.nn.Linear(784, 10), torch.nn.functional.cross_entropy,
+                       data.images[:images].reshape(images, -1), data.labels[:images], config, steps=steps,
+                       canaries=canaries, delta=delta, confidence=confidence, seed=seed,
+                       generator=_mechanisms.SecureNoiseGenerator() if secure else None)
