@@ -286,6 +286,54 @@ def _canary_gradients(kind: str, m: int, sizes: list[int], clip: list[float], pe
     return directions, directions * np.float32(clip[0])
 
 
+class _CanaryRun:
+    """DP-SGD of ``params`` (SGD at ``lr``, :class:`privleak.dpsgd.DPOptimizer` under ``config``)
+    on the data plus the included canaries ``members`` (indices into the canaries): each step
+    Poisson-samples the data and the included canaries at ``sampling_rate`` (from a torch generator
+    seeded with ``seed``: data first, then canaries), computes the data's per-sample gradients and
+    appends ``canary_gradients(chosen, dtype)`` (one (k, *p.shape) tensor per parameter for the k
+    chosen canaries) after them. Shared by the white-box (:func:`audit_dpsgd`) and black-box
+    (:func:`privleak.audit.black_box.audit_dpsgd_black_box`) audits."""
+
+    def __init__(self, model, loss_fn, inputs, targets, config, params, *, steps, sampling_rate, lr, generator,
+                 members, canary_gradients, seed):
+        import torch
+
+        from privleak import dpsgd
+
+        self.model, self.loss_fn, self.inputs, self.targets = model, loss_fn, inputs, targets
+        self.params, self.steps, self.q, self.members = params, steps, sampling_rate, members
+        self.canary_gradients = canary_gradients
+        self.batches = torch.Generator().manual_seed(seed)
+        self.dataset_size = inputs.shape[0] + members.size
+        self.optimizer = dpsgd.DPOptimizer(torch.optim.SGD(params, lr=lr), config, sampling_rate * self.dataset_size,
+                                           generator=generator)
+
+    def updates(self):
+        """Runs the steps, yielding each step's released update."""
+        import torch
+
+        from privleak import dpsgd
+
+        inputs, targets, q = self.inputs, self.targets, self.q
+        for _ in range(self.steps):
+            take = torch.rand(inputs.shape[0], generator=self.batches) < q
+            chosen = self.members[(torch.rand(self.members.size, generator=self.batches) < q).numpy()]
+            if bool(take.any()):
+                data = [g.detach() for g in dpsgd.per_sample_gradients(self.model, self.loss_fn, inputs[take],
+                                                                       targets[take])]
+            else:
+                data = [p.new_zeros((0, *p.shape)) for p in self.params]
+            extra = self.canary_gradients(chosen, data[0].dtype)
+            per_sample = [torch.cat([g, part.to(g.dtype)]).contiguous() for g, part in zip(data, extra)]
+            yield self.optimizer.step(per_sample)
+
+    def claimed_epsilon(self, delta: float) -> float:
+        """The accountant's epsilon for the steps taken (data set = data + included canaries)."""
+        return self.optimizer.privacy_report(dataset_size=self.dataset_size, delta=delta).epsilon
+
+
+
 def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries: int = 1000,
                 sampling_rate: float = 1.0, lr: float = 0.1, delta: float = 1e-5, confidence: float = 0.95,
                 guesses=None, canary: str = "dirac", seed: int = 0, generator=None) -> OneRunAudit:
@@ -356,41 +404,35 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     directions, rows = _canary_gradients(kind, m, sizes, clip, config.per_layer, rng, mass)
     if kind == "random":
         projection = directions.astype(np.float64)
-    members = np.flatnonzero(included)
-    batches = torch.Generator().manual_seed(seed)
-    dataset_size = inputs.shape[0] + members.size
-    expected_batch_size = q * dataset_size
-    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(params, lr=lr), config, expected_batch_size, generator=generator)
     device = params[0].device
-    scores = np.zeros(m)
-    for _ in range(steps):
-        take = torch.rand(inputs.shape[0], generator=batches) < q
-        chosen = members[(torch.rand(members.size, generator=batches) < q).numpy()]
-        if bool(take.any()):
-            data = [g.detach() for g in dpsgd.per_sample_gradients(model, loss_fn, inputs[take], targets[take])]
-        else:
-            data = [p.new_zeros((0, *p.shape)) for p in params]
+
+    def canary_gradients(chosen: np.ndarray, dtype) -> list:
         if kind == "dirac":
             block = np.zeros((chosen.size, total), dtype=np.float32)
             block[np.arange(chosen.size), directions[chosen]] = rows[chosen]
         else:
             block = rows[chosen]
-        block = torch.from_numpy(block).to(device=device, dtype=data[0].dtype)
-        per_sample = [torch.cat([g, part.reshape(-1, *p.shape)]).contiguous()
-                      for g, part, p in zip(data, block.split(sizes, dim=1), params)]
-        update = optimizer.step(per_sample)
+        block = torch.from_numpy(block).to(device=device, dtype=dtype)
+        return [part.reshape(-1, *p.shape) for part, p in zip(block.split(sizes, dim=1), params)]
+
+    scores = np.zeros(m)
+    run = _CanaryRun(model, loss_fn, inputs, targets, config, params, steps=steps, sampling_rate=q, lr=lr,
+                     generator=generator, members=np.flatnonzero(included), canary_gradients=canary_gradients,
+                     seed=seed)
+    for update in run.updates():
         flat = torch.cat([u.reshape(-1) for u in update]).to(torch.float64).cpu().numpy()
         scores += flat[directions] if kind == "dirac" else projection @ flat
-    claimed = optimizer.privacy_report(dataset_size=dataset_size, delta=delta).epsilon
+    claimed = run.claimed_epsilon(delta)
     return audit_one_run(scores, included, delta=delta, confidence=confidence, guesses=pairs, seed=seed,
                          epsilon_claimed=claimed)
 
 
 def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: float = 1e-5, steps: int = 10,
                  canaries: int = 1000, images: int = 300, secure: bool = False, confidence: float = 0.95,
-                 seed: int = 0) -> OneRunAudit:
+                 seed: int = 0, model: str = "logistic") -> OneRunAudit:
     """The one-run audit ``privleak audit run`` performs: full-batch DP-SGD of a logistic regression
-    (784 -> 10, clip norm 1) on the first ``images`` of the shipped MNIST digits for ``steps``
+    (784 -> 10, 7850 parameters; ``model="paper-cnn"``: :class:`privleak.models.PaperNetwork` on the
+    28 x 28 images, 13426 parameters), clip norm 1, on the first ``images`` of the shipped MNIST digits for ``steps``
     steps, calibrated so that the run claims ``epsilon`` at ``delta``, audited with ``canaries``
     Dirac gradient canaries (:func:`audit_dpsgd`).
 
@@ -409,6 +451,7 @@ def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: fl
     epsilon = validation.positive(epsilon, "epsilon")
     steps = validation.integer(steps, "steps", low=1)
     images = validation.integer(images, "images", low=1, high=5000)
+    model = validation.choice(model, "model", ("logistic", "paper-cnn"))
     if mechanism == "gaussian":
         multiplier = accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps)
         config = dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=multiplier)
@@ -418,7 +461,12 @@ def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: fl
         config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=epsilon / (2.0 * steps))
     data = datasets.mnist_5k()
     torch.manual_seed(seed)
-    return audit_dpsgd(torch.nn.Linear(784, 10), torch.nn.functional.cross_entropy,
-                       data.images[:images].reshape(images, -1), data.labels[:images], config, steps=steps,
+    if model == "logistic":
+        network, inputs = torch.nn.Linear(784, 10), data.images[:images].reshape(images, -1)
+    else:
+        from privleak.models import PaperNetwork
+
+        network, inputs = PaperNetwork(data.image_shape, data.num_classes), data.images[:images]
+    return audit_dpsgd(network, torch.nn.functional.cross_entropy, inputs, data.labels[:images], config, steps=steps,
                        canaries=canaries, delta=delta, confidence=confidence, seed=seed,
                        generator=_mechanisms.SecureNoiseGenerator() if secure else None)
