@@ -213,67 +213,15 @@ struct Avx2<double> {
   }
 };
 
-template <NearestMetric M, class T>
-PRIVLEAK_AVX2 void tile_avx2(const TileArgs<T>& a) {
-  using S = Avx2<T>;
-  using Vec = typename S::Vec;
-  constexpr int Q = Geometry256<T>::Q, L = Q / 2, kInputTile = Geometry256<T>::X;
-  Vec acc[kInputTile][2];
-  PRIVLEAK_UNROLL
-  for (int j = 0; j < kInputTile; ++j) {
-    acc[j][0] = a.first_block ? S::zero() : S::load(a.partial + j * Q);
-    acc[j][1] = a.first_block ? S::zero() : S::load(a.partial + j * Q + L);
-  }
-  const T* q = a.queries;
-  const T* x = a.inputs;
-  for (int64_t k = 0; k < a.depth; ++k, q += Q, x += kInputTile) {
-    const Vec q0 = S::load(q), q1 = S::load(q + L);
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < kInputTile; ++j) {
-      const Vec xj = S::broadcast(x + j);
-      if constexpr (M == NearestMetric::l1) {
-        acc[j][0] = S::add(acc[j][0], S::abs(S::sub(q0, xj)));
-        acc[j][1] = S::add(acc[j][1], S::abs(S::sub(q1, xj)));
-      } else {
-        acc[j][0] = S::fma(q0, xj, acc[j][0]);
-        acc[j][1] = S::fma(q1, xj, acc[j][1]);
-      }
-    }
-  }
-  if (!a.last_block) {
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < kInputTile; ++j) {
-      S::store(a.partial + j * Q, acc[j][0]);
-      S::store(a.partial + j * Q + L, acc[j][1]);
-    }
-    return;
-  }
-  Vec best[2] = {S::load(a.best_score), S::load(a.best_score + L)};
-  typename S::Index best_index[2] = {S::load_index(a.best_index), S::load_index(a.best_index + L)};
-  PRIVLEAK_UNROLL
-  for (int j = 0; j < kInputTile; ++j) {
-    if (j < a.valid_inputs) {
-      PRIVLEAK_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        Vec score;
-        if constexpr (M == NearestMetric::inner_product) {
-          score = S::neg(acc[j][h]);
-        } else if constexpr (M == NearestMetric::squared_l2) {
-          score = S::sub(S::broadcast(a.input_norms + j), S::add(acc[j][h], acc[j][h]));
-        } else {
-          score = acc[j][h];
-        }
-        const Vec wins = S::less(score, best[h]);
-        best[h] = S::select(wins, score, best[h]);
-        best_index[h] = S::select_index(wins, a.first_index + j, best_index[h]);
-      }
-    }
-  }
-  S::store(a.best_score, best[0]);
-  S::store(a.best_score + L, best[1]);
-  S::store_index(a.best_index, best_index[0]);
-  S::store_index(a.best_index + L, best_index[1]);
-}
+#define PRIVLEAK_TILE_NAME tile_avx2
+#define PRIVLEAK_TILE_TARGET PRIVLEAK_AVX2
+#define PRIVLEAK_TILE_OPS Avx2
+#define PRIVLEAK_TILE_GEOMETRY Geometry256
+#include "cpu/nearest_tile.inc"
+#undef PRIVLEAK_TILE_NAME
+#undef PRIVLEAK_TILE_TARGET
+#undef PRIVLEAK_TILE_OPS
+#undef PRIVLEAK_TILE_GEOMETRY
 
 // AVX-512: the same operations on 512-bit vectors, and masks in place of blends.
 template <class T>
@@ -333,67 +281,15 @@ struct Avx512<double> {
   }
 };
 
-template <NearestMetric M, class T>
-PRIVLEAK_AVX512 void tile_avx512(const TileArgs<T>& a) {
-  using S = Avx512<T>;
-  using Vec = typename S::Vec;
-  constexpr int Q = Geometry512<T>::Q, L = Q / 2, kInputTile = Geometry512<T>::X;
-  Vec acc[kInputTile][2];
-  PRIVLEAK_UNROLL
-  for (int j = 0; j < kInputTile; ++j) {
-    acc[j][0] = a.first_block ? S::zero() : S::load(a.partial + j * Q);
-    acc[j][1] = a.first_block ? S::zero() : S::load(a.partial + j * Q + L);
-  }
-  const T* q = a.queries;
-  const T* x = a.inputs;
-  for (int64_t k = 0; k < a.depth; ++k, q += Q, x += kInputTile) {
-    const Vec q0 = S::load(q), q1 = S::load(q + L);
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < kInputTile; ++j) {
-      const Vec xj = S::broadcast(x + j);
-      if constexpr (M == NearestMetric::l1) {
-        acc[j][0] = S::add(acc[j][0], S::abs(S::sub(q0, xj)));
-        acc[j][1] = S::add(acc[j][1], S::abs(S::sub(q1, xj)));
-      } else {
-        acc[j][0] = S::fma(q0, xj, acc[j][0]);
-        acc[j][1] = S::fma(q1, xj, acc[j][1]);
-      }
-    }
-  }
-  if (!a.last_block) {
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < kInputTile; ++j) {
-      S::store(a.partial + j * Q, acc[j][0]);
-      S::store(a.partial + j * Q + L, acc[j][1]);
-    }
-    return;
-  }
-  Vec best[2] = {S::load(a.best_score), S::load(a.best_score + L)};
-  typename S::Index best_index[2] = {S::load_index(a.best_index), S::load_index(a.best_index + L)};
-  PRIVLEAK_UNROLL
-  for (int j = 0; j < kInputTile; ++j) {
-    if (j < a.valid_inputs) {
-      PRIVLEAK_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        Vec score;
-        if constexpr (M == NearestMetric::inner_product) {
-          score = S::neg(acc[j][h]);
-        } else if constexpr (M == NearestMetric::squared_l2) {
-          score = S::sub(S::broadcast(a.input_norms + j), S::add(acc[j][h], acc[j][h]));
-        } else {
-          score = acc[j][h];
-        }
-        const typename S::Mask wins = S::less(score, best[h]);
-        best[h] = S::select(wins, score, best[h]);
-        best_index[h] = S::select_index(wins, a.first_index + j, best_index[h]);
-      }
-    }
-  }
-  S::store(a.best_score, best[0]);
-  S::store(a.best_score + L, best[1]);
-  S::store_index(a.best_index, best_index[0]);
-  S::store_index(a.best_index + L, best_index[1]);
-}
+#define PRIVLEAK_TILE_NAME tile_avx512
+#define PRIVLEAK_TILE_TARGET PRIVLEAK_AVX512
+#define PRIVLEAK_TILE_OPS Avx512
+#define PRIVLEAK_TILE_GEOMETRY Geometry512
+#include "cpu/nearest_tile.inc"
+#undef PRIVLEAK_TILE_NAME
+#undef PRIVLEAK_TILE_TARGET
+#undef PRIVLEAK_TILE_OPS
+#undef PRIVLEAK_TILE_GEOMETRY
 #endif
 
 template <class T>
