@@ -315,30 +315,62 @@ def _prepare_audit_run(args: argparse.Namespace) -> dict:
         raise _BadOption("--delta", "must be > 0 for the gaussian mechanism (no Gaussian noise gives pure DP), got 0")
     if args.secure and args.mechanism != "gaussian":
         raise _BadOption("--secure", "secure noise is Gaussian only (VMF has no secure mode)")
+    from privleak.audit.report import MODEL_PARAMETERS
+
+    epsilons = [args.epsilon] if args.epsilons is None else args.epsilons
     if args.mechanism == "gaussian":
-        accounting.analytic_gaussian_noise_multiplier(args.epsilon, delta)  # the calibration exists (exit 2)
-    if args.canaries > 784 * 10 + 10:
-        raise _BadOption("--canaries", f"must be at most 7850 (one parameter each), got {args.canaries}")
-    return {"mechanism": args.mechanism, "epsilon": args.epsilon, "delta": delta, "steps": args.steps,
+        option = "--epsilon" if args.epsilons is None else "--epsilons"
+        for epsilon in epsilons:  # the calibration exists
+            try:
+                accounting.analytic_gaussian_noise_multiplier(epsilon, delta)
+            except ValueError as error:
+                raise _BadOption(option, f"{epsilon:g}: {error}") from None
+    limit = MODEL_PARAMETERS[args.model]
+    if args.canaries > limit:
+        raise _BadOption("--canaries", f"must be at most {limit} for --model {args.model} (one parameter each), "
+                                       f"got {args.canaries}")
+    return {"mechanism": args.mechanism, "epsilons": epsilons, "delta": delta, "steps": args.steps,
             "canaries": args.canaries, "images": args.images, "secure": args.secure,
-            "confidence": args.confidence, "seed": args.seed}
+            "confidence": args.confidence, "seed": args.seed, "model": args.model}
 
 
 def _audit_run(args: argparse.Namespace) -> int:
+    from privleak.audit import report
     from privleak.audit.one_run import audit_digits
 
-    result = audit_digits(**args.prepared)
-    if args.json:
-        print(json.dumps({**result._asdict(), "mechanism": args.mechanism, "steps": args.steps,
-                          "epsilon": result.epsilon_claimed, "lower_bound": result.epsilon_lower}, indent=2))
+    options = dict(args.prepared)
+    epsilons = options.pop("epsilons")
+    if args.out is not None or args.epsilons is not None:
+        rows = report.audit_sweep(options.pop("mechanism"), epsilons, progress=None if args.quiet
+                                  else _progress_bars(), **options)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        elif args.out is None:
+            for row in rows:
+                print(f"{row['mechanism']:>8} claimed eps={row['epsilon_claimed']:<9.6g} lower bound "
+                      f"{row['lower_bound']:.4f} at {row['confidence']:g} ({row['correct']} of {row['guesses']} "
+                      f"right)  log capacity of one update {row['log_capacity']:.4f} nats")
+        if args.out is not None:
+            for path in report.write_audit_report(rows, args.out).values():
+                print(path, file=sys.stderr if args.json else sys.stdout)
         return 0
-    print(f"{args.mechanism} DP-SGD, {args.steps} full-batch steps of a logistic regression on {args.images} "
+    result = audit_digits(epsilon=epsilons[0], **options)
+    log_capacity = report.update_capacity(args.mechanism, epsilons[0], result.delta, args.steps,
+                                          args.images + result.included, args.model)
+    if args.json:
+        print(json.dumps({**result._asdict(), "mechanism": args.mechanism, "model": args.model, "steps": args.steps,
+                          "epsilon": result.epsilon_claimed, "lower_bound": result.epsilon_lower,
+                          "log_capacity": log_capacity.log, "log2_capacity": log_capacity.bits}, indent=2))
+        return 0
+    model = "a logistic regression" if args.model == "logistic" else "the paper CNN"
+    print(f"{args.mechanism} DP-SGD, {args.steps} full-batch steps of {model} on {args.images} "
           f"MNIST digits, {result.canaries} Dirac gradient canaries ({result.included} included), seed {args.seed}")
     print(f"claimed epsilon      {result.epsilon_claimed:.6g} at delta {result.delta:g} (privleak's accountant)")
     print(f"audited lower bound  {result.epsilon_lower:.4f} at {result.confidence:g} confidence "
           f"({result.epsilon_lower / result.epsilon_claimed:.1%} of the claim)")
     print(f"guesses              {result.correct} of {result.guesses} right ({result.k_plus} 'in' on the highest "
           f"scores, {result.k_minus} 'out' on the lowest)")
+    print(f"Bayes capacity       log {log_capacity.log:.4f} nats ({log_capacity.bits:.4f} bits) of one update")
     if result.epsilon_lower > result.epsilon_claimed:
         print("the audit contradicts the claim: the run is not as private as claimed (or this is the "
               f"{1 - result.confidence:g} chance of a false alarm)")
@@ -381,19 +413,28 @@ def _add_audit_commands(commands) -> None:
     run.add_argument("--mechanism", required=True, choices=["gaussian", "vmf"],
                      help="gaussian (Alg. 1, noise multiplier from the exact calibration) or vmf (Alg. 2, "
                           "kappa = epsilon / (2 steps))")
-    run.add_argument("--epsilon", required=True, type=_EPSILON, help="the run's claimed epsilon, finite and > 0")
+    claims = run.add_mutually_exclusive_group(required=True)
+    claims.add_argument("--epsilon", type=_EPSILON, help="the run's claimed epsilon, finite and > 0")
+    claims.add_argument("--epsilons", type=_EPSILON, nargs="+", metavar="E",
+                        help="a sweep: one audit per claimed epsilon, each finite, > 0 and given once")
     run.add_argument("--delta", type=_DELTA_OR_ZERO,
                      help="the claimed delta, in [0, 1); > 0 for gaussian (default 1e-5 for gaussian, 0 for vmf)")
     run.add_argument("--steps", type=_COUNT, default=10, help="DP-SGD steps, >= 1 (default 10)")
     run.add_argument("--canaries", type=_COUNT, default=1000,
-                     help="canaries, >= 1 and at most 7850 (one model parameter each; default 1000)")
+                     help="canaries, >= 1 and at most the model's parameters (7850 logistic, 13426 paper-cnn; "
+                          "one each; default 1000)")
+    run.add_argument("--model", choices=["logistic", "paper-cnn"], default="logistic",
+                     help="logistic regression 784 -> 10 (default) or the paper CNN (privleak.models.PaperNetwork)")
     run.add_argument("--images", type=_integer_type("an integer in [1, 5000]", low=1, high=5000), default=300,
                      help="training digits, in [1, 5000] (default 300)")
     run.add_argument("--secure", action="store_true", help="secure Gaussian noise (SecureNoiseGenerator)")
     run.add_argument("--confidence", type=_CONFIDENCE, default=0.95,
                      help="probability that the bound is below the true epsilon, in (0, 1) (default 0.95)")
     run.add_argument("--seed", type=_SEED, default=0, help="an integer in [0, 2^63) (default 0)")
-    run.add_argument("--json", action="store_true", help="print the result as JSON")
+    run.add_argument("--json", action="store_true", help="print the result as JSON (a list of rows for a sweep)")
+    run.add_argument("--out", help="write audit.csv, lower_bound_vs_epsilon.png and audit.md into this folder (an "
+                                   "existing writable folder, or a path that can be created)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars (drawn on stderr for --out or --epsilons)")
     run.set_defaults(run=_audit_run, prepare=_prepare_audit_run, parser=run)
 
 
@@ -463,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     if prepare is not None:
         try:
             _check_distinct(args, ("epsilons", "grid_epsilons", "mechanisms"))
-            if hasattr(args, "out"):  # commands that write files
+            if getattr(args, "out", None) is not None:  # commands that write files
                 _check_out(args.out)
             args.prepared = prepare(args)
         except _BadOption as error:

@@ -256,9 +256,10 @@ def rank_correlations(summaries: list) -> dict:
             for measure in ("epsilon", "log2_capacity")}
 
 
-def write_csv(rows: list, path: str) -> None:
+def write_csv(rows: list, path: str, fields: tuple = CSV_FIELDS) -> None:
+    """``rows`` (dicts with keys ``fields``) as CSV, floats as repr (they read back exactly)."""
     with open(path, "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(stream, fieldnames=fields)
         writer.writeheader()
         for row in rows:
             writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})

@@ -1,0 +1,218 @@
+"""The report of ``privleak audit run --out``: one-run audits over a sweep of claimed epsilons.
+
+:func:`audit_sweep` runs :func:`privleak.audit.one_run.audit_digits` for each mechanism and each
+claimed epsilon and returns one row per run: the accountant's epsilon, the empirical lower bound
+with its confidence, the guesses behind it, the noise, and the Bayes capacity of one update of
+the run (:mod:`privleak.capacity`). :func:`write_audit_report` writes them as audit.csv,
+lower_bound_vs_epsilon.png and audit.md.
+
+**The capacity of one update.** audit_digits runs full-batch DP-SGD with flat clipping at c = 1,
+so one released update is the average of L = images + included canaries clipped gradients plus
+N(0, sigma^2 I) / L: :func:`privleak.capacity.dpsgd_gaussian` (P, 1, sigma, L) with P the model's
+parameters (7850 for the logistic regression, 13426 for the paper CNN) and sigma the per-step
+noise multiplier (sqrt(T) x the analytic calibration of the run's (epsilon, delta)); for VMF,
+:func:`privleak.capacity.dpsgd_vmf` (P, kappa) with kappa = epsilon / (2 T).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable, Optional, Sequence, Union
+
+from privleak import validation
+
+#: audit.csv's columns, in order.
+CSV_FIELDS = ("mechanism", "model", "epsilon", "epsilon_claimed", "delta", "confidence", "lower_bound", "fraction",
+              "guesses", "correct", "canaries", "included", "steps", "images", "noise_multiplier", "kappa",
+              "log_capacity", "log2_capacity", "seed", "seconds")
+
+#: Trainable parameters of the models audit_digits can train (audit_digits' ``model``).
+MODEL_PARAMETERS = {"logistic": 784 * 10 + 10, "paper-cnn": 13426}
+
+_MODEL_NAMES = {"logistic": "logistic regression (784 -> 10)",
+                "paper-cnn": "paper CNN (privleak.models.PaperNetwork)"}
+
+
+def update_noise(mechanism: str, epsilon: float, delta: float, steps: int) -> tuple[float, float]:
+    """(noise multiplier, kappa) of each step of audit_digits' run claiming ``epsilon`` at ``delta``
+    over ``steps`` full-batch steps; the one that does not apply is nan."""
+    from privleak import accounting
+
+    if mechanism == "gaussian":
+        return accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps), math.nan
+    return math.nan, epsilon / (2.0 * steps)
+
+
+def update_capacity(mechanism: str, epsilon: float, delta: float, steps: int, batch_size: int,
+                    model: str = "logistic"):
+    """The Bayes capacity (:class:`privleak.capacity.LogCapacity`) of one update of audit_digits'
+    run: full batch of ``batch_size`` = images + included canaries, clip norm 1 (module docstring)."""
+    from privleak import capacity
+
+    dim = MODEL_PARAMETERS[model]
+    sigma, kappa = update_noise(mechanism, epsilon, delta, steps)
+    if mechanism == "gaussian":
+        return capacity.dpsgd_gaussian(dim, 1.0, sigma, batch_size).log_capacity()
+    return capacity.dpsgd_vmf(dim, kappa).log_capacity()
+
+
+def audit_row(mechanism: str, epsilon: float, result, *, steps: int, images: int, model: str, seed: int,
+              seconds: float = math.nan) -> dict:
+    """One row of the report: ``result`` (:class:`~privleak.audit.one_run.OneRunAudit`) of
+    audit_digits(``mechanism``, ``epsilon``, ...) with its noise and its update's capacity."""
+    sigma, kappa = update_noise(mechanism, epsilon, result.delta, steps)
+    log_capacity = update_capacity(mechanism, epsilon, result.delta, steps, images + result.included, model)
+    return {"mechanism": mechanism, "model": model, "epsilon": float(epsilon),
+            "epsilon_claimed": float(result.epsilon_claimed), "delta": float(result.delta),
+            "confidence": float(result.confidence), "lower_bound": float(result.epsilon_lower),
+            "fraction": float(result.epsilon_lower / result.epsilon_claimed), "guesses": result.guesses,
+            "correct": result.correct, "canaries": result.canaries, "included": result.included, "steps": steps,
+            "images": images, "noise_multiplier": sigma, "kappa": kappa, "log_capacity": log_capacity.log,
+            "log2_capacity": log_capacity.bits, "seed": seed, "seconds": float(seconds)}
+
+
+def audit_sweep(mechanism: Union[str, Sequence[str]], epsilons: Sequence[float], *, delta: Optional[float] = None,
+                steps: int = 10, canaries: int = 1000, images: int = 300, secure: bool = False,
+                confidence: float = 0.95, seed: int = 0, model: str = "logistic",
+                progress: Optional[Callable[[str, int, int], None]] = None) -> list:
+    """audit_digits for each mechanism (a name or a sequence of names) and each claimed epsilon;
+    one :func:`audit_row` dict per run, mechanisms outer, epsilons in the given order.
+
+    ``delta`` None: 1e-5 for the Gaussian, 0 for VMF. The other knobs are audit_digits'.
+    ``progress(stage, done, total)`` is called after each run (the CLI draws a tqdm bar with it).
+    """
+    from privleak.audit.one_run import audit_digits
+
+    mechanisms = (mechanism,) if isinstance(mechanism, str) else tuple(mechanism)
+    if not mechanisms:
+        raise ValueError("mechanism: give at least one mechanism")
+    for name in mechanisms:
+        validation.choice(name, "mechanism", ("gaussian", "vmf"))
+    if isinstance(epsilons, (str, bytes)) or not isinstance(epsilons, Sequence) or not epsilons:
+        raise validation.ArgumentTypeError(f"epsilons must be a non-empty sequence of numbers, got {epsilons!r}")
+    epsilons = [validation.positive(e, f"epsilons[{i}]") for i, e in enumerate(epsilons)]
+    model = validation.choice(model, "model", tuple(MODEL_PARAMETERS))
+    total = len(mechanisms) * len(epsilons)
+    rows = []
+    for name in mechanisms:
+        run_delta = (1e-5 if name == "gaussian" else 0.0) if delta is None else delta
+        for epsilon in epsilons:
+            started = time.perf_counter()
+            result = audit_digits(name, epsilon, delta=run_delta, steps=steps, canaries=canaries, images=images,
+                                  secure=secure, confidence=confidence, seed=seed, model=model)
+            rows.append(audit_row(name, epsilon, result, steps=steps, images=images, model=model, seed=seed,
+                                  seconds=time.perf_counter() - started))
+            if progress is not None:
+                progress("one-run audits", len(rows), total)
+    return rows
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _plot(rows: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from privleak.reproduce import _COLOURS, _LABELS
+
+    figure, axes = plt.subplots(figsize=(5.5, 4))
+    claimed = [r["epsilon_claimed"] for r in rows]
+    low, high = min(claimed), max(claimed)
+    decades = high / low >= 10
+    line = [low, high] if not decades else [low * (high / low) ** (i / 50) for i in range(51)]
+    axes.plot(line, line, ":", color="grey", label="lower bound = claim (a tight audit)")
+    for mechanism in ("gaussian", "vmf"):
+        mine = [r for r in rows if r["mechanism"] == mechanism]
+        if mine:
+            axes.plot([r["epsilon_claimed"] for r in mine], [r["lower_bound"] for r in mine], "o-",
+                      color=_COLOURS[mechanism],
+                      label=f"{_LABELS[mechanism]}: lower bound, {mine[0]['confidence']:.0%} confidence")
+    if decades:
+        axes.set_xscale("log")
+        axes.set_yscale("symlog", linthresh=low)
+    axes.set_ylim(bottom=0.0)
+    axes.set_xlabel("claimed epsilon (privleak's accountant)")
+    axes.set_ylabel("one-run audited lower bound on epsilon")
+    axes.set_title("markers: the true epsilon is >= the marker w.p. >= confidence", fontsize=8)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def report_markdown(rows: list) -> str:
+    """audit.md: the parameters, one table row per run, what the numbers mean."""
+    from privleak.reproduce import _number
+
+    first = rows[0]
+    mechanisms = ", ".join(dict.fromkeys(r["mechanism"] for r in rows))
+    lines = [
+        "# privleak audit run",
+        "",
+        "One-run privacy audits (Steinke, Nasr and Jagielski, NeurIPS 2023) of full-batch DP-SGD on the shipped "
+        f"MNIST digits. Run time {sum(r['seconds'] for r in rows):.0f} s.",
+        "",
+        "## Parameters",
+        "",
+        f"- model: {_MODEL_NAMES[first['model']]}, {MODEL_PARAMETERS[first['model']]} parameters, clip norm 1",
+        f"- data: the first {first['images']} images of mnist-5k, {first['steps']} full-batch steps",
+        f"- mechanisms: {mechanisms}; Gaussian noise multiplier sqrt(steps) x the analytic calibration of the "
+        "claimed (epsilon, delta), VMF kappa = epsilon / (2 steps)",
+        f"- canaries: {first['canaries']} Dirac gradient canaries, each included with probability 1/2",
+        f"- confidence {first['confidence']:g}, seed {first['seed']}",
+        "",
+        "## Results",
+        "",
+        "| mechanism | claimed epsilon | delta | lower bound | fraction of claim | confidence | correct | guesses "
+        "| canaries | included | steps | noise multiplier | kappa | log capacity (nats) | log2 capacity (bits) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['mechanism']} | {_number(r['epsilon_claimed'])} | {_number(r['delta'])} "
+                     f"| {_number(r['lower_bound'])} | {_number(r['fraction'])} | {_number(r['confidence'])} "
+                     f"| {r['correct']} | {r['guesses']} | {r['canaries']} | {r['included']} | {r['steps']} "
+                     f"| {_number(r['noise_multiplier'])} | {_number(r['kappa'])} | {_number(r['log_capacity'])} "
+                     f"| {_number(r['log2_capacity'])} |")
+    contradicted = [r for r in rows if r["lower_bound"] > r["epsilon_claimed"]]
+    lines += [
+        "",
+        "## What the numbers mean",
+        "",
+        "The claimed epsilon is what privleak's accountant says the whole run satisfies. The lower bound is what "
+        "the audit proves: if the run were (epsilon', delta)-DP for any epsilon' below it, as many right guesses "
+        "(correct of guesses) would happen with probability at most 1 - confidence, so the true epsilon is at "
+        "least the lower bound with that confidence. A bound below the claim does not show the claim is loose "
+        "(one-run audits are far from tight, and a white-box auditor of one run cannot reach the claim at large "
+        "epsilon); a bound above it shows the run is less private than claimed"
+        + (f" — {len(contradicted)} run(s) here do that, or this is the 1 - confidence chance of a false alarm. "
+           if contradicted else " (none here does). ")
+        + "The Bayes capacity is that of the channel of one released update (the noisy average of "
+        "images + included clipped gradients): how much one update can tell an attacker about the batch, "
+        "whatever the prior, independently of how the run composes its steps.",
+        "",
+        "![lower bound vs claimed epsilon](lower_bound_vs_epsilon.png)",
+        "",
+        "Per-run numbers, full precision: audit.csv.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_audit_report(rows: list, out: str) -> dict:
+    """audit.csv, lower_bound_vs_epsilon.png and audit.md in ``out`` (created if needed); their paths."""
+    from privleak.reproduce import write_csv
+
+    if not rows:
+        raise ValueError("rows: nothing to report")
+    os.makedirs(out, exist_ok=True)
+    paths = {name: os.path.join(out, name) for name in ("audit.csv", "lower_bound_vs_epsilon.png", "audit.md")}
+    write_csv(rows, paths["audit.csv"], CSV_FIELDS)
+    _plot(rows, paths["lower_bound_vs_epsilon.png"])
+    with open(paths["audit.md"], "w") as stream:
+        stream.write(report_markdown(rows))
+    return paths
