@@ -12,7 +12,10 @@ is tight.
 - :mod:`privleak.audit.one_run`: one-run auditing of a DP-SGD run (Steinke, Nasr and Jagielski,
   NeurIPS 2023): m gradient canaries, each included with probability 1/2, guesses on the top and
   bottom scores, and the paper's exact binomial bound. CLI: ``privleak audit run``.
+- :mod:`privleak.audit.black_box`: the same audit with black-box input canaries (mislabelled or
+  out-of-distribution examples, score = loss drop from the initial to the final model).
 """
+from privleak.audit.black_box import audit_dpsgd_black_box
 from privleak.audit.one_run import (
     OneRunAudit,
     audit_digits,
@@ -36,6 +39,7 @@ __all__ = [
     "ReleaseAudit",
     "audit_digits",
     "audit_dpsgd",
+    "audit_dpsgd_black_box",
     "audit_one_run",
     "audit_release",
     "clopper_pearson_upper",
