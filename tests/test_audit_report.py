@@ -125,8 +125,8 @@ def test_cli_single_run_prints_the_capacity(capsys):
     assert "Bayes capacity       log " in text.out and text.err == ""
     assert cli.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    expected = capacity.dpsgd_gaussian(7850, 1.0, report.update_noise("gaussian", 4.0, 1e-5, 2)[0],
-                                       30 + result["included"]).log_capacity()
+    sigma = accounting.analytic_gaussian_noise_multiplier(4.0, 1e-5) * math.sqrt(2)  # 2 steps: sigma / sqrt(2)
+    expected = capacity.dpsgd_gaussian(7850, 1.0, sigma, 30 + result["included"]).log_capacity()
     assert result["log_capacity"] == pytest.approx(expected.log, rel=1e-12)
     assert result["log2_capacity"] == pytest.approx(expected.bits, rel=1e-12)
 

@@ -427,6 +427,23 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
                          epsilon_claimed=claimed)
 
 
+def calibrated_config(mechanism: str, epsilon: float, delta: float, steps: int):
+    """The :class:`~privleak.dpsgd.DPSGDConfig` (clip norm 1) of ``steps`` full-batch DP-SGD steps
+    whose run is exactly (``epsilon``, ``delta``)-DP by privleak's accountant.
+
+    T full-batch Gaussian steps of noise multiplier sigma compose exactly to one Gaussian of
+    multiplier sigma / sqrt(T), so sigma = sqrt(T) x the analytic calibration of (epsilon, delta)
+    (Balle and Wang 2018); VMF steps are 2 kappa-DP each and compose to 2 kappa T, so
+    kappa = epsilon / (2 T).
+    """
+    from privleak import accounting, dpsgd
+
+    if mechanism == "gaussian":
+        multiplier = accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps)
+        return dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=multiplier)
+    return dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=epsilon / (2.0 * steps))
+
+
 def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: float = 1e-5, steps: int = 10,
                  canaries: int = 1000, images: int = 300, secure: bool = False, confidence: float = 0.95,
                  seed: int = 0, model: str = "logistic") -> OneRunAudit:
@@ -436,15 +453,12 @@ def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: fl
     steps, calibrated so that the run claims ``epsilon`` at ``delta``, audited with ``canaries``
     Dirac gradient canaries (:func:`audit_dpsgd`).
 
-    Calibration: T full-batch Gaussian steps of noise multiplier sigma compose exactly to one
-    Gaussian of multiplier sigma / sqrt(T), so sigma = sqrt(T) x the analytic calibration of
-    (epsilon, delta) (Balle and Wang 2018); VMF steps are 2 kappa-DP each and compose to
-    2 kappa T, so kappa = epsilon / (2 T). ``secure`` draws the Gaussian noise from a
+    The noise comes from :func:`calibrated_config`. ``secure`` draws the Gaussian noise from a
     :class:`~privleak.mechanisms.SecureNoiseGenerator`.
     """
     import torch
 
-    from privleak import accounting, datasets, dpsgd
+    from privleak import datasets
     from privleak import mechanisms as _mechanisms
 
     mechanism = validation.choice(mechanism, "mechanism", ("gaussian", "vmf"))
@@ -452,13 +466,9 @@ def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: fl
     steps = validation.integer(steps, "steps", low=1)
     images = validation.integer(images, "images", low=1, high=5000)
     model = validation.choice(model, "model", ("logistic", "paper-cnn"))
-    if mechanism == "gaussian":
-        multiplier = accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps)
-        config = dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=multiplier)
-    else:
-        if secure:
-            raise ValueError("secure noise is Gaussian only: VMF has no secure mode")
-        config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=epsilon / (2.0 * steps))
+    if secure and mechanism != "gaussian":
+        raise ValueError("secure noise is Gaussian only: VMF has no secure mode")
+    config = calibrated_config(mechanism, epsilon, delta, steps)
     data = datasets.mnist_5k()
     torch.manual_seed(seed)
     if model == "logistic":

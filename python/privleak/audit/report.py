@@ -21,6 +21,7 @@ import time
 from typing import Callable, Optional, Sequence, Union
 
 from privleak import validation
+from privleak.audit.one_run import calibrated_config
 
 #: audit.csv's columns, in order.
 CSV_FIELDS = ("mechanism", "model", "epsilon", "epsilon_claimed", "delta", "confidence", "lower_bound", "fraction",
@@ -34,16 +35,6 @@ _MODEL_NAMES = {"logistic": "logistic regression (784 -> 10)",
                 "paper-cnn": "paper CNN (privleak.models.PaperNetwork)"}
 
 
-def update_noise(mechanism: str, epsilon: float, delta: float, steps: int) -> tuple[float, float]:
-    """(noise multiplier, kappa) of each step of audit_digits' run claiming ``epsilon`` at ``delta``
-    over ``steps`` full-batch steps; the one that does not apply is nan."""
-    from privleak import accounting
-
-    if mechanism == "gaussian":
-        return accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps), math.nan
-    return math.nan, epsilon / (2.0 * steps)
-
-
 def update_capacity(mechanism: str, epsilon: float, delta: float, steps: int, batch_size: int,
                     model: str = "logistic"):
     """The Bayes capacity (:class:`privleak.capacity.LogCapacity`) of one update of audit_digits'
@@ -51,17 +42,18 @@ def update_capacity(mechanism: str, epsilon: float, delta: float, steps: int, ba
     from privleak import capacity
 
     dim = MODEL_PARAMETERS[model]
-    sigma, kappa = update_noise(mechanism, epsilon, delta, steps)
+    config = calibrated_config(mechanism, epsilon, delta, steps)
     if mechanism == "gaussian":
-        return capacity.dpsgd_gaussian(dim, 1.0, sigma, batch_size).log_capacity()
-    return capacity.dpsgd_vmf(dim, kappa).log_capacity()
+        return capacity.dpsgd_gaussian(dim, 1.0, config.noise_multiplier, batch_size).log_capacity()
+    return capacity.dpsgd_vmf(dim, config.kappa).log_capacity()
 
 
 def audit_row(mechanism: str, epsilon: float, result, *, steps: int, images: int, model: str, seed: int,
               seconds: float = math.nan) -> dict:
     """One row of the report: ``result`` (:class:`~privleak.audit.one_run.OneRunAudit`) of
     audit_digits(``mechanism``, ``epsilon``, ...) with its noise and its update's capacity."""
-    sigma, kappa = update_noise(mechanism, epsilon, result.delta, steps)
+    config = calibrated_config(mechanism, epsilon, result.delta, steps)
+    sigma, kappa = (config.noise_multiplier, math.nan) if mechanism == "gaussian" else (math.nan, config.kappa)
     log_capacity = update_capacity(mechanism, epsilon, result.delta, steps, images + result.included, model)
     return {"mechanism": mechanism, "model": model, "epsilon": float(epsilon),
             "epsilon_claimed": float(result.epsilon_claimed), "delta": float(result.delta),
