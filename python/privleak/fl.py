@@ -13,6 +13,7 @@ This loop runs in one process; :mod:`privleak.flower` runs the same clients and 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -55,10 +56,17 @@ class Client:
 
     def local_update(self, model: nn.Module, config: dpsgd.DPSGDConfig, *, batch_size: int, local_steps: int,
                      learning_rate: float, generator: torch.Generator,
-                     noise: NoiseGenerator, loss_fn: Callable = F.cross_entropy) -> tuple[list, list]:
+                     noise: NoiseGenerator, loss_fn: Callable = F.cross_entropy,
+                     extra_gradients: Optional[Callable[[int, nn.Module], Optional[list]]] = None
+                     ) -> tuple[list, list]:
         """Run ``local_steps`` DP-SGD steps on ``model`` (in place); return the summed privatised
         update and the batches' indices. Batches are ``batch_size`` examples drawn without
-        replacement, line 4 of Alg. 1 and 2."""
+        replacement, line 4 of Alg. 1 and 2.
+
+        ``extra_gradients(step, model)``, if given, returns None or extra per-sample gradient rows
+        for local step ``step`` (one (k, *p.shape) tensor per trainable parameter), appended after
+        the batch's and clipped, summed and noised with them: e.g. an auditor's gradient canaries
+        (:func:`privleak.audit.audit_fl`). The divisor stays ``batch_size``."""
         params = [p for p in model.parameters() if p.requires_grad]
         total = [torch.zeros_like(p) for p in params]
         batches = []
@@ -66,6 +74,9 @@ class Client:
             batch = dpsgd.sample_batch(len(self), batch_size, "fixed", generator)
             batches.append(batch)
             grads = dpsgd.per_sample_gradients(model, loss_fn, self.images[batch], self.labels[batch])
+            extra = None if extra_gradients is None else extra_gradients(len(batches) - 1, model)
+            if extra is not None:
+                grads = [torch.cat([g.detach(), e.to(device=g.device, dtype=g.dtype)]) for g, e in zip(grads, extra)]
             update = dpsgd.privatize(grads, config, batch_size, noise)
             with torch.no_grad():
                 for p, u, t in zip(params, update, total):
@@ -125,7 +136,8 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
         batch_size: int = 1, local_steps: int = 1, learning_rate: float = 0.1, server_learning_rate: float = 1.0,
         seed: int = 0, record: bool = True, loss_fn: Callable = F.cross_entropy,
         on_update: Optional[Callable[[LeakedUpdate], None]] = None,
-        on_round: Optional[Callable[[int, nn.Module], None]] = None) -> Federation:
+        on_round: Optional[Callable[[int, nn.Module], None]] = None,
+        extra_gradients: Optional[Callable[[int, int, int, nn.Module], Optional[list]]] = None) -> Federation:
     """Train ``model`` in place with federated DP-SGD for ``rounds`` rounds.
 
     Each round every client copies the global model, runs :meth:`Client.local_update` and sends
@@ -133,6 +145,8 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
     which for one local step and eta_s = 1 is FedSGD on the clients' noisy gradients. ``on_update`` sees
     every :class:`LeakedUpdate` as it arrives; ``on_round(round, model)`` runs after each aggregation.
     ``seed`` fixes each client's batches and noise in each round (:func:`client_streams`).
+    ``extra_gradients(round, client, step, model)``, if given, may add per-sample gradient rows to
+    a client's local step (the ``extra_gradients`` of :meth:`Client.local_update`; None adds none).
     """
     if not clients:
         raise ValueError("clients must not be empty")
@@ -152,7 +166,8 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
             generator, noise = client_streams(seed, round_, index)
             update, batches = client.local_update(local, config, batch_size=batch_size, local_steps=local_steps,
                                                   learning_rate=learning_rate, generator=generator, noise=noise,
-                                                  loss_fn=loss_fn)
+                                                  loss_fn=loss_fn, extra_gradients=None if extra_gradients is None
+                                                  else functools.partial(extra_gradients, round_, index))
             leaked = LeakedUpdate(round_, index, start, update, local_steps, batches)
             if record:
                 federation.leaked.append(leaked)

@@ -14,8 +14,11 @@ is tight.
   bottom scores, and the paper's exact binomial bound. CLI: ``privleak audit run``.
 - :mod:`privleak.audit.black_box`: the same audit with black-box input canaries (mislabelled or
   out-of-distribution examples, score = loss drop from the initial to the final model).
+- :mod:`privleak.audit.federated`: the white-box gradient-canary audit of one client of the
+  federated loop (:mod:`privleak.fl`), scored on the updates the server sees.
 """
 from privleak.audit.black_box import audit_dpsgd_black_box
+from privleak.audit.federated import audit_fl
 from privleak.audit.one_run import (
     OneRunAudit,
     audit_digits,
@@ -40,6 +43,7 @@ __all__ = [
     "audit_digits",
     "audit_dpsgd",
     "audit_dpsgd_black_box",
+    "audit_fl",
     "audit_one_run",
     "audit_release",
     "clopper_pearson_upper",

@@ -333,6 +333,36 @@ class _CanaryRun:
         return self.optimizer.privacy_report(dataset_size=self.dataset_size, delta=delta).epsilon
 
 
+def _white_box_canaries(kind: str, m: int, params: list, clip: list[float], per_layer: bool,
+                        rng: np.random.Generator, data_mass: Optional[np.ndarray] = None):
+    """The m white-box gradient canaries of :func:`_canary_gradients` on ``params``, as two functions:
+    ``canary_gradients(chosen, dtype)``, the rows of the canaries ``chosen`` (indices), one
+    (k, *p.shape) tensor per parameter; and ``project(update)``, an update (one tensor per
+    parameter) projected on each canary's direction (float64, length m). Shared by
+    :func:`audit_dpsgd` and :func:`privleak.audit.federated.audit_fl`."""
+    import torch
+
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    directions, rows = _canary_gradients(kind, m, sizes, clip, per_layer, rng, data_mass)
+    projection = directions.astype(np.float64) if kind == "random" else None
+    device = params[0].device
+
+    def canary_gradients(chosen: np.ndarray, dtype) -> list:
+        if kind == "dirac":
+            block = np.zeros((chosen.size, total), dtype=np.float32)
+            block[np.arange(chosen.size), directions[chosen]] = rows[chosen]
+        else:
+            block = rows[chosen]
+        block = torch.from_numpy(block).to(device=device, dtype=dtype)
+        return [part.reshape(-1, *p.shape) for part, p in zip(block.split(sizes, dim=1), params)]
+
+    def project(update) -> np.ndarray:
+        flat = torch.cat([u.reshape(-1) for u in update]).to(torch.float64).cpu().numpy()
+        return flat[directions] if kind == "dirac" else projection @ flat
+
+    return canary_gradients, project
+
 
 def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries: int = 1000,
                 sampling_rate: float = 1.0, lr: float = 0.1, delta: float = 1e-5, confidence: float = 0.95,
@@ -401,27 +431,14 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     mass = None
     if kind == "dirac":  # the coordinates the data's clipped gradients touch least at the start
         mass = _data_mass(dpsgd.per_sample_gradients(model, loss_fn, inputs, targets), clip, config.per_layer)
-    directions, rows = _canary_gradients(kind, m, sizes, clip, config.per_layer, rng, mass)
-    if kind == "random":
-        projection = directions.astype(np.float64)
-    device = params[0].device
-
-    def canary_gradients(chosen: np.ndarray, dtype) -> list:
-        if kind == "dirac":
-            block = np.zeros((chosen.size, total), dtype=np.float32)
-            block[np.arange(chosen.size), directions[chosen]] = rows[chosen]
-        else:
-            block = rows[chosen]
-        block = torch.from_numpy(block).to(device=device, dtype=dtype)
-        return [part.reshape(-1, *p.shape) for part, p in zip(block.split(sizes, dim=1), params)]
+    canary_gradients, project = _white_box_canaries(kind, m, params, clip, config.per_layer, rng, mass)
 
     scores = np.zeros(m)
     run = _CanaryRun(model, loss_fn, inputs, targets, config, params, steps=steps, sampling_rate=q, lr=lr,
                      generator=generator, members=np.flatnonzero(included), canary_gradients=canary_gradients,
                      seed=seed)
     for update in run.updates():
-        flat = torch.cat([u.reshape(-1) for u in update]).to(torch.float64).cpu().numpy()
-        scores += flat[directions] if kind == "dirac" else projection @ flat
+        scores += project(update)
     claimed = run.claimed_epsilon(delta)
     return audit_one_run(scores, included, delta=delta, confidence=confidence, guesses=pairs, seed=seed,
                          epsilon_claimed=claimed)
