@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from privleak import validation
-from privleak.audit.one_run import OneRunAudit, _CanaryRun, _check_guess_pairs, audit_one_run
+from privleak.audit.one_run import OneRunAudit, _CanaryRun, _check_guess_pairs, _check_training_data, audit_one_run
 
 KINDS = ("mislabelled", "ood")
 
@@ -102,17 +102,7 @@ def audit_dpsgd_black_box(model, loss_fn, inputs, targets, config, *, steps: int
     from privleak import dpsgd
     from privleak import mechanisms as _mechanisms
 
-    if not isinstance(model, torch.nn.Module):
-        raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise validation.ArgumentTypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    for name, value in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(value, torch.Tensor):
-            raise validation.ArgumentTypeError(f"{name} must be a torch tensor, got {type(value).__name__}")
-        if value.ndim < 1 or value.shape[0] == 0:
-            raise ValueError(f"{name} must have a non-empty leading sample dimension, got shape {tuple(value.shape)}")
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(f"inputs and targets must have as many samples, got {inputs.shape[0]} and {targets.shape[0]}")
+    _check_training_data(model, loss_fn, inputs, targets)
     if targets.ndim != 1 or targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise validation.ArgumentTypeError("targets must be a 1-d tensor of integer class labels, got "
                                            f"{targets.dtype} of shape {tuple(targets.shape)}")

@@ -27,8 +27,8 @@ import numpy as np
 
 from privleak import validation
 from privleak.audit.one_run import (
-    MAX_CANARY_ELEMENTS,
     OneRunAudit,
+    _check_canary_run,
     _check_guess_pairs,
     _data_mass,
     _white_box_canaries,
@@ -89,13 +89,7 @@ def audit_fl(model, clients: Sequence, config, *, rounds: int, client: int = 0, 
         raise ValueError("model has no trainable parameters")
     config = dpsgd._check_config(config, len(params))
     pairs = _check_guess_pairs(guesses, m)
-    if config.mechanism == "gaussian" and (config.noise_multiplier == 0 or delta == 0):
-        raise ValueError("a Gaussian run needs config.noise_multiplier > 0 and delta > 0 for its claimed epsilon")
-    total = sum(p.numel() for p in params)
-    if m * total > MAX_CANARY_ELEMENTS:
-        raise ValueError(f"canaries: {m} canaries x {total} parameters is more than {MAX_CANARY_ELEMENTS} elements "
-                         "of canary gradients; use fewer canaries or a smaller model")
-    clip = dpsgd._clip_norms(config.clip_norm, len(params), config.per_layer)
+    clip = _check_canary_run(config, delta, m, params)
 
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5

@@ -364,6 +364,37 @@ def _white_box_canaries(kind: str, m: int, params: list, clip: list[float], per_
     return canary_gradients, project
 
 
+
+def _check_training_data(model, loss_fn, inputs, targets) -> None:
+    """The model, loss and (inputs, targets) of an audited run, each error naming its argument."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise validation.ArgumentTypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise validation.ArgumentTypeError(f"{name} must be a torch tensor, got {type(value).__name__}")
+        if value.ndim < 1 or value.shape[0] == 0:
+            raise ValueError(f"{name} must have a non-empty leading sample dimension, got shape {tuple(value.shape)}")
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"inputs and targets must have as many samples, got {inputs.shape[0]} and {targets.shape[0]}")
+
+
+def _check_canary_run(config, delta: float, m: int, params) -> list:
+    """Checks shared by the gradient-canary audits (a claim exists; the canary rows fit); returns the
+    per-tensor clip norms of ``config`` (already checked) for ``params``."""
+    from privleak import dpsgd
+
+    if config.mechanism == "gaussian" and (config.noise_multiplier == 0 or delta == 0):
+        raise ValueError("a Gaussian run needs config.noise_multiplier > 0 and delta > 0 for its claimed epsilon")
+    total = sum(p.numel() for p in params)
+    if m * total > MAX_CANARY_ELEMENTS:
+        raise ValueError(f"canaries: {m} canaries x {total} parameters is more than {MAX_CANARY_ELEMENTS} elements "
+                         "of canary gradients; use fewer canaries or a smaller model")
+    return dpsgd._clip_norms(config.clip_norm, len(params), config.per_layer)
+
 def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries: int = 1000,
                 sampling_rate: float = 1.0, lr: float = 0.1, delta: float = 1e-5, confidence: float = 0.95,
                 guesses=None, canary: str = "dirac", seed: int = 0, generator=None) -> OneRunAudit:
@@ -385,22 +416,11 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     accountant's epsilon for the same run (:meth:`DPOptimizer.privacy_report`, Poisson sampling,
     data set = data + included canaries) as ``epsilon_claimed``.
     """
-    import torch
 
     from privleak import dpsgd
     from privleak import mechanisms as _mechanisms
 
-    if not isinstance(model, torch.nn.Module):
-        raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise validation.ArgumentTypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    for name, value in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(value, torch.Tensor):
-            raise validation.ArgumentTypeError(f"{name} must be a torch tensor, got {type(value).__name__}")
-        if value.ndim < 1 or value.shape[0] == 0:
-            raise ValueError(f"{name} must have a non-empty leading sample dimension, got shape {tuple(value.shape)}")
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(f"inputs and targets must have as many samples, got {inputs.shape[0]} and {targets.shape[0]}")
+    _check_training_data(model, loss_fn, inputs, targets)
     steps = validation.integer(steps, "steps", low=1)
     m = validation.integer(canaries, "canaries", low=1)
     q = validation.probability(sampling_rate, "sampling_rate", open_low=True)
@@ -417,14 +437,7 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     if generator is None:
         generator = _mechanisms.NoiseGenerator(seed)
     _mechanisms._check_generator(generator)
-    if config.mechanism == "gaussian" and (config.noise_multiplier == 0 or delta == 0):
-        raise ValueError("a Gaussian run needs config.noise_multiplier > 0 and delta > 0 for its claimed epsilon")
-    sizes = [p.numel() for p in params]
-    total = sum(sizes)
-    if m * total > MAX_CANARY_ELEMENTS:
-        raise ValueError(f"canaries: {m} canaries x {total} parameters is more than {MAX_CANARY_ELEMENTS} elements "
-                         "of canary gradients; use fewer canaries or a smaller model")
-    clip = dpsgd._clip_norms(config.clip_norm, len(params), config.per_layer)
+    clip = _check_canary_run(config, delta, m, params)
 
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5
