@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from privleak import validation
-from privleak.audit.one_run import OneRunAudit, _CanaryRun, _check_guess_pairs, _check_training_data, audit_one_run
+from privleak.audit.one_run import OneRunAudit, _CanaryRun, _check_run, _check_training_data, audit_one_run
 
 KINDS = ("mislabelled", "ood")
 
@@ -117,16 +117,10 @@ def audit_dpsgd_black_box(model, loss_fn, inputs, targets, config, *, steps: int
     delta = validation.probability(delta, "delta", open_high=True)
     confidence = validation.probability(confidence, "confidence", open_low=True, open_high=True)
     seed = validation.integer(seed, "seed", low=0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("model has no trainable parameters")
-    config = dpsgd._check_config(config, len(params))
-    pairs = _check_guess_pairs(guesses, m)
+    params, config, pairs = _check_run(model, config, delta, guesses, m)
     if generator is None:
         generator = _mechanisms.NoiseGenerator(seed)
     _mechanisms._check_generator(generator)
-    if config.mechanism == "gaussian" and (config.noise_multiplier == 0 or delta == 0):
-        raise ValueError("a Gaussian run needs config.noise_multiplier > 0 and delta > 0 for its claimed epsilon")
     with torch.no_grad():
         logits = model(inputs[:1])
     if logits.ndim != 2 or logits.shape[1] < 2:

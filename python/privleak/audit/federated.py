@@ -29,7 +29,7 @@ from privleak import validation
 from privleak.audit.one_run import (
     OneRunAudit,
     _check_canary_run,
-    _check_guess_pairs,
+    _check_run,
     _data_mass,
     _white_box_canaries,
     audit_one_run,
@@ -84,12 +84,8 @@ def audit_fl(model, clients: Sequence, config, *, rounds: int, client: int = 0, 
     if smaller:
         raise ValueError(f"client: the audited client {index} runs full-batch local steps of {batch_size} examples, "
                          f"so no client may have fewer; clients {smaller[:10]} do")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("model has no trainable parameters")
-    config = dpsgd._check_config(config, len(params))
-    pairs = _check_guess_pairs(guesses, m)
-    clip = _check_canary_run(config, delta, m, params)
+    params, config, pairs = _check_run(model, config, delta, guesses, m)
+    clip = _check_canary_run(config, m, params)
 
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5

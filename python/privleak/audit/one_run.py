@@ -382,13 +382,26 @@ def _check_training_data(model, loss_fn, inputs, targets) -> None:
         raise ValueError(f"inputs and targets must have as many samples, got {inputs.shape[0]} and {targets.shape[0]}")
 
 
-def _check_canary_run(config, delta: float, m: int, params) -> list:
-    """Checks shared by the gradient-canary audits (a claim exists; the canary rows fit); returns the
-    per-tensor clip norms of ``config`` (already checked) for ``params``."""
+def _check_run(model, config, delta: float, guesses, m: int):
+    """Checks shared by every audited DP-SGD run: the trainable parameters, ``config``, the guess
+    pairs, and that the run has a claimed epsilon. Returns (params, checked config, guess pairs)."""
     from privleak import dpsgd
 
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters")
+    config = dpsgd._check_config(config, len(params))
+    pairs = _check_guess_pairs(guesses, m)
     if config.mechanism == "gaussian" and (config.noise_multiplier == 0 or delta == 0):
         raise ValueError("a Gaussian run needs config.noise_multiplier > 0 and delta > 0 for its claimed epsilon")
+    return params, config, pairs
+
+
+def _check_canary_run(config, m: int, params) -> list:
+    """The gradient-canary audits' rows must fit; returns the per-tensor clip norms of ``config``
+    (already checked) for ``params``."""
+    from privleak import dpsgd
+
     total = sum(p.numel() for p in params)
     if m * total > MAX_CANARY_ELEMENTS:
         raise ValueError(f"canaries: {m} canaries x {total} parameters is more than {MAX_CANARY_ELEMENTS} elements "
@@ -429,15 +442,11 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     confidence = validation.probability(confidence, "confidence", open_low=True, open_high=True)
     seed = validation.integer(seed, "seed", low=0)
     kind = validation.choice(canary, "canary", ("dirac", "random"))
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("model has no trainable parameters")
-    config = dpsgd._check_config(config, len(params))
-    pairs = _check_guess_pairs(guesses, m)
+    params, config, pairs = _check_run(model, config, delta, guesses, m)
     if generator is None:
         generator = _mechanisms.NoiseGenerator(seed)
     _mechanisms._check_generator(generator)
-    clip = _check_canary_run(config, delta, m, params)
+    clip = _check_canary_run(config, m, params)
 
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5
