@@ -1,0 +1,246 @@
+"""DP-SGD building blocks: fused per-sample clipping, summation and noise.
+
+DP-SGD (Abadi et al., CCS 2016; Alg. 1 of Biswas et al.) releases, for a batch of per-sample
+gradients g_1 .. g_B and expected batch size L,
+
+    g~ = (sum_b clip_c(g_b) + N(0, c^2 sigma^2 I)) / L,     clip_c(g) = g min(1, c / |g|_2).
+
+With flat clipping |g| is the norm over all parameter tensors together; with per-layer clipping
+each tensor t is clipped to its own c_t. :func:`clip_and_accumulate` does this in one kernel that
+reads the per-sample gradients twice: pass 1 computes each sample's squared norm per tensor, the
+clip factors follow, pass 2 forms the clipped sum, adds the noise (privleak's counter-based
+Gaussian, the same bits as :func:`privleak.mechanisms.gaussian_noise`) and scales. On the CPU the
+samples go through both passes in groups small enough to stay in cache, so the second read of
+models up to a few million parameters comes from cache, not memory.
+
+Non-finite per-sample gradients never reach the update. By default they raise a ValueError
+naming the samples (a NaN or inf gradient is a bug upstream, and silently dropping data changes
+what is being trained on); ``non_finite="drop"`` instead gives those samples weight 0, i.e.
+treats them as absent from the batch. Squares are summed in float32 lanes (then in float64), so
+a sample also counts as non-finite when one of its elements exceeds about 1.8e19 in magnitude
+and its square overflows: a gradient that has diverged.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from privleak import _arrays, _backend, validation
+from privleak import mechanisms as _mechanisms
+
+GRAD_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@torch.library.custom_op("privleak::clip_accumulate", mutates_args=())
+def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor, per_layer: bool, noise_std: float,
+                        key: Sequence[int], offset: int, scale: float) -> list[torch.Tensor]:
+    """The fused kernel: [out_0 .. out_{T-1}, squares], squares the (B, T) float64 squared norms."""
+    batch, device = grads[0].shape[0], grads[0].device
+    outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=device) for g in grads]
+    squares = torch.empty(batch, len(grads), dtype=torch.float64, device=device)
+    numels = [math.prod(g.shape[1:]) for g in grads]
+    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
+            [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, noise_std, key[0] | (key[1] << 32),
+            offset, scale, squares.data_ptr())
+    if grads[0].is_cuda:
+        module = _backend.cuda()
+        workspace = torch.empty(module.clip_workspace_bytes(numels, batch), dtype=torch.uint8, device=device)
+        module.clip_accumulate(*args, workspace.data_ptr(), device.index, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        _backend.core.clip_accumulate(*args)
+    return outs + [squares]
+
+
+@_clip_accumulate_op.register_fake
+def _(grads, clip_norms, per_layer, noise_std, key, offset, scale):
+    outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
+    return outs + [grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)]
+
+
+class ClippedSum(NamedTuple):
+    """Result of :func:`clip_and_accumulate`."""
+
+    grads: list  #: float32 tensors shaped like one sample of each input: the noisy clipped average
+    norms: torch.Tensor  #: per-sample norms before clipping, float64: (B,) flat, (B, T) per layer
+    dropped: torch.Tensor  #: (B,) bool, samples left out for non-finite gradients
+
+
+def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if (isinstance(per_sample_grads, (torch.Tensor, np.ndarray, str, bytes))
+            or not isinstance(per_sample_grads, Iterable)):
+        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, "
+                                           f"one per parameter, got {type(per_sample_grads).__name__}")
+    grads = list(per_sample_grads)
+    if not grads:
+        raise validation.ArgumentTypeError("per_sample_grads must be a non-empty sequence of tensors, "
+                                           "one per parameter, got an empty one")
+    first = None
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor):
+            raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a torch tensor, got {type(g).__name__}")
+        if g.layout != torch.strided:
+            raise validation.ArgumentTypeError(f"per_sample_grads[{i}] must be a dense (strided) tensor, "
+                                               f"got {g.layout}")
+        view = _arrays.view(g, f"per_sample_grads[{i}]", dtypes=GRAD_DTYPES)
+        first = first or view
+        if g.ndim < 1:
+            raise ValueError(f"per_sample_grads[{i}] must have a leading batch dimension, got a 0-d tensor")
+        if not g.is_contiguous():
+            raise ValueError(f"per_sample_grads[{i}] must be contiguous (call .contiguous())")
+        if g.shape[0] != grads[0].shape[0] or g.dtype != grads[0].dtype:
+            raise ValueError(f"per_sample_grads[{i}] has batch {g.shape[0]} and dtype {g.dtype}; "
+                             f"per_sample_grads[0] has {grads[0].shape[0]} and {grads[0].dtype}")
+        _arrays.require_same_device(view, f"per_sample_grads[{i}]", first, "per_sample_grads[0]")
+    return grads
+
+
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise validation.ArgumentTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _clip_norms(clip_norm, count: Optional[int], per_layer: bool, name: str = "clip_norm") -> list[float]:
+    """The clip norms, one per tensor with per_layer (count None: as many as given), else one."""
+    norms = list(clip_norm) if isinstance(clip_norm, (list, tuple)) else [clip_norm]
+    if not norms or (len(norms) != 1 and (not per_layer or (count is not None and len(norms) != count))):
+        raise ValueError(f"{name} must be one number, or (per_layer=True) one per tensor: {count}, got {len(norms)}")
+    norms = [validation.positive(c, name if len(norms) == 1 else f"{name}[{i}]") for i, c in enumerate(norms)]
+    return norms * (count if per_layer and len(norms) == 1 and count is not None else 1)
+
+
+# The kernel computes in float32: the noise std and the scale 1 / batch_size are float32 numbers,
+# and the released (sum + noise) / batch_size must be one.
+_FLOAT32 = torch.finfo(torch.float32)
+_MAX_GRAD_ELEMENT = 2.0**64  # a larger element's square overflows float32 and counts as non-finite
+
+
+def _check_release_range(batch: int, clip_norms: list[float], noise_std: float, scale_by: float, secure: bool) -> None:
+    """Refuse a noise_std and batch_size whose release (sum + noise) / batch_size could overflow
+    float32, or whose std or 1 / batch_size float32 cannot hold."""
+    if not _FLOAT32.tiny <= 1.0 / scale_by <= _FLOAT32.max:
+        raise ValueError(f"batch_size = {scale_by!r} is out of range: the kernel scales by 1 / batch_size in float32, "
+                         f"so batch_size must lie in [{1 / _FLOAT32.max:.3g}, {1 / _FLOAT32.tiny:.3g}]")
+    if not secure and 0 < noise_std < _FLOAT32.tiny:
+        raise ValueError(f"noise_std must be 0 or >= {_FLOAT32.tiny:.3g} (the kernel's noise is float32), "
+                         f"got {noise_std!r}")
+    unit_max = _mechanisms._SECURE_UNIT_MAX["gaussian"] if secure else \
+        _mechanisms._UNIT_MAX[("gaussian", torch.float32)]
+    noisy_sum = batch * min(max(clip_norms), _MAX_GRAD_ELEMENT) + unit_max * noise_std
+    # Secure noise is added to the float32 sum before the scaling, so the sum must fit as well.
+    largest = max(noisy_sum / scale_by, noisy_sum if secure else 0.0)
+    if largest > _FLOAT32.max:
+        raise ValueError(f"noise_std = {noise_std!r} and batch_size = {scale_by!r} overflow float32: the release "
+                         f"(clipped sum + noise) / batch_size can reach {largest:.3g}, beyond {_FLOAT32.max:.4g}")
+
+
+def _noise_alone(grads: list[torch.Tensor], noise_std: float, words: list[int], offset: int,
+                 scale: float) -> list[torch.Tensor]:
+    """The kernel's output for an empty batch (B = 0, which Poisson sampling draws): its noise
+    alone, element i of the tensors laid end to end drawn at stream index offset + i, scaled."""
+    sizes = [math.prod(g.shape[1:]) for g in grads]
+    device = grads[0].device
+    if noise_std > 0:
+        flat = torch.ops.privleak.noise([sum(sizes)], "gaussian", noise_std, words, offset, 0, torch.float32, device)
+    else:
+        flat = torch.zeros(sum(sizes), device=device)
+    return [part.mul(scale).reshape(g.shape[1:]) for part, g in zip(flat.split(sizes), grads)]
+
+
+def _sum_columns_in_order(squares: torch.Tensor) -> torch.Tensor:
+    """Row sums of the (B, T) float64 squares, column 0 + column 1 + ... left to right: the order
+    the kernels' clip factors use, and the same bits on every device (torch's own reduction adds
+    in an order that differs between CPU and CUDA)."""
+    total = squares[:, 0].clone()
+    for t in range(1, squares.shape[1]):
+        total.add_(squares[:, t])
+    return total
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a float64 tensor, as the kernels' std::sqrt gives it.
+    Torch's CPU sqrt of float64 is not: about 1 result in 75 is 1 ulp off, on every instruction
+    set. numpy's is (the hardware's); CUDA's float64 sqrt is IEEE-exact."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.from_numpy(np.sqrt(x.numpy()))
+    return x.sqrt()
+
+
+def clip_and_accumulate(
+    per_sample_grads: Sequence[torch.Tensor],
+    clip_norm: Union[float, Sequence[float]],
+    *,
+    per_layer: bool = False,
+    noise_std: float = 0.0,
+    batch_size: Optional[float] = None,
+    generator=None,
+    key: Optional[int] = None,
+    offset: Optional[int] = None,
+    non_finite: str = "raise",
+) -> ClippedSum:
+    """(sum_b clip(g_b) + N(0, noise_std^2 I)) / batch_size for per-sample gradients, fused.
+
+    Args:
+        per_sample_grads: one tensor per parameter, each (B, *param.shape), contiguous, float32,
+            bfloat16 or float16, all with the same B, dtype and device (CPU or CUDA). B = 0 (an
+            empty Poisson batch) releases the noise alone, as Alg. 1 does.
+        clip_norm: c. With ``per_layer`` a single c applies to each tensor, or give one c_t per tensor.
+        noise_std: standard deviation of the Gaussian noise added to the clipped sum: c sigma for
+            Alg. 1 with noise multiplier sigma (flat clipping), sigma |(c_t)|_2 per layer.
+        batch_size: the L that divides the sum: the expected batch size (Poisson sampling) or the
+            fixed one; default B.
+        generator, key, offset: the noise stream, as in :mod:`privleak.mechanisms`. With a
+            :class:`~privleak.mechanisms.SecureNoiseGenerator` the sum is formed by the kernel and
+            the secure (discretised) noise is added to it before scaling.
+        non_finite: "raise" (default) or "drop"; see the module docstring.
+
+    Returns:
+        :class:`ClippedSum` with the float32 noisy average per tensor, the norms, the dropped samples.
+    """
+    grads = _check_grads(per_sample_grads)
+    per_layer = _check_bool(per_layer, "per_layer")
+    norms_allowed = _clip_norms(clip_norm, len(grads), per_layer)
+    non_finite = validation.choice(non_finite, "non_finite", ("raise", "drop"))
+    noise_std = _mechanisms._check_scale(noise_std, "noise_std")
+    _mechanisms._check_generator(generator)
+    batch = grads[0].shape[0]
+    if batch_size is None:
+        if batch == 0:
+            raise ValueError("batch_size must be given for an empty batch (its default, the batch's size B, is 0)")
+        scale_by = float(batch)
+    else:
+        scale_by = validation.positive(batch_size, "batch_size")
+    if grads[0].is_cuda:
+        _mechanisms._check_cuda(grads[0].device, "per_sample_grads' device")
+
+    secure_noise = noise_std > 0 and isinstance(generator, _mechanisms.SecureNoiseGenerator)
+    _check_release_range(batch, norms_allowed, noise_std, scale_by, secure_noise)
+    kernel_noise = 0.0 if secure_noise else noise_std
+    words, stream_offset = [0, 0], 0
+    if kernel_noise > 0:
+        total = sum(math.prod(g.shape[1:]) for g in grads)
+        words, stream_offset = _mechanisms._resolve_stream(total, generator, key, offset)
+    clip_norms = torch.tensor(norms_allowed if per_layer else norms_allowed[:1], dtype=torch.float64,
+                              device=grads[0].device)
+    kernel_scale = 1.0 if secure_noise else 1.0 / scale_by
+    if batch == 0:
+        outs = _noise_alone(grads, kernel_noise, words, stream_offset, kernel_scale)
+        squares = torch.empty(0, len(grads), dtype=torch.float64, device=grads[0].device)
+    else:
+        *outs, squares = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
+                                                            stream_offset, kernel_scale)
+    bad = ~torch.isfinite(squares).all(dim=1)
+    if non_finite == "raise" and bool(bad.any()):
+        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite "
+                         "(or beyond 1.8e19); pass non_finite='drop' to leave such samples out")
+    norms = _sqrt(squares if per_layer else _sum_columns_in_order(squares))
+    if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
+        for out in outs:
+            _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
+            out.mul_(1.0 / scale_by)
+    return ClippedSum(list(outs), norms, bad)
+
