@@ -181,7 +181,7 @@ def test_the_same_seed_gives_the_same_estimate():
         (cap.Gaussian(1.0), np.array([[np.nan, 0.0]]), {}, ValueError, "inputs must be finite"),
         (cap.Gaussian(1.0), np.array([["a", "b"]]), {}, TypeError, "inputs must hold real numbers"),
         (cap.Gaussian(1.0), np.zeros((2, 2)), {"n_samples": 1}, ValueError, "n_samples must be >= 2"),
-        (cap.Gaussian(1.0), np.zeros((2, 2)), {"confidence": 1.0}, ValueError, "confidence must be in"),
+        (cap.Gaussian(1.0), np.zeros((2, 2)), {"confidence": 1.0}, ValueError, "confidence must be < 1"),
         (cap.Gaussian(1.0), np.zeros((2, 2)), {"proposal": np.zeros((2, 3))}, ValueError,
          "proposal must have 2 columns"),
         (cap.VMF(1.0), np.array([[1.0, 1.0]]), {}, ValueError, "inputs must be unit vectors"),

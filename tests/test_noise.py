@@ -233,7 +233,7 @@ def test_generator_state_round_trips():
 @pytest.mark.parametrize(
     "call, error, words",
     [
-        (lambda: M.gaussian_noise(3, -1.0), ValueError, "std must be finite and >= 0"),
+        (lambda: M.gaussian_noise(3, -1.0), ValueError, "std must be >= 0"),
         (lambda: M.gaussian_noise(3, float("nan")), ValueError, "std must be finite"),
         (lambda: M.laplace_noise(3, float("inf")), ValueError, "scale must be finite"),
         (lambda: M.gaussian_noise(3, "1"), TypeError, "std must be a real number"),

@@ -49,18 +49,6 @@ _PLD_DISCRETIZATION = 1e-4  # dp-accounting's PLDAccountant default
 _PLD_TAIL_MASS = 1e-15  # dp-accounting's self_compose default
 
 
-def _steps(steps) -> int:
-    return validation.integer(steps, "steps", low=1)
-
-
-def _delta(delta) -> float:
-    return validation.probability(delta, "delta", open_high=True)
-
-
-def _sampling_rate(sampling_rate) -> float:
-    return validation.probability(sampling_rate, "sampling_rate", open_low=True)
-
-
 def _composed_pld_points(loss: "privacy_loss_distribution.PrivacyLossDistribution", steps: int) -> int:
     """Length of the FFT that ``loss.self_compose(steps)`` would allocate, by dp-accounting's own
     Chernoff bound on the truncated support; without access to the probabilities, the untruncated
@@ -100,8 +88,9 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
     points is refused (ValueError naming ``steps``; use ``accountant="rdp"``). RDP takes any T.
     """
     sigma = validation.positive(noise_multiplier, "noise_multiplier")
-    steps, delta = _steps(steps), _delta(delta)
-    q = _sampling_rate(sampling_rate)
+    steps = validation.integer(steps, "steps", low=1)
+    delta = validation.probability(delta, "delta", open_high=True)
+    q = validation.probability(sampling_rate, "sampling_rate", open_low=True)
     accountant = validation.choice(accountant, "accountant", ("pld", "rdp"))
     sampling = validation.choice(sampling, "sampling", ("poisson", "fixed"))
     step = dp_event.GaussianDpEvent(sigma)
@@ -167,14 +156,14 @@ def analytic_gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
     neighbours, the sensitivity is the diameter 2c of the clipping ball: pass noise_multiplier / 2.
     """
     sigma = validation.positive(noise_multiplier, "noise_multiplier")
-    return _analytic_gaussian_epsilon(sigma, _delta(delta))
+    return _analytic_gaussian_epsilon(sigma, validation.probability(delta, "delta", open_high=True))
 
 
 def analytic_gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
     """The sigma at which one Gaussian release is exactly (epsilon, delta)-DP (the inverse of
     :func:`analytic_gaussian_epsilon`)."""
     epsilon = validation.positive(epsilon, "epsilon")
-    delta = _delta(delta)
+    delta = validation.probability(delta, "delta", open_high=True)
     if delta == 0.0:
         raise ValueError("delta must be > 0: no Gaussian noise gives pure DP")
     log_delta = math.log(delta)
@@ -211,8 +200,9 @@ def vmf_privacy(kappa: float, steps: int = 1, delta: float = 0.0, *, sampling_ra
     of ``steps`` Poisson-subsampled steps (rate ``sampling_rate``): the exact epsilon of the
     T-fold Poisson-subsampled randomised-response pair (:func:`_subsampled_pure_dp_composition`)."""
     kappa = validation.positive(kappa, "kappa")
-    steps, delta = _steps(steps), _delta(delta)
-    q = _sampling_rate(sampling_rate)
+    steps = validation.integer(steps, "steps", low=1)
+    delta = validation.probability(delta, "delta", open_high=True)
+    q = validation.probability(sampling_rate, "sampling_rate", open_low=True)
     step = 2.0 * kappa
     return VMFPrivacy(kappa, step, _subsampled_pure_dp_composition(step, q, steps, delta), delta)
 

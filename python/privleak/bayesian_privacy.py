@@ -80,8 +80,8 @@ class RecoveryCounts:
     batch_size: int
 
     def __post_init__(self) -> None:
-        trials = _check_count(self.trials, "trials")
-        batch_size = _check_count(self.batch_size, "batch_size")
+        trials = validation.integer(self.trials, "trials", low=1)
+        batch_size = validation.integer(self.batch_size, "batch_size", low=1)
         values = _as_numpy(self.successes, "successes")
         if values.ndim != 2 or 0 in values.shape:
             raise ValueError(f"successes must have shape (n_releases >= 1, n_samples >= 1), got {values.shape}")
@@ -174,7 +174,7 @@ def chernoff_relative_error(expected_successes: float, confidence: float) -> flo
     probability 4.1e-5, exact 4.6e-3), and with T in place of M for f^O. Returns inf for mu = 0.
     """
     mu = validation.non_negative(expected_successes, "expected_successes")
-    log_term = _tail_log(1.0 - _check_confidence(confidence))
+    log_term = _tail_log(1.0 - validation.confidence_level(confidence, "confidence"))
     if mu == 0.0:
         return math.inf
     return (log_term + math.sqrt(log_term * (log_term + 8.0 * mu))) / (2.0 * mu)
@@ -197,10 +197,10 @@ def chernoff_interval(successes: Any, n_terms: int, confidence: float) -> tuple[
     totals = _real_array(successes, "successes")
     if not (np.isfinite(totals).all() and (totals >= 0).all()):
         raise ValueError("successes must be finite and >= 0")
-    n_terms = _check_count(n_terms, "n_terms")
+    n_terms = validation.integer(n_terms, "n_terms", low=1)
     if (totals > n_terms).any():
         raise ValueError(f"successes must be at most n_terms = {n_terms}")
-    return _mean_interval(totals, n_terms, 1.0 - _check_confidence(confidence))
+    return _mean_interval(totals, n_terms, 1.0 - validation.confidence_level(confidence, "confidence"))
 
 
 # --- Maximum Bayesian Privacy ([000] App. C) -----------------------------------------------------
@@ -251,7 +251,7 @@ def estimate_mbp(counts: RecoveryCounts, prior: Any = None, *, confidence: float
     """
     counts = _check_counts(counts)
     prior_mass = _check_sample_prior(prior, counts.n_samples)
-    confidence = _check_confidence(confidence)
+    confidence = validation.confidence_level(confidence, "confidence")
     with np.errstate(divide="ignore"):
         log_ratios = np.log(counts.posteriors) - np.log(prior_mass)
     worst = np.unravel_index(int(np.argmax(np.abs(log_ratios))), log_ratios.shape)
@@ -312,11 +312,11 @@ class ABPEstimate:
         ``tv_distance`` is the total variation distance between the distributions of the
         unprotected and the protected release, in [0, 1].
         """
-        return _difference(2.0 * self.c1, self.c2, _check_tv(tv_distance))
+        return _difference(2.0 * self.c1, self.c2, validation.probability(tv_distance, "tv_distance"))
 
     def epsilon_p_interval(self, tv_distance: float) -> tuple[float, float]:
         """Holds 2 C1 - C2 TV with probability >= ``confidence`` (Thm D.2: see :func:`epsilon_p_error_bound`)."""
-        tv = _check_tv(tv_distance)
+        tv = validation.probability(tv_distance, "tv_distance")
         return (_difference(2.0 * self.c1_interval[0], self.c2_interval[1], tv),
                 _difference(2.0 * self.c1_interval[1], self.c2_interval[0], tv))
 
@@ -350,7 +350,7 @@ def estimate_abp(counts: RecoveryCounts, prior: Any = None, *, releases: str = "
     """
     counts = _check_counts(counts)
     prior_mass = _check_sample_prior(prior, counts.n_samples)
-    failure = 1.0 - _check_confidence(confidence)
+    failure = 1.0 - validation.confidence_level(confidence, "confidence")
     if releases == "drawn":
         totals, n_terms = counts.successes.sum(axis=0) / counts.trials, counts.n_releases
     elif releases == "given":
@@ -362,7 +362,7 @@ def estimate_abp(counts: RecoveryCounts, prior: Any = None, *, releases: str = "
         mbp = estimate_mbp(counts, prior_mass, confidence=1.0 - failure)
         c2, c2_interval = _c2_from_xi(mbp.xi), (_c2_from_xi(mbp.interval[0]), _c2_from_xi(mbp.interval[1]))
     else:
-        c2 = _check_nonnegative(c2, "c2")
+        c2 = validation.non_negative(c2, "c2", allow_inf=True)
         c2_interval = (c2, c2)
     low, high = _mean_interval(totals, n_terms, failure / counts.n_samples)
     low, high = low / counts.batch_size, high / counts.batch_size
@@ -389,8 +389,8 @@ def c1_error_bound(relative_error: float, belief_mass: float = 1.0) -> float:
     4 / sqrt(eps) as eps -> 0 (0.46 instead of 0.036 at eps = 0.1), and undefined for eps >= 1,
     where this bound stays finite.
     """
-    epsilon = _check_nonnegative(relative_error, "relative_error")
-    mass = _check_nonnegative(belief_mass, "belief_mass")
+    epsilon = validation.non_negative(relative_error, "relative_error", allow_inf=True)
+    mass = validation.non_negative(belief_mass, "belief_mass", allow_inf=True)
     if math.isinf(epsilon) or math.isinf(mass):
         return math.inf if mass > 0 and epsilon > 0 else 0.0
     worst = max(_js_terms(np.float64(1.0 + epsilon), 1.0), _js_terms(np.float64(1.0 - min(epsilon, 1.0)), 1.0))
@@ -473,19 +473,3 @@ def _check_sample_prior(prior: Any, n_samples: int) -> np.ndarray:
     if (masses == 0).any():
         raise ValueError("prior must give every data sample positive mass (log f_D(d) appears in xi)")
     return masses
-
-
-def _check_count(value: Any, name: str) -> int:
-    return validation.integer(value, name, low=1)
-
-
-def _check_nonnegative(value: Any, name: str) -> float:
-    return validation.non_negative(value, name, allow_inf=True)
-
-
-def _check_confidence(confidence: Any) -> float:
-    return validation.probability(confidence, "confidence", open_low=True, open_high=True)
-
-
-def _check_tv(tv_distance: Any) -> float:
-    return validation.probability(tv_distance, "tv_distance")

@@ -100,7 +100,7 @@ def gaussian_ball_log_capacity(dim: int, radius: float, noise_std: float, *, met
     Raises ValueError naming the argument for dim < 1 or not an integer, radius < 0,
     noise_std <= 0, or anything non-finite.
     """
-    p = _check_dim(dim, "dim")
+    p = validation.dimension(dim, "dim")
     radius = validation.non_negative(radius, "radius")
     noise_std = validation.positive(noise_std, "noise_std")
     validation.choice(method, "method", ("auto", "sum", "quadrature"))
@@ -191,7 +191,7 @@ def gaussian_product_of_balls_log_capacity(
         raise ValueError(f"dims and radii must be non-empty and of equal length, got {len(dims)} and {len(radii)}")
     total = sum(
         gaussian_ball_log_capacity(
-            _check_dim(d, f"dims[{i}]"), validation.non_negative(r, f"radii[{i}]"), noise_std, method=method
+            validation.dimension(d, f"dims[{i}]"), validation.non_negative(r, f"radii[{i}]"), noise_std, method=method
         ).log
         for i, (d, r) in enumerate(zip(dims, radii))
     )
@@ -280,7 +280,7 @@ def vmf_log_capacity(dim: int, kappa: float) -> LogCapacity:
     Needs p >= 2 (S^0 is two points, not the VMF mechanism's domain) and kappa > 0; raises
     ValueError naming the argument otherwise.
     """
-    p = _check_dim(dim, "dim")
+    p = validation.dimension(dim, "dim")
     if p < 2:
         raise ValueError(f"dim must be >= 2 for the VMF mechanism on S^(dim-1), got {dim!r}")
     kappa = validation.positive(kappa, "kappa")
@@ -345,10 +345,11 @@ def dpsgd_gaussian(dim: int, clip_norm: float, noise_multiplier: float, batch_si
     divided by L: given B, that is a ball of radius c B / L with the same noise, i.e. this
     mechanism with batch_size = B.
     """
-    p = _check_dim(dim, "dim")
+    p = validation.dimension(dim, "dim")
     c = validation.positive(clip_norm, "clip_norm")
     sigma = validation.positive(noise_multiplier, "noise_multiplier")
-    return GaussianMechanism((p,), (c,), _dpsgd_noise_std(c, sigma, _check_dim(batch_size, "batch_size"), "clip_norm"))
+    noise_std = _dpsgd_noise_std(c, sigma, validation.dimension(batch_size, "batch_size"), "clip_norm")
+    return GaussianMechanism((p,), (c,), noise_std)
 
 
 def _dpsgd_noise_std(sensitivity: float, sigma: float, batch_size: int, norm_name: str) -> float:
@@ -374,14 +375,15 @@ def dpsgd_gaussian_per_layer(
     (:meth:`GaussianMechanism.log_capacity`) is exact and is the sum of the layers' log
     capacities; it is smaller than that of flat clipping at ||c||_2 with the same noise.
     """
-    dims = tuple(_check_dim(d, f"layer_dims[{i}]") for i, d in enumerate(layer_dims))
+    dims = tuple(validation.dimension(d, f"layer_dims[{i}]") for i, d in enumerate(layer_dims))
     norms = tuple(validation.positive(c, f"clip_norms[{i}]") for i, c in enumerate(clip_norms))
     if len(dims) != len(norms) or not dims:
         raise ValueError(
             f"layer_dims and clip_norms must be non-empty and of equal length, got {len(dims)} and {len(norms)}"
         )
     sigma = validation.positive(noise_multiplier, "noise_multiplier")
-    noise_std = _dpsgd_noise_std(math.hypot(*norms), sigma, _check_dim(batch_size, "batch_size"), "clip_norms")
+    batch_size = validation.dimension(batch_size, "batch_size")
+    noise_std = _dpsgd_noise_std(math.hypot(*norms), sigma, batch_size, "clip_norms")
     return GaussianMechanism(dims, norms, noise_std)
 
 
@@ -394,7 +396,7 @@ def dpsgd_vmf(dim: int, kappa: float) -> VMFMechanism:
     set is the whole sphere and the capacity depends on (p, kappa) only. An all-zero average has
     no direction; Alg. 2 leaves that case undefined and so does this model.
     """
-    return VMFMechanism(_check_dim(dim, "dim"), validation.positive(kappa, "kappa"))
+    return VMFMechanism(validation.dimension(dim, "dim"), validation.positive(kappa, "kappa"))
 
 
 # --- Monte Carlo estimate over a finite input set --------------------------------------------
@@ -556,13 +558,11 @@ def estimate(
     centres = points if proposal is None else _check_points(proposal, "proposal", mechanism)
     if centres.shape[1] != points.shape[1]:
         raise ValueError(f"proposal must have {points.shape[1]} columns like inputs, got {centres.shape[1]}")
-    n = _check_dim(n_samples, "n_samples")
+    n = validation.dimension(n_samples, "n_samples")
     if n < 2:
         raise ValueError(f"n_samples must be >= 2 (the interval needs a variance), got {n_samples!r}")
-    batch = _check_dim(batch_size, "batch_size")
-    level = validation.real(confidence, "confidence")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    batch = validation.dimension(batch_size, "batch_size")
+    level = validation.confidence_level(confidence, "confidence")
 
     from privleak.reductions import nearest
 
@@ -625,16 +625,3 @@ def _check_points(points: Any, name: str, mechanism: Any) -> np.ndarray:
             raise ValueError(f"{name} must be unit vectors for VMF "
                              f"(norms range from {norms.min():.6g} to {norms.max():.6g})")
     return np.ascontiguousarray(array)
-
-
-# --- argument checks ---------------------------------------------------------------------------
-
-# Dimensions, sample counts and batch sizes are ints in [1, MAX_DIM]: beyond, nothing fits in memory
-# and float64 stops telling p from p + 1 long before.
-MAX_DIM = 2**62
-
-
-def _check_dim(value: Any, name: str) -> int:
-    """A positive int; a whole float such as 1e9 or a batch size of 64.0 is accepted (bools,
-    strings and 2.5 are not)."""
-    return validation.integer(value, name, low=1, high=MAX_DIM, integral_float=True)

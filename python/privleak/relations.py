@@ -38,7 +38,7 @@ def lip_from_ldp(ldp_epsilon: float, prior: Any = None) -> tuple[float, float]:
     these bounds as pi_min -> 0, which is what ``prior=None`` returns; for any actual prior both
     are smaller. eps_U stays finite even for eps = inf: a posterior is at most 1, so r <= 1/pi_min.
     """
-    epsilon = _check_epsilon(ldp_epsilon, "ldp_epsilon")
+    epsilon = validation.epsilon(ldp_epsilon, "ldp_epsilon")
     if prior is None:
         return epsilon, epsilon
     smallest = _smallest_masses(as_prior(prior), 1)[0]
@@ -81,8 +81,8 @@ def ldp_from_lip(eps_upper: float, eps_lower: float, prior: Any = None) -> float
     (tests). E.g. the uniform prior on 2 secrets with eps_U = eps_L = 1 gives log(2e - 1) = 1.49,
     not 2.
     """
-    upper = _check_epsilon(eps_upper, "eps_upper")
-    lower = _check_epsilon(eps_lower, "eps_lower")
+    upper = validation.epsilon(eps_upper, "eps_upper")
+    lower = validation.epsilon(eps_lower, "eps_lower")
     if prior is None:
         return upper + lower
     masses = as_prior(prior)
@@ -108,7 +108,7 @@ def ldp_from_mbp(mbp_xi: float, prior: Any = None) -> float:
     xi + log(min(e^xi, n - (n - 1) e^-xi)): 2 xi exactly when n >= e^xi + 1, smaller otherwise
     (log(2 e^xi - 1) for n = 2).
     """
-    xi = _check_epsilon(mbp_xi, "mbp_xi")
+    xi = validation.epsilon(mbp_xi, "mbp_xi")
     return ldp_from_lip(xi, xi, prior)
 
 
@@ -126,8 +126,8 @@ def mi_from_lip(eps_upper: float, eps_lower: float) -> float:
     Reached when lam = 1/k: k equally likely secrets, k observations, C[x, y] = U/k if x == y
     else L/k (tests); for other lam it is the supremum.
     """
-    upper = _check_epsilon(eps_upper, "eps_upper")
-    lower = _check_epsilon(eps_lower, "eps_lower")
+    upper = validation.epsilon(eps_upper, "eps_upper")
+    lower = validation.epsilon(eps_lower, "eps_lower")
     return _two_point_maximum(lambda t: t * math.log(t) if t > 0 else 0.0, lambda log_t: log_t, upper, lower)
 
 
@@ -151,8 +151,8 @@ def abp_from_mbp(mbp_xi: float, prior_mismatch: float = 0.0) -> float:
     tests): at xi = 1 it is 0.21 where the paper gives 0.93. For eps > 0 it stays a valid bound,
     below the paper's, but is not shown to be reached.
     """
-    xi = _check_epsilon(mbp_xi, "mbp_xi")
-    mismatch = min(_check_epsilon(prior_mismatch, "prior_mismatch"), xi)
+    xi = validation.epsilon(mbp_xi, "mbp_xi")
+    mismatch = min(validation.epsilon(prior_mismatch, "prior_mismatch"), xi)
     if math.isinf(xi):
         return math.sqrt(math.log(2.0))
     # log(U + L - UL) and -log(2L - L^2), written so that no exponential overflows.
@@ -216,11 +216,6 @@ def capacity_after_deterministic_preprocessing(mapping: Any, channel: Any) -> fl
 
 
 # --- internals -------------------------------------------------------------------------------
-
-
-def _check_epsilon(value: Any, name: str) -> float:
-    """A non-negative epsilon, inf allowed (privleak.validation.non_negative)."""
-    return validation.non_negative(value, name, allow_inf=True)
 
 
 def _exp(x: float) -> float:

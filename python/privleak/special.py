@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 from scipy.special import gammaln, ive
 
+from privleak import validation
+
 DEBYE_MIN_ORDER = 50.0
 _DEBYE_TERMS = 11
 _SERIES_TERMS = 24
@@ -151,7 +153,7 @@ class _BesselLogs:
     """log I_nu(x), log(e^-x I_nu(x)) and log(Gamma(nu + 1) (2/x)^nu I_nu(x)), each accurate."""
 
     def __init__(self, nu: Any, x: Any):
-        nu, x = np.broadcast_arrays(_checked(nu, "nu"), _checked(x, "x"))
+        nu, x = np.broadcast_arrays(validation.reals(nu, "nu", low=0.0), validation.reals(x, "x", low=0.0))
         self.iv = np.empty(nu.shape)
         self.ive = np.empty(nu.shape)
         self.normalised = np.empty(nu.shape)
@@ -260,15 +262,6 @@ def _hyp0f1_series_tail(nu: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.sum(terms[::-1], axis=0)
 
 
-def _checked(values: Any, name: str) -> np.ndarray:
-    array = np.asarray(values, dtype=np.float64)
-    if not np.all(np.isfinite(array)):
-        raise ValueError(f"{name} must be finite, got {values!r}")
-    if np.any(array < 0.0):
-        raise ValueError(f"{name} must be >= 0, got {values!r}")
-    return array
-
-
 # --- public functions ------------------------------------------------------------------------
 
 
@@ -314,7 +307,7 @@ def bessel_iv_ratio(nu: Any, x: Any) -> Any:
     that nothing cancels; otherwise the ratio of the two Hankel sums (x > 1e6) or of scipy's
     scaled ``ive``.
     """
-    nu, x = np.broadcast_arrays(_checked(nu, "nu"), _checked(x, "x"))
+    nu, x = np.broadcast_arrays(validation.reals(nu, "nu", low=0.0), validation.reals(x, "x", low=0.0))
     ratio = np.empty(nu.shape)
     series, debye, hankel, amos = _regions(nu, x)
 
@@ -395,13 +388,8 @@ def vmf_mean_resultant_length(p: Any, kappa: Any) -> Any:
 
 
 def _check_vmf(p: Any, kappa: Any) -> tuple[np.ndarray, np.ndarray]:
-    p_array = np.asarray(p, dtype=np.float64)
-    kappa_array = np.asarray(kappa, dtype=np.float64)
-    if not np.all(np.isfinite(p_array)) or np.any(p_array < 2.0) or np.any(p_array != np.floor(p_array)):
-        raise ValueError(f"p must be an integer dimension >= 2, got {p!r}")
-    if not np.all(np.isfinite(kappa_array)) or np.any(kappa_array <= 0.0):
-        raise ValueError(f"kappa must be finite and > 0, got {kappa!r}")
-    return p_array, kappa_array
+    """The VMF dimension p (whole, >= 2: a sphere S^(p-1) with a direction) and concentration kappa > 0."""
+    return validation.reals(p, "p", low=2.0, whole=True), validation.reals(kappa, "kappa", low=0.0, low_open=True)
 
 
 # --- reproducible, compensated sums (numpy arrays or torch tensors) ---------------------------

@@ -8,13 +8,17 @@ so callers that catch either keep working.
 
 Numbers are accepted as any ``numbers.Real`` or ``numbers.Integral`` (Python, numpy scalars) and
 as one-element torch tensors or numpy arrays; bools and strings are refused, as are NaN and (unless
-asked for) infinities.
+asked for) infinities. Plain ``float`` and ``int`` take a short path with no type analysis, which
+is also what ``torch.compile`` traces through the noise ops.
+
+Arrays and tensors handed to a kernel are checked by :func:`tensor` (torch tensors only) and
+:func:`privleak._arrays.view` (numpy arrays too), which also describe them for the core.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -23,13 +27,19 @@ class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type. Subclasses both TypeError and ValueError."""
 
 
-def _scalar(value: Any) -> Any:
-    """A one-element numpy array or torch tensor as its Python scalar; anything else unchanged."""
+#: Dimensions, sample counts and batch sizes are ints in [1, MAX_DIM]: beyond, nothing fits in
+#: memory, and float64 stops telling p from p + 1 long before.
+MAX_DIM = 2**62
+
+
+def _scalar(value: Any, name: str) -> Any:
+    """A 0-d numpy array or one-element torch tensor as its Python scalar; anything else unchanged.
+    A tensor of several elements is refused here, where its shape can still be named."""
     if isinstance(value, np.ndarray) and value.shape == ():
         return value.item()
     if type(value).__module__.startswith("torch") and hasattr(value, "numel") and hasattr(value, "item"):
         if value.numel() != 1:
-            return value
+            raise ArgumentTypeError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
         return value.item()
     return value
 
@@ -37,9 +47,10 @@ def _scalar(value: Any) -> Any:
 def real(value: Any, name: str, *, low: Optional[float] = None, high: Optional[float] = None,
          low_open: bool = False, high_open: bool = False, allow_inf: bool = False) -> float:
     """``value`` as a float in [low, high] (open ends where asked); NaN never passes."""
-    value = _scalar(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if type(value) is not float and type(value) is not int:
+        value = _scalar(value, name)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     try:
         number = float(value)
     except OverflowError:  # an int beyond float range, e.g. 10**400
@@ -68,6 +79,16 @@ def probability(value: Any, name: str, *, open_low: bool = False, open_high: boo
     return real(value, name, low=0.0, high=1.0, low_open=open_low, high_open=open_high)
 
 
+def confidence_level(value: Any, name: str) -> float:
+    """A confidence level, or a failure probability: strictly between 0 and 1."""
+    return probability(value, name, open_low=True, open_high=True)
+
+
+def epsilon(value: Any, name: str) -> float:
+    """A privacy loss bound epsilon (DP, LDP, LIP, MBP): >= 0, with inf meaning no bound."""
+    return non_negative(value, name, allow_inf=True)
+
+
 def integer(value: Any, name: str, *, low: Optional[int] = None, high: Optional[int] = None,
             integral_float: bool = False) -> int:
     """``value`` as an int in [low, high]; bools and floats (even 3.0) are refused.
@@ -75,7 +96,9 @@ def integer(value: Any, name: str, *, low: Optional[int] = None, high: Optional[
     With ``integral_float`` a float with an integer value (3.0, 1e9, a float batch size that
     happens to be whole) is accepted too; 2.5, NaN and infinities still raise ValueError.
     """
-    value = _scalar(value)
+    if type(value) is int:
+        return _in_range(value, name, low, high)
+    value = _scalar(value, name)
     if integral_float and not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Real) \
             and not isinstance(value, numbers.Integral):
         number = float(value)
@@ -84,7 +107,10 @@ def integer(value: Any, name: str, *, low: Optional[int] = None, high: Optional[
         value = int(number)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    number = int(value)
+    return _in_range(int(value), name, low, high)
+
+
+def _in_range(number: int, name: str, low: Optional[int], high: Optional[int]) -> int:
     if low is not None and number < low:
         raise ValueError(f"{name} must be >= {low}, got {number}")
     if high is not None and number > high:
@@ -92,9 +118,45 @@ def integer(value: Any, name: str, *, low: Optional[int] = None, high: Optional[
     return number
 
 
+def dimension(value: Any, name: str) -> int:
+    """A dimension, sample count or batch size: an int in [1, MAX_DIM]. A whole float such as 1e9
+    or a batch size of 64.0 is accepted (bools, strings and 2.5 are not)."""
+    return integer(value, name, low=1, high=MAX_DIM, integral_float=True)
+
+
+
+def reals(values: Any, name: str, *, low: Optional[float] = None, low_open: bool = False,
+          whole: bool = False) -> np.ndarray:
+    """The elementwise :func:`real` for vectorised functions: ``values`` (a number or anything
+    numpy takes as an array of them) as a float64 array whose entries are finite, >= ``low``
+    (> with ``low_open``) and, with ``whole``, integers."""
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{name} must hold real numbers, got {values!r}") from None
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} must be finite, got {values!r}")
+    if low is not None and np.any(array <= low if low_open else array < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low:g}, got {values!r}")
+    if whole and np.any(array != np.floor(array)):
+        raise ValueError(f"{name} must hold whole numbers, got {values!r}")
+    return array
+
 def choice(value: Any, name: str, options) -> Any:
     """``value`` if it is one of ``options``."""
     options = tuple(options)
     if isinstance(value, (str, int)) and not isinstance(value, bool) and value in options:
         return value
     raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+
+
+def tensor(value: Any, name: str, *, dtypes: Sequence[str] = ("float32", "float64"),
+           ndim: Optional[int] = None) -> Any:
+    """A torch tensor that privleak's kernels can read, as a :class:`privleak._arrays.ArrayView`:
+    dense, strided and aligned, on cpu or cuda, with one of ``dtypes`` (names such as "float32")
+    and, where given, ``ndim`` dimensions (:func:`privleak._arrays.view` checks all but the type)."""
+    from privleak import _arrays  # _arrays imports this module
+
+    if not _arrays.is_tensor(value):
+        raise ArgumentTypeError(f"{name} must be a torch tensor, got {type(value).__name__}")
+    return _arrays.view(value, name, ndim=ndim, dtypes=dtypes)
