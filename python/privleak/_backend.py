@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from privleak import _core
+from privleak import _arrays, _core
 
 _NOT_BUILT = (
     "privleak was built without CUDA (CMake found no nvcc at build time). Reinstall with the CUDA "
@@ -46,6 +46,36 @@ def cuda() -> Any:
     if count == 0:
         raise RuntimeError(f"privleak's CUDA module is built, but no GPU is usable here: {error}")
     return _cuda
+
+
+def call(name: str, on: Any, *args: Any, cuda_args: Sequence[Any] = (),
+         workspace: Callable[[Any], int] | None = None) -> Any:
+    """Run kernel ``name`` where the data ``on`` lives: ``core.name(*args)`` on the CPU, else
+    ``cuda().name(*args, *cuda_args, [workspace address,] device index, stream)``.
+
+    ``on`` is an :class:`privleak._arrays.ArrayView` or a torch tensor; CUDA kernels run on its
+    device and on the caller's current stream there, as torch's own ops do. ``cuda_args`` are
+    arguments only the CUDA kernel takes. ``workspace``, for CUDA kernels that need scratch
+    memory, maps the CUDA module to the bytes needed (its ``*_workspace_bytes`` function); they are
+    allocated on the device (address 0 for none) and freed when the call returns.
+    """
+    if not on.is_cuda:
+        return getattr(core, name)(*args)
+    module = cuda()
+    import torch  # data on a GPU came through torch
+
+    if isinstance(on, _arrays.ArrayView):
+        device, index, stream = on.array.device, on.device_index, on.stream
+    else:
+        device = on.device
+        index = torch.cuda.current_device() if device.index is None else device.index
+        stream = torch.cuda.current_stream(device).cuda_stream
+    scratch = ()
+    if workspace is not None:
+        nbytes = workspace(module)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)  # alive until the call returns
+        scratch = (buffer.data_ptr() if nbytes else 0,)
+    return getattr(module, name)(*args, *cuda_args, *scratch, index, stream)
 
 
 def set_num_threads(threads: int) -> None:

@@ -315,10 +315,7 @@ def _apply(out: torch.Tensor, distribution: str, scale: float, key: list[int], o
     else:
         name, args = "apply_noise", (distribution, v.dtype, v.address, out.numel(), key[0] | (key[1] << 32), offset,
                                      scale, add)
-    if v.is_cuda:
-        getattr(_backend.cuda(), name)(*args, v.device_index, v.stream)
-    else:
-        getattr(_backend.core, name)(*args)
+    _backend.call(name, v, *args)
 
 
 # The ops' arguments: distribution ("gaussian", "laplace", or in secure mode "discrete_gaussian",
@@ -500,13 +497,8 @@ def _vmf_op(mu: torch.Tensor, kappa: float, n: int, key: Sequence[int], offset: 
     p = mu.shape[0]
     out = torch.empty(n, p, dtype=mu.dtype, device=mu.device)
     v = _arrays.view(mu, "mu", ndim=1)
-    args = (v.dtype, v.address, p, kappa, n, key[0] | (key[1] << 32), offset, out.data_ptr())
-    if v.is_cuda:
-        cuda = _backend.cuda()
-        workspace = torch.empty(cuda.vmf_workspace_bytes(p, n), dtype=torch.uint8, device=mu.device)
-        cuda.vmf_sample(*args, workspace.data_ptr(), v.device_index, v.stream)
-    else:
-        _backend.core.vmf_sample(*args)
+    _backend.call("vmf_sample", v, v.dtype, v.address, p, kappa, n, key[0] | (key[1] << 32), offset, out.data_ptr(),
+                  workspace=lambda cuda: cuda.vmf_workspace_bytes(p, n))
     return out
 
 

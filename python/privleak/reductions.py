@@ -93,14 +93,9 @@ def column_stats(matrix: Any, row_weights: Any = None, *, stats: Iterable[str] =
     out = ColumnStats(**{name: _arrays.empty(m, (cols,), dtypes[name]) if name in wanted else None
                          for name in ALL_STATS})
     outs = [0 if a is None else _arrays.address(a) for a in out]
-    args = (mask, m.address, rows, cols, m.strides[0], m.dtype, weights.address if weights else 0, *outs)
-    if m.is_cuda:
-        cuda = _backend.cuda()
-        workspace_bytes = cuda.column_stats_workspace_bytes(m.dtype, rows, cols)
-        workspace = _arrays.empty(m, (workspace_bytes,), "uint8") if workspace_bytes else None
-        cuda.column_stats(*args, _arrays.address(workspace) if workspace_bytes else 0, m.device_index, m.stream)
-    else:
-        _backend.core.column_stats(*args)
+    _backend.call("column_stats", m, mask, m.address, rows, cols, m.strides[0], m.dtype,
+                  weights.address if weights else 0, *outs,
+                  workspace=lambda cuda: cuda.column_stats_workspace_bytes(m.dtype, rows, cols))
     return out
 
 
@@ -190,17 +185,11 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
         center = _arrays.convert_like(input_stats.sum / n_inputs, "center", x)
 
     out = Nearest(_arrays.empty(q, (n_queries,), "float64"), _arrays.empty(q, (n_queries,), "int64"))
-    args = (metric, q.dtype, q.address, n_queries, q.strides[0], x.address, n_inputs, x.strides[0], p,
-            center.address if center else 0, _arrays.address(out.value), _arrays.address(out.index))
-    if q.is_cuda:
-        cuda = _backend.cuda()
-        workspace_bytes = cuda.nearest_workspace_bytes(metric, q.dtype, n_queries, n_inputs, tensor_cores,
-                                                       q.device_index)
-        workspace = _arrays.empty(q, (workspace_bytes,), "uint8") if workspace_bytes else None
-        cuda.nearest(*args, tensor_cores, _arrays.address(workspace) if workspace_bytes else 0, q.device_index,
-                     q.stream)
-    else:
-        _backend.core.nearest(*args)
+    _backend.call("nearest", q, metric, q.dtype, q.address, n_queries, q.strides[0], x.address, n_inputs,
+                  x.strides[0], p, center.address if center else 0, _arrays.address(out.value),
+                  _arrays.address(out.index), cuda_args=(tensor_cores,),
+                  workspace=lambda cuda: cuda.nearest_workspace_bytes(metric, q.dtype, n_queries, n_inputs,
+                                                                      tensor_cores, q.device_index))
     return out
 
 
