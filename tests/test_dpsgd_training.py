@@ -81,15 +81,15 @@ def test_a_zero_average_releases_a_uniform_direction():
     assert float((draws.pow(2).mean(0) - 0.25).abs().max()) < 0.03  # standard error 0.0035
 
 
-@pytest.mark.parametrize("mechanism", ["gaussian", "vmf"])
+@pytest.mark.parametrize("mechanism", [dpsgd.Gaussian(1.5), dpsgd.VMF(10.0)], ids=["gaussian", "vmf"])
 def test_an_empty_poisson_batch_is_a_step(mechanism):
     model = small_model()
-    config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism=mechanism, noise_multiplier=1.5, kappa=10.0)
+    config = dpsgd.DPSGDConfig(clip_norm=1.0, mechanism=mechanism)
     optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, 24,
                                   generator=M.NoiseGenerator(4))
     empty = [torch.empty(0, *p.shape) for p in model.parameters()]
     update = torch.cat([u.reshape(-1) for u in optimizer.step(empty)])
-    if mechanism == "gaussian":
+    if isinstance(mechanism, dpsgd.Gaussian):
         torch.testing.assert_close(update, M.gaussian_noise(update.numel(), key=4) * 1.5 / 24)
     else:
         assert abs(float(update.norm()) - 1) < 1e-6

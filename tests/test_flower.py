@@ -141,7 +141,7 @@ def test_client_app_sends_what_the_in_process_client_leaks(config):
     generator, noise = fl.client_streams(SEED, 1, 1)
     theirs, _ = shards[1].local_update(copy.deepcopy(model), config, batch_size=BATCH, local_steps=1,
                                        learning_rate=LEARNING_RATE, generator=generator, noise=noise)
-    torch.testing.assert_close(_flat(ours), _flat(theirs), rtol=0, atol=0 if config.mechanism == "vmf" else 1e-6)
+    torch.testing.assert_close(_flat(ours), _flat(theirs), rtol=0, atol=0 if config.mechanism.releases_direction else 1e-6)
 
 
 def test_client_app_without_seed_draws_fresh_noise():
@@ -163,7 +163,7 @@ def test_mod_privatises_the_reply_or_refuses():
     def no_arrays(message, context):
         return Message(RecordDict({"metrics": MetricRecord({"loss": 1.0})}), reply_to=message)
 
-    mod = flower.VMFMod(10.0, seed=0)
+    mod = flower.NoiseMod(dpsgd.VMF(10.0), dpsgd.Clipping((1.0,), False), 1, seed=0)
     with pytest.raises(ValueError, match="one ArrayRecord"):
         mod(_train_message(model), _context(0), two_records)
     reply = mod(_train_message(model), _context(0), no_arrays)
@@ -211,12 +211,13 @@ def test_client_errors_name_the_problem():
 
 @pytest.mark.parametrize("call, match", [
     (lambda m: flower.client_app(m, list.__getitem__, dpsgd.DPSGDConfig(1.0, "vmf")), "kappa"),
-    (lambda m: flower.client_app(m, list.__getitem__, dpsgd.DPSGDConfig(1.0, "laplace")), "config.mechanism"),
+    (lambda m: flower.client_app(m, list.__getitem__, dpsgd.DPSGDConfig(1.0, "exponential")), "config.mechanism"),
     (lambda m: flower.client_app(m, list.__getitem__, CONFIGS["vmf"], batch_size=0), "batch_size"),
     (lambda m: flower.client_app(m, [], CONFIGS["vmf"]), "data_fn"),
     (lambda m: flower.client_app(m, list.__getitem__, CONFIGS["vmf"], seed=1.5), "seed"),
-    (lambda m: flower.VMFMod(0.0), "kappa"),
-    (lambda m: flower.GaussianMod(float("nan")), "noise_std"),
+    (lambda m: flower.NoiseMod("vmf", dpsgd.Clipping((1.0,), False), 1), "mechanism"),
+    (lambda m: flower.NoiseMod(dpsgd.VMF(1.0), (1.0,), 1), "clipping"),
+    (lambda m: flower.NoiseMod(dpsgd.VMF(1.0), dpsgd.Clipping((1.0,), False), 0), "batch_size"),
     (lambda m: flower.server_app(fl.Federation(m), clients=2, rounds=0), "rounds"),
     (lambda m: flower.server_app(fl.Federation(m), clients=0, rounds=1), "clients"),
     (lambda m: flower.server_app(m, clients=2, rounds=1), "federation"),

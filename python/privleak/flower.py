@@ -7,9 +7,9 @@ The split follows the data flow of paper 004's threat model (Sec. II) with one l
   without noise: it draws a batch, computes per-sample gradients and returns their clipped average,
   the deterministic lines of Alg. 1 and 2.
 * A **client mod** privatises exactly the arrays the reply carries before they leave the client:
-  :class:`VMFMod` scales them to unit length and releases a draw of VMF(that direction, kappa)
-  (lines 10-11 of Alg. 2, :func:`privleak.dpsgd.vmf_release`); :class:`GaussianMod` adds
-  N(0, (sigma c / L)^2) (Alg. 1). The mod marks the reply, and the server refuses unmarked ones.
+  :class:`NoiseMod` applies the configured mechanism's noise (for Alg. 2, a draw of VMF(that
+  direction, kappa), :func:`privleak.dpsgd.vmf_release`; for Alg. 1, N(0, (sigma c / L)^2)). The
+  mod marks the reply, and the server refuses unmarked ones.
 * The **ServerApp** runs :class:`CuriousFedAvg`: every client every round, FedAvg weighted by data
   size, the step of :func:`privleak.fl.server_step`, and it is honest but curious: it records every
   update it receives in a :class:`privleak.fl.Federation` and hands each to an ``on_update`` hook.
@@ -26,15 +26,15 @@ Flower is an optional dependency: ``pip install 'privleak[flower]'``.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from privleak import dpsgd, fl
-from privleak.mechanisms import NoiseGenerator, add_gaussian_noise
+from privleak import dpsgd, fl, validation
+from privleak.dpsgd.config import check_config
+from privleak.mechanisms import NoiseGenerator
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -44,7 +44,7 @@ try:
 except ImportError as error:
     raise ImportError("privleak.flower needs Flower: pip install 'privleak[flower]'") from error
 
-__all__ = ["VMFMod", "GaussianMod", "CuriousFedAvg", "client_app", "server_app", "simulate"]
+__all__ = ["NoiseMod", "CuriousFedAvg", "client_app", "server_app", "simulate"]
 
 #: keys of the records in a client's reply (the server's message uses FedAvg's "arrays" and "config")
 UPDATE, METRICS, PRIVLEAK = "update", "metrics", "privleak"
@@ -70,22 +70,28 @@ def _streams(seed: Optional[int], round_: int, client: int) -> tuple[torch.Gener
 
 
 def _check_seed(seed) -> Optional[int]:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an int or None, got {seed!r}")
-    return seed
+    return None if seed is None else validation.integer(seed, "seed")
 
 
-class _NoiseMod:
-    """A Flower client mod that privatises the one ArrayRecord of the reply (all its arrays, as one
-    vector) and marks the reply with ``privleak["noise"]``; replies without arrays pass unchanged."""
+class NoiseMod:
+    """A Flower client mod that privatises the one ArrayRecord of the reply, the clipped average
+    of ``batch_size`` samples clipped as ``clipping`` says (all its arrays, as one vector), with
+    ``mechanism``'s noise (:meth:`privleak.dpsgd.DPSGDMechanism.noise`: N(0, (sigma c / L)^2) for
+    Alg. 1, a VMF draw around the direction for Alg. 2, ...), and marks the reply with
+    ``privleak["noise"]`` = the mechanism's name; replies without arrays pass unchanged.
+    ``seed``: see the module docstring."""
 
-    mechanism = ""
-
-    def __init__(self, seed: Optional[int]):
+    def __init__(self, mechanism: dpsgd.DPSGDMechanism, clipping: dpsgd.Clipping, batch_size: int, *,
+                 seed: Optional[int] = None):
+        if not isinstance(mechanism, dpsgd.DPSGDMechanism):
+            raise validation.ArgumentTypeError(f"mechanism must be a privleak.dpsgd mechanism, got "
+                                               f"{type(mechanism).__name__}")
+        if not isinstance(clipping, dpsgd.Clipping):
+            raise validation.ArgumentTypeError(f"clipping must be a privleak.dpsgd.Clipping, got "
+                                               f"{type(clipping).__name__}")
+        self.mechanism, self.clipping = mechanism, clipping
+        self.batch_size = validation.integer(batch_size, "batch_size", low=1)
         self.seed = _check_seed(seed)
-
-    def release(self, tensors: list, noise: NoiseGenerator) -> list:
-        raise NotImplementedError
 
     def __call__(self, message: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
         reply = call_next(message, context)
@@ -97,47 +103,13 @@ class _NoiseMod:
         key, record = next(iter(reply.content.array_records.items()))
         round_, client = _round_and_client(message, context)
         state = record.to_torch_state_dict()
-        released = self.release(list(state.values()), _streams(self.seed, round_, client)[1])
+        noise = _streams(self.seed, round_, client)[1]
+        released = self.mechanism.noise(list(state.values()), self.clipping, self.batch_size, noise)
         reply.content[key] = ArrayRecord(dict(zip(state.keys(), released)))
         if PRIVLEAK not in reply.content.config_records:
             reply.content[PRIVLEAK] = ConfigRecord()
-        reply.content.config_records[PRIVLEAK]["noise"] = self.mechanism
+        reply.content.config_records[PRIVLEAK]["noise"] = self.mechanism.name
         return reply
-
-
-class VMFMod(_NoiseMod):
-    """Client mod for Alg. 2's noise: the reply's arrays, taken together as one vector, are scaled to
-    unit length and replaced by a draw of VMF(that direction, ``kappa``)
-    (:func:`privleak.dpsgd.vmf_release`). ``seed``: see the module docstring."""
-
-    mechanism = "vmf"
-
-    def __init__(self, kappa: float, *, seed: Optional[int] = None):
-        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not (math.isfinite(kappa) and kappa > 0):
-            raise ValueError(f"kappa must be finite and > 0, got {kappa!r}")
-        super().__init__(seed)
-        self.kappa = float(kappa)
-
-    def release(self, tensors: list, noise: NoiseGenerator) -> list:
-        return dpsgd.vmf_release(tensors, self.kappa, noise)
-
-
-class GaussianMod(_NoiseMod):
-    """Client mod for Alg. 1's noise: adds N(0, ``noise_std``^2) to every element of the reply's
-    arrays. For the clipped average of a batch of L that is ``noise_std`` = sigma c / L
-    (:func:`privleak.dpsgd.gaussian_noise_std` / L). ``seed``: see the module docstring."""
-
-    mechanism = "gaussian"
-
-    def __init__(self, noise_std: float, *, seed: Optional[int] = None):
-        if isinstance(noise_std, bool) or not isinstance(noise_std, (int, float)) or \
-                not (math.isfinite(noise_std) and noise_std > 0):
-            raise ValueError(f"noise_std must be finite and > 0, got {noise_std!r}")
-        super().__init__(seed)
-        self.noise_std = float(noise_std)
-
-    def release(self, tensors: list, noise: NoiseGenerator) -> list:
-        return [add_gaussian_noise(t, self.noise_std, generator=noise) for t in tensors]
 
 
 def _trainable(model: nn.Module) -> tuple[list, list]:
@@ -145,10 +117,8 @@ def _trainable(model: nn.Module) -> tuple[list, list]:
     return list(names), list(params)
 
 
-def _check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-
+def _check_batch_size(batch_size) -> int:
+    return validation.integer(batch_size, "batch_size", low=1)
 
 
 def client_app(model: nn.Module, data_fn: Callable[[int], fl.Client], config: dpsgd.DPSGDConfig, *,
@@ -161,27 +131,20 @@ def client_app(model: nn.Module, data_fn: Callable[[int], fl.Client], config: dp
         data_fn: ``data_fn(partition_id)`` returns the node's :class:`privleak.fl.Client`. It runs
             every round: cache it if loading is slow. For a simulation, ``shards.__getitem__`` of a
             list of clients works.
-        config: the DP-SGD mechanism: Alg. 1 (``"gaussian"``, a :class:`GaussianMod` with
-            sigma c / L) or Alg. 2 (``"vmf"``, a :class:`VMFMod`).
+        config: the DP-SGD configuration; its mechanism's noise is added by a :class:`NoiseMod`.
         batch_size: L, examples per step, drawn without replacement as in :mod:`privleak.fl`.
         seed: None (fresh entropy) or the seed of :func:`privleak.fl.client_streams`.
         share_batches: also send the batch's indices (``privleak["batches"]``), the ground truth a
             reconstruction is scored against. For experiments only: a real client keeps them.
     """
     _check_batch_size(batch_size)
-    if config.mechanism == "vmf":
-        if config.kappa is None:
-            raise ValueError("config: the VMF mechanism needs kappa")
-        mod = VMFMod(config.kappa, seed=seed)
-    elif config.mechanism == "gaussian":
-        mod = GaussianMod(dpsgd.gaussian_noise_std(config, len(_trainable(model)[0])) / batch_size, seed=seed)
-    else:
-        raise ValueError(f"config.mechanism must be 'gaussian' or 'vmf', got {config.mechanism!r}")
+    config = check_config(config, len(_trainable(model)[0]))
+    mod = NoiseMod(config.mechanism, config.clipping(len(_trainable(model)[0])), batch_size, seed=seed)
     if not callable(data_fn):
         raise ValueError("data_fn must be callable: data_fn(partition_id) -> privleak.fl.Client")
     template = copy.deepcopy(model)
-    # Alg. 1 without noise is the clipped average both algorithms start from; the mod adds the noise
-    clipped_average = config._replace(mechanism="gaussian", noise_multiplier=0.0, kappa=None)
+    # the clipped average every mechanism starts from; the mod adds the noise
+    clipped_average = config.replace(mechanism=dpsgd.mechanism.ClipOnly(config.mechanism.clip_norm_type))
     app = ClientApp(mods=[mod])
 
     @app.train()
@@ -219,11 +182,9 @@ class CuriousFedAvg(FedAvg):
                  on_round: Optional[Callable[[int, nn.Module], None]] = None):
         if not isinstance(federation, fl.Federation):
             raise ValueError(f"federation must be a privleak.fl.Federation, got {type(federation).__name__}")
-        if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
-            raise ValueError(f"clients must be an int >= 1, got {clients!r}")
-        for name, value in (("learning_rate", learning_rate), ("server_learning_rate", server_learning_rate)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        clients = validation.integer(clients, "clients", low=1)
+        learning_rate = validation.real(learning_rate, "learning_rate")
+        server_learning_rate = validation.real(server_learning_rate, "server_learning_rate")
         super().__init__(fraction_train=1.0, min_train_nodes=clients, min_available_nodes=clients)
         self.federation = federation
         self.learning_rate, self.server_learning_rate = learning_rate, server_learning_rate
@@ -232,7 +193,7 @@ class CuriousFedAvg(FedAvg):
     def _leaked(self, round_: int, content: RecordDict, names: list, start: list) -> tuple[fl.LeakedUpdate, int]:
         privleak = content.config_records.get(PRIVLEAK, {})
         if "noise" not in privleak:
-            raise ValueError("a client's update was not privatised: its ClientApp needs a VMFMod or GaussianMod")
+            raise ValueError("a client's update was not privatised: its ClientApp needs a privleak NoiseMod")
         update = content.array_records.get(UPDATE)
         if update is None or list(update.keys()) != names:
             raise ValueError(f"a client's reply must carry {UPDATE!r} with the model's trainable parameters {names}")
@@ -286,8 +247,7 @@ def server_app(federation: fl.Federation, *, clients: int, rounds: int, learning
                on_round: Optional[Callable[[int, nn.Module], None]] = None) -> ServerApp:
     """A ServerApp that trains ``federation.model`` in place for ``rounds`` rounds of
     :class:`CuriousFedAvg` on ``clients`` nodes and fills ``federation`` with what it sees."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    rounds = validation.integer(rounds, "rounds", low=1)
     strategy = CuriousFedAvg(federation, clients, learning_rate=learning_rate,
                              server_learning_rate=server_learning_rate, record=record, on_update=on_update,
                              on_round=on_round)

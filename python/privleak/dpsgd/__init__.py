@@ -13,8 +13,9 @@ Layout:
 from privleak.dpsgd import mechanism
 from privleak.dpsgd.clip import GRAD_DTYPES, ClippedSum, clip_and_accumulate
 from privleak.dpsgd.config import DPSGDConfig
-from privleak.dpsgd.gaussian import Gaussian  # registration order: the CLI's order of choices
-from privleak.dpsgd.mechanism import Clipping, DPSGDMechanism, Sampling
+from privleak.dpsgd.gaussian import Gaussian
+from privleak.dpsgd.laplace import Laplace
+from privleak.dpsgd.mechanism import ClipOnly, Clipping, DPSGDMechanism, Sampling
 from privleak.dpsgd.training import (
     DPOptimizer,
     PrivacyReport,
@@ -26,7 +27,7 @@ from privleak.dpsgd.training import (
 from privleak.dpsgd.vmf import VMF, vmf_release
 
 __all__ = [
-    "GRAD_DTYPES", "VMF", "ClippedSum", "Clipping", "DPOptimizer", "DPSGDConfig", "DPSGDMechanism", "Gaussian",
-    "PrivacyReport", "Sampling", "clip_and_accumulate", "mechanism", "per_sample_gradients", "privacy_report",
-    "privatize", "sample_batch", "vmf_release",
+    "GRAD_DTYPES", "VMF", "ClipOnly", "ClippedSum", "Clipping", "DPOptimizer", "DPSGDConfig", "DPSGDMechanism",
+    "Gaussian", "Laplace", "PrivacyReport", "Sampling", "clip_and_accumulate", "mechanism", "per_sample_gradients",
+    "privacy_report", "privatize", "sample_batch", "vmf_release",
 ]

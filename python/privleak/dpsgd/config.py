@@ -46,6 +46,9 @@ class DPSGDConfig:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"DPSGDConfig is immutable: use config.replace({name}=...)")
 
+    def __reduce__(self):  # pickling (Flower ships the config to Ray workers) goes through __init__
+        return _rebuild, tuple(getattr(self, name) for name in self.__slots__)
+
     def replace(self, **changes: Any) -> "DPSGDConfig":
         """A copy with some fields changed (``clip_norm``, ``mechanism``, ``per_layer``, ``non_finite``)."""
         fields = {name: getattr(self, name) for name in self.__slots__}
@@ -72,6 +75,10 @@ class DPSGDConfig:
     def __repr__(self) -> str:
         return (f"DPSGDConfig(clip_norm={self.clip_norm!r}, mechanism={self.mechanism!r}, "
                 f"per_layer={self.per_layer!r}, non_finite={self.non_finite!r})")
+
+
+def _rebuild(clip_norm, mechanism, per_layer, non_finite) -> DPSGDConfig:
+    return DPSGDConfig(clip_norm, mechanism, per_layer=per_layer, non_finite=non_finite)
 
 
 def check_config(config: Any, num_tensors: Optional[int] = None) -> DPSGDConfig:

@@ -63,7 +63,7 @@ class Gaussian(DPSGDMechanism):
     def update_epsilon(self, delta: float) -> float:
         from privleak import accounting
 
-        if self.noise_multiplier == 0:
+        if self.noise_multiplier == 0 or delta == 0:  # no Gaussian noise gives pure DP
             return math.inf
         return accounting.analytic_gaussian_epsilon(self.noise_multiplier / 2.0, delta)
 

@@ -109,8 +109,11 @@ class DPSGDMechanism(ABC):
             raise ValueError(f"generator: the {self.name} mechanism has no secure mode yet; pass a NoiseGenerator")
 
     def check_privacy_report(self, delta: float) -> None:
-        """Refuse a report that would be meaningless (no noise, or delta = 0 for an approximate
-        DP mechanism)."""
+        """Refuse a report that would be meaningless: no finite epsilon for one update at ``delta``
+        (no noise, or delta = 0 for an approximate-DP mechanism)."""
+        if math.isinf(self.update_epsilon(delta)):
+            raise ValueError(f"the {self.name} mechanism {self} gives no finite epsilon at delta = {delta}: "
+                             "there is no privacy to report")
 
     def parameters(self) -> dict:
         """The mechanism's parameters by field name, for reports and CSV columns."""
@@ -157,3 +160,38 @@ def create(name: Any, parameters: dict, argument: str = "mechanism") -> DPSGDMec
 
 def _named(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipOnly(DPSGDMechanism):
+    """No noise: the clipped average every mechanism starts from, clipped in the L_``norm_type``
+    norm (what a Flower client computes before its noise mod). Not registered: it is not private."""
+
+    norm_type: int = 2
+
+    name = "clip-only"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "norm_type", validation.choice(self.norm_type, "norm_type", (1, 2)))
+
+    @property
+    def clip_norm_type(self) -> int:  # type: ignore[override]
+        return self.norm_type
+
+    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator) -> list:
+        return list(average)
+
+    @classmethod
+    def calibrate(cls, epsilon: float, delta: float) -> "ClipOnly":
+        raise ValueError("the clipped average adds no noise: no epsilon calibrates it")
+
+    def update_epsilon(self, delta: float) -> float:
+        return math.inf
+
+    def epsilon(self, steps: int, delta: float, sampling: Sampling) -> float:
+        return math.inf if steps else 0.0
+
+    def log_capacity(self, sizes: Sequence[int], clipping: Clipping, batch_size: float):
+        from privleak.capacity import LogCapacity
+
+        return LogCapacity.from_log(math.inf)
