@@ -240,7 +240,7 @@ def test_vmf_limits_and_monotonicity():
 
 def test_dpsgd_gaussian_is_a_ball_of_radius_c_with_noise_c_sigma_over_l():
     mechanism = cap.dpsgd_gaussian(dim=13_700, clip_norm=2.0, noise_multiplier=1.1, batch_size=64)
-    assert mechanism == cap.GaussianMechanism((13_700,), (2.0,), 2.0 * 1.1 / 64)
+    assert mechanism == cap.GaussianBallChannel((13_700,), (2.0,), 2.0 * 1.1 / 64)
     # the capacity depends on L / sigma only, not on c
     other_clip = cap.dpsgd_gaussian(13_700, 0.1, 1.1, 64).log_capacity()
     assert mechanism.log_capacity().log == pytest.approx(other_clip.log, rel=1e-14)
@@ -263,7 +263,7 @@ def test_dpsgd_per_layer_is_a_product_of_balls_below_flat_clipping():
 
 def test_dpsgd_vmf_is_vmf_on_the_whole_sphere():
     mechanism = cap.dpsgd_vmf(13_700, 5000.0)
-    assert mechanism == cap.VMFMechanism(13_700, 5000.0)
+    assert mechanism == cap.VMFChannel(13_700, 5000.0)
     assert mechanism.log_capacity() == cap.vmf_log_capacity(13_700, 5000.0)
 
 
@@ -375,7 +375,7 @@ def test_dpsgd_gaussian_noise_outside_float64_is_refused(args):
     (lambda: cap.vmf_log_capacity(3, "1"), "kappa"),
     (lambda: cap.dpsgd_gaussian(10, 1.0, 1.0, 2**70), "batch_size"),
     (lambda: cap.dpsgd_vmf(None, 1.0), "dim"),
-    (lambda: cap.Gaussian("1"), "noise_std"),
+    (lambda: cap.GaussianNoise("1"), "noise_std"),
 ])
 def test_wrong_types_are_named(call, name):
     with pytest.raises((TypeError, ValueError), match=rf"^{name}"):
@@ -395,5 +395,5 @@ def test_estimate_keeps_exact_weights_where_the_exponents_are_huge(kappa):
     # 1e200 and a difference of two of them used to round to 0, giving log C = 0.
     inputs = np.eye(4)
     for proposal in (None, inputs[::-1].copy()):
-        est = cap.estimate(cap.VMF(kappa), inputs, 200, seed=3, proposal=proposal)
+        est = cap.estimate(cap.VMFNoise(kappa), inputs, 200, seed=3, proposal=proposal)
         assert est.log == pytest.approx(math.log(4), rel=1e-12)

@@ -63,7 +63,7 @@ def test_gaussian_on_a_fine_1d_grid_matches_the_voronoi_sum_and_the_interval_clo
     exact = gaussian_capacity_1d(points, 1.0)
     # The grid fills [-2, 2]: its capacity is within 1e-4 of the interval's closed form.
     assert exact == pytest.approx(math.exp(cap.gaussian_ball_log_capacity(1, 2.0, 1.0).log), rel=1e-4)
-    result = cap.estimate(cap.Gaussian(1.0), column(points), 20_000, seed=1, confidence=CONFIDENCE)
+    result = cap.estimate(cap.GaussianNoise(1.0), column(points), 20_000, seed=1, confidence=CONFIDENCE)
     assert_within_interval(result, math.log(exact))
 
 
@@ -73,16 +73,16 @@ def test_laplace_on_a_1d_grid_matches_the_voronoi_sum():
     # Against the interval [-R, R], C = 1 + R / b: the density's cusp makes each cell lose a
     # first-order fraction of about h / (4 b) = 1% (h = 0.02 the spacing).
     assert exact == pytest.approx(1 + 3.0 / 0.5, rel=0.01)
-    result = cap.estimate(cap.Laplace(0.5), column(points), 20_000, seed=2, confidence=CONFIDENCE)
+    result = cap.estimate(cap.LaplaceNoise(0.5), column(points), 20_000, seed=2, confidence=CONFIDENCE)
     assert_within_interval(result, math.log(exact))
 
 
-@pytest.mark.parametrize("family, capacity_1d", [(cap.Gaussian(0.7), gaussian_capacity_1d),
-                                                 (cap.Laplace(0.7), laplace_capacity_1d)])
+@pytest.mark.parametrize("family, capacity_1d", [(cap.GaussianNoise(0.7), gaussian_capacity_1d),
+                                                 (cap.LaplaceNoise(0.7), laplace_capacity_1d)])
 def test_product_grids_in_the_plane_have_the_product_capacity(family, capacity_1d):
     first, second = grid(1.0, 41), np.array([-0.5, 0.0, 0.3, 2.0])
     points = np.stack(np.meshgrid(first, second, indexing="ij"), axis=-1).reshape(-1, 2)
-    scale = family.noise_std if isinstance(family, cap.Gaussian) else family.scale
+    scale = family.noise_std if isinstance(family, cap.GaussianNoise) else family.scale
     exact = capacity_1d(first, scale) * capacity_1d(second, scale)
     result = cap.estimate(family, points, 20_000, seed=3, confidence=CONFIDENCE)
     assert_within_interval(result, math.log(exact))
@@ -96,7 +96,7 @@ def test_a_few_points_in_the_plane_match_brute_force_integration():
     y1, y2 = np.meshgrid(axis, axis, indexing="ij")
     nearest_squared = np.min([(y1 - x) ** 2 + (y2 - z) ** 2 for x, z in points], axis=0)
     exact = np.exp(-nearest_squared / (2 * sigma**2)).sum() * step**2 / (2 * math.pi * sigma**2)
-    result = cap.estimate(cap.Gaussian(sigma), points, 40_000, seed=4, confidence=CONFIDENCE)
+    result = cap.estimate(cap.GaussianNoise(sigma), points, 40_000, seed=4, confidence=CONFIDENCE)
     assert_within_interval(result, math.log(exact))
 
 
@@ -111,7 +111,7 @@ def test_vmf_on_the_circle_matches_quadrature_and_converges_to_theorem_iv1(kappa
     # Against the whole circle (Thm IV.1): the arcs lose at most a factor e^(kappa (cos(pi / count) - 1)).
     log_circle = cap.vmf_log_capacity(2, kappa).log
     assert log_circle + kappa * (math.cos(math.pi / count) - 1) <= math.log(exact) <= log_circle
-    result = cap.estimate(cap.VMF(kappa), points, 20_000, seed=5, confidence=CONFIDENCE)
+    result = cap.estimate(cap.VMFNoise(kappa), points, 20_000, seed=5, confidence=CONFIDENCE)
     assert_within_interval(result, math.log(exact))
 
 
@@ -133,37 +133,37 @@ def test_gaussian_on_a_grid_filling_a_disk_converges_to_the_ball_closed_form():
         lambda t: 2 * math.pi * t * density(t - inner + slack), inner, inner + 40, epsabs=0, epsrel=1e-12)[0])
     log_upper = cap.gaussian_ball_log_capacity(2, radius, sigma).log
     assert log_upper - log_lower < 0.035  # first order in h: 0.03 here
-    result = cap.estimate(cap.Gaussian(sigma), points, 20_000, seed=6, confidence=CONFIDENCE)
+    result = cap.estimate(cap.GaussianNoise(sigma), points, 20_000, seed=6, confidence=CONFIDENCE)
     low, high = result.log_interval
     assert log_lower <= high and low <= log_upper, (result, log_lower, log_upper)
 
 
 def test_a_subset_proposal_is_still_unbiased():
     points = grid(2.0, 201)
-    result = cap.estimate(cap.Gaussian(0.5), column(points), 20_000, proposal=column(points[::10]), seed=7,
+    result = cap.estimate(cap.GaussianNoise(0.5), column(points), 20_000, proposal=column(points[::10]), seed=7,
                           confidence=CONFIDENCE)
     assert_within_interval(result, math.log(gaussian_capacity_1d(points, 0.5)))
 
 
 def test_float32_inputs_give_the_same_estimate_to_float32_precision():
     points = grid(2.0, 101)
-    double = cap.estimate(cap.Gaussian(1.0), column(points), 5_000, seed=8)
-    single = cap.estimate(cap.Gaussian(1.0), column(points).astype(np.float32), 5_000, seed=8)
+    double = cap.estimate(cap.GaussianNoise(1.0), column(points), 5_000, seed=8)
+    single = cap.estimate(cap.GaussianNoise(1.0), column(points).astype(np.float32), 5_000, seed=8)
     assert single.log == pytest.approx(double.log, abs=1e-5)
 
 
 def test_a_single_input_has_capacity_one_exactly():
-    result = cap.estimate(cap.Laplace(1.0), np.array([[0.3, -2.0, 5.0]]), 100, seed=9)
+    result = cap.estimate(cap.LaplaceNoise(1.0), np.array([[0.3, -2.0, 5.0]]), 100, seed=9)
     assert result.log == 0.0 and result.std_error == 0.0 and result.log_interval == (0.0, 0.0)
 
 
 def test_the_same_seed_gives_the_same_estimate():
     points = np.random.default_rng(10).standard_normal((50, 3))
-    first = cap.estimate(cap.Gaussian(1.0), points, 1000, seed=11)
-    assert cap.estimate(cap.Gaussian(1.0), points, 1000, seed=11) == first
-    assert cap.estimate(cap.Gaussian(1.0), points, 1000, seed=12) != first
+    first = cap.estimate(cap.GaussianNoise(1.0), points, 1000, seed=11)
+    assert cap.estimate(cap.GaussianNoise(1.0), points, 1000, seed=11) == first
+    assert cap.estimate(cap.GaussianNoise(1.0), points, 1000, seed=12) != first
     # batches are cut from one stream of draws per batch; the batch size changes the draws but not the law
-    other = cap.estimate(cap.Gaussian(1.0), points, 1000, seed=11, batch_size=100)
+    other = cap.estimate(cap.GaussianNoise(1.0), points, 1000, seed=11, batch_size=100)
     assert other.n_samples == first.n_samples == 1000
     # Two estimates of the same log C, each with its own delta-method standard error: their
     # difference has standard deviation at most hypot(se1, se2) (their shared first-batch indices
@@ -175,17 +175,17 @@ def test_the_same_seed_gives_the_same_estimate():
 @pytest.mark.parametrize(
     "mechanism, inputs, kwargs, error, words",
     [
-        ("gaussian", np.zeros((2, 2)), {}, TypeError, "mechanism must be Gaussian, VMF or Laplace"),
-        (cap.Gaussian(1.0), np.zeros(3), {}, ValueError, "inputs must be a non-empty 2-D array"),
-        (cap.Gaussian(1.0), np.zeros((0, 2)), {}, ValueError, "inputs must be a non-empty 2-D array"),
-        (cap.Gaussian(1.0), np.array([[np.nan, 0.0]]), {}, ValueError, "inputs must be finite"),
-        (cap.Gaussian(1.0), np.array([["a", "b"]]), {}, TypeError, "inputs must hold real numbers"),
-        (cap.Gaussian(1.0), np.zeros((2, 2)), {"n_samples": 1}, ValueError, "n_samples must be >= 2"),
-        (cap.Gaussian(1.0), np.zeros((2, 2)), {"confidence": 1.0}, ValueError, "confidence must be < 1"),
-        (cap.Gaussian(1.0), np.zeros((2, 2)), {"proposal": np.zeros((2, 3))}, ValueError,
+        ("gaussian", np.zeros((2, 2)), {}, TypeError, "mechanism must be GaussianNoise, VMFNoise or LaplaceNoise"),
+        (cap.GaussianNoise(1.0), np.zeros(3), {}, ValueError, "inputs must be a non-empty 2-D array"),
+        (cap.GaussianNoise(1.0), np.zeros((0, 2)), {}, ValueError, "inputs must be a non-empty 2-D array"),
+        (cap.GaussianNoise(1.0), np.array([[np.nan, 0.0]]), {}, ValueError, "inputs must be finite"),
+        (cap.GaussianNoise(1.0), np.array([["a", "b"]]), {}, TypeError, "inputs must hold real numbers"),
+        (cap.GaussianNoise(1.0), np.zeros((2, 2)), {"n_samples": 1}, ValueError, "n_samples must be >= 2"),
+        (cap.GaussianNoise(1.0), np.zeros((2, 2)), {"confidence": 1.0}, ValueError, "confidence must be < 1"),
+        (cap.GaussianNoise(1.0), np.zeros((2, 2)), {"proposal": np.zeros((2, 3))}, ValueError,
          "proposal must have 2 columns"),
-        (cap.VMF(1.0), np.array([[1.0, 1.0]]), {}, ValueError, "inputs must be unit vectors"),
-        (cap.VMF(1.0), np.array([[1.0]]), {}, ValueError, "p >= 2 columns"),
+        (cap.VMFNoise(1.0), np.array([[1.0, 1.0]]), {}, ValueError, "inputs must be unit vectors"),
+        (cap.VMFNoise(1.0), np.array([[1.0]]), {}, ValueError, "p >= 2 columns"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_argument_named(mechanism, inputs, kwargs, error, words):
@@ -193,8 +193,9 @@ def test_bad_arguments_are_rejected_with_the_argument_named(mechanism, inputs, k
         cap.estimate(mechanism, inputs, **kwargs)
 
 
-@pytest.mark.parametrize("make, name", [(lambda: cap.Gaussian(0.0), "noise_std"), (lambda: cap.VMF(-1.0), "kappa"),
-                                        (lambda: cap.Laplace(float("nan")), "scale")])
+@pytest.mark.parametrize("make, name", [(lambda: cap.GaussianNoise(0.0), "noise_std"),
+                                        (lambda: cap.VMFNoise(-1.0), "kappa"),
+                                        (lambda: cap.LaplaceNoise(float("nan")), "scale")])
 def test_bad_noise_parameters_are_rejected(make, name):
     with pytest.raises(ValueError, match=name):
         make()
