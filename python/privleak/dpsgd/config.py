@@ -61,6 +61,8 @@ class DPSGDConfig:
     def clipping(self, num_tensors: Optional[int]) -> Clipping:
         """The clip norms for ``num_tensors`` tensors: one per tensor with ``per_layer`` (a single
         clip_norm repeats), else the one flat norm."""
+        if num_tensors is not None:
+            num_tensors = validation.integer(num_tensors, "num_tensors", low=1)
         norms = _clip_norms(self.clip_norm, num_tensors, self.per_layer, "config.clip_norm")
         return Clipping(tuple(norms if self.per_layer else norms[:1]), self.per_layer)
 

@@ -155,7 +155,12 @@ def create(name: Any, parameters: dict, argument: str = "mechanism") -> DPSGDMec
     for key, field in fields.items():
         if key not in parameters and field.default is dataclasses.MISSING:
             raise ValueError(f"the {cls.name} mechanism needs {key}: {_named(prefix, key)} must be given")
-    return cls(**parameters)
+    try:
+        return cls(**parameters)
+    except (TypeError, ValueError) as error:  # the checks name the parameter; say whose it is
+        if not prefix:
+            raise
+        raise type(error)(f"{prefix}.{error}") from None
 
 
 def _named(prefix: str, key: str) -> str:
