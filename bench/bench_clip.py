@@ -13,8 +13,10 @@ of short rows comes from cache, so that fraction can pass 100%. "reads GB/s" is 
 reads per second; "2x opacus needs" is the rate at which a kernel twice as fast as Opacus would
 have to read the gradients twice, to set against the read bandwidth of a large torch sum printed
 above the table (rows too long for the cache must be read twice from memory: a clip factor
-depends on its whole row). The three sides are timed in turns (three rounds of three calls,
-after a warm-up) and each reports its median round.
+depends on its whole row). The sides are timed in turns (three rounds of three calls,
+after a warm-up) and each reports its median round. "L1 ms" is privleak clipping the same
+gradients in the L1 norm (norm_type=1, Laplace DP-SGD), timed in the same turns: neither Opacus
+nor the torch line clips in L1.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import privleak
 import torch
 from _measure import copy_bandwidth, cuda_copy_bandwidth, read_bandwidth, seconds_interleaved, table
 from opacus.optimizers import DPOptimizer
-from privleak import dpsgd
+from privleak.dpsgd.clip import clip_and_accumulate
 
 CLIP, SIGMA = 1.0, 1.0
 
@@ -78,8 +80,9 @@ def main() -> None:
         nbytes = batch * total * 4
         grads = [torch.randn(batch, n, device=device) for n in split(total)]
         times = seconds_interleaved({
-            "privleak": lambda: dpsgd.clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1,
-                                                          batch_size=batch),
+            "privleak": lambda: clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1, batch_size=batch),
+            "privleak L1": lambda: clip_and_accumulate(grads, CLIP, noise_std=CLIP * SIGMA, key=1, batch_size=batch,
+                                                       norm_type=1),
             "opacus": opacus_runner(grads, batch),
             "torch": lambda: torch_clip(grads, batch),
         }, sync=sync)
@@ -87,6 +90,7 @@ def main() -> None:
         return {
             "B": batch, "P": f"{total:.0e}", "privleak ms": f"{t_ours * 1e3:.1f}",
             "opacus ms": f"{t_opacus * 1e3:.1f}", "torch ms": f"{t_torch * 1e3:.1f}",
+            "L1 ms": f"{times['privleak L1'] * 1e3:.1f}",
             "vs opacus": f"{t_opacus / t_ours:.2f}x", "vs torch": f"{t_torch / t_ours:.2f}x",
             "grads GB/s": f"{nbytes / t_ours / 1e9:.1f}", "of copy bw": f"{2 * nbytes / t_ours / bandwidth:.0%}",
             "reads GB/s": f"{2 * nbytes / t_ours / 1e9:.1f}", "2x opacus needs": f"{4 * nbytes / t_opacus / 1e9:.1f}",

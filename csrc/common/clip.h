@@ -1,8 +1,9 @@
 // Per-sample gradient clipping for DP-SGD (Abadi et al., CCS 2016; Alg. 1 and 2 of Biswas et al.).
-// Pass 1 computes every sample's squared norm per tensor, clip_factors turns them into clip
-// factors f = min(1, c / norm), pass 2 forms (sum_b f_b g_b + std z) / L.
+// Pass 1 computes every sample's norm sum per tensor (the sum of squares for the L2 norm, of
+// absolute values for L1), clip_factors turns them into clip factors f = min(1, c / norm), pass 2
+// forms (sum_b f_b g_b + std z) / L.
 //
-// Squared norms are summed in chunks of kClipChunk elements, each in kClipLanes interleaved float
+// Norm sums are summed in chunks of kClipChunk elements, each in kClipLanes interleaved float
 // lanes combined in lane order in double, then the chunks in order in double: the result does not
 // depend on SIMD width, thread count or backend.
 #pragma once
@@ -10,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "common/element.h"
 #include "common/noise.h"
@@ -26,10 +29,16 @@ struct PerSampleGrads {
 constexpr int64_t kClipChunk = 4096;
 constexpr int kClipLanes = 16;
 
-// sums[r] = squared norm of rows[r][0, n), r < Rows. Rows read side by side keep more loads in
-// flight than one row at a time; each row's sum is the same as on its own.
-template <int Rows, class In>
-PRIVLEAK_HOST_DEVICE void chunk_sums_of_squares(const In* const* rows, int64_t n, double* sums) {
+// The norm per-sample gradients are clipped in: L2 (DP-SGD with Gaussian noise) or L1 (Laplace
+// noise). The value is the p of L_p, as Python passes it.
+enum class ClipNorm : int { l1 = 1, l2 = 2 };
+
+// sums[r] = norm sum of rows[r][0, n) (squares for L2, absolute values for L1), r < Rows. Rows
+// read side by side keep more loads in flight than one row at a time; each row's sum is the same
+// as on its own. The norm is a template parameter: each instantiation's inner loop is the plain
+// one, without a branch.
+template <ClipNorm Norm, int Rows, class In>
+PRIVLEAK_HOST_DEVICE void chunk_norm_sums(const In* const* rows, int64_t n, double* sums) {
   float lanes[Rows][kClipLanes] = {};
   int64_t j = 0;
   for (; j + kClipLanes <= n; j += kClipLanes) {
@@ -37,14 +46,16 @@ PRIVLEAK_HOST_DEVICE void chunk_sums_of_squares(const In* const* rows, int64_t n
       PRIVLEAK_UNROLL
       for (int r = 0; r < Rows; ++r) {
         const float v = Element<In>::load(rows[r][j + lane]);
-        lanes[r][lane] += v * v;
+        if constexpr (Norm == ClipNorm::l2) lanes[r][lane] += v * v;
+        else lanes[r][lane] += std::fabs(v);
       }
     }
   }
   for (int lane = 0; j < n; ++j, ++lane) {
     for (int r = 0; r < Rows; ++r) {
       const float v = Element<In>::load(rows[r][j]);
-      lanes[r][lane] += v * v;
+      if constexpr (Norm == ClipNorm::l2) lanes[r][lane] += v * v;
+      else lanes[r][lane] += std::fabs(v);
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -54,20 +65,22 @@ PRIVLEAK_HOST_DEVICE void chunk_sums_of_squares(const In* const* rows, int64_t n
   }
 }
 
-// One sample's clip factors from its squared norms per tensor, s_0 .. s_{T-1}: flat clipping
-// scales every tensor by min(1, c_0 / sqrt(sum_t s_t)), per-layer clipping tensor t by
-// min(1, c_t / sqrt(s_t)). A sample with a non-finite squared norm gets 0 everywhere: it is
-// dropped, so a NaN or inf gradient never reaches the sum.
-PRIVLEAK_HOST_DEVICE void clip_factors(const double* squares, const double* clip_norms, int64_t num_tensors,
-                                       bool per_layer, float* factors) {
+// One sample's clip factors from its norm sums per tensor, s_0 .. s_{T-1} (squared norms for L2,
+// L1 norms for L1): flat clipping scales every tensor by min(1, c_0 / |g|) with |g| =
+// sqrt(sum_t s_t) (L2) or sum_t s_t (L1), per-layer clipping tensor t by min(1, c_t / |g_t|) with
+// |g_t| = sqrt(s_t) or s_t. The sums add left to right in double. A sample with a non-finite sum
+// gets 0 everywhere: it is dropped, so a NaN or inf gradient never reaches the sum.
+PRIVLEAK_HOST_DEVICE void clip_factors(const double* sums, const double* clip_norms, int64_t num_tensors,
+                                       bool per_layer, ClipNorm norm_type, float* factors) {
   bool finite = true;
   double total = 0.0;
   for (int64_t t = 0; t < num_tensors; ++t) {
-    finite = finite && std::isfinite(squares[t]);
-    total += squares[t];
+    finite = finite && std::isfinite(sums[t]);
+    total += sums[t];
   }
   for (int64_t t = 0; t < num_tensors; ++t) {
-    const double norm = std::sqrt(per_layer ? squares[t] : total), c = clip_norms[per_layer ? t : 0];
+    const double sum = per_layer ? sums[t] : total, c = clip_norms[per_layer ? t : 0];
+    const double norm = norm_type == ClipNorm::l2 ? std::sqrt(sum) : sum;
     factors[t] = !finite ? 0.0f : norm > c ? static_cast<float>(c / norm) : 1.0f;
   }
 }
@@ -84,6 +97,20 @@ void dispatch_grad_dtype(NoiseDType dtype, F&& f) {
     case NoiseDType::float64: break;
   }
   throw std::invalid_argument("per-sample gradients must be float32, bfloat16 or float16");
+}
+
+// The ClipNorm of norm_type (1 or 2).
+inline ClipNorm parse_clip_norm(int norm_type) {
+  if (norm_type != 1 && norm_type != 2)
+    throw std::invalid_argument("clip_accumulate: norm_type must be 1 or 2, got " + std::to_string(norm_type));
+  return static_cast<ClipNorm>(norm_type);
+}
+
+// Calls f(std::integral_constant<ClipNorm, norm_type>{}).
+template <class F>
+void dispatch_clip_norm(ClipNorm norm_type, F&& f) {
+  if (norm_type == ClipNorm::l1) return f(std::integral_constant<ClipNorm, ClipNorm::l1>{});
+  return f(std::integral_constant<ClipNorm, ClipNorm::l2>{});
 }
 
 }  // namespace privleak

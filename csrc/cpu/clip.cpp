@@ -97,15 +97,15 @@ void readable_rows(const In* const* rows, int64_t count, int64_t n, float* buffe
   }
 }
 
-// Squared norms of `count` (1 .. kRowsTogether) rows' first n elements, into sums[r * sum_stride].
-template <class In>
+// Norm sums of `count` (1 .. kRowsTogether) rows' first n elements, into sums[r * sum_stride].
+template <ClipNorm Norm, class In>
 PRIVLEAK_SIMD_CLONES void chunk_sums(const In* const* rows, int64_t count, int64_t n, double* sums,
                                      int64_t sum_stride) {
   double row_sums[kRowsTogether];
   if (count == kRowsTogether) {
-    chunk_sums_of_squares<kRowsTogether>(rows, n, row_sums);
+    chunk_norm_sums<Norm, kRowsTogether>(rows, n, row_sums);
   } else {
-    for (int64_t r = 0; r < count; ++r) chunk_sums_of_squares<1>(rows + r, n, row_sums + r);
+    for (int64_t r = 0; r < count; ++r) chunk_norm_sums<Norm, 1>(rows + r, n, row_sums + r);
   }
   for (int64_t r = 0; r < count; ++r) sums[r * sum_stride] = row_sums[r];
 }
@@ -131,15 +131,15 @@ PRIVLEAK_SIMD_CLONES void accumulate_four_rows(const In* __restrict r0, const In
   }
 }
 
-template <class In>
+template <ClipNorm Norm, class In>
 class FusedClip {
   using Readable = typename Read<In>::type;
 
  public:
   FusedClip(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs, int64_t batch,
-            const double* clip_norms, bool per_layer, double* squares)
+            const double* clip_norms, bool per_layer, double* sums)
       : tensors_(tensors), outs_(outs), num_tensors_(static_cast<int64_t>(tensors.size())),
-        clip_norms_(clip_norms), per_layer_(per_layer), squares_(squares),
+        clip_norms_(clip_norms), per_layer_(per_layer), sums_(sums),
         factors_(static_cast<size_t>(batch * num_tensors_)), noise_base_(tensors.size(), 0) {
     int64_t row_bytes = 0;
     std::vector<int64_t> blocks;
@@ -165,7 +165,7 @@ class FusedClip {
 
   int64_t group() const { return group_; }
 
-  // Pass 1 over samples [first, first + count): partial sums of squares per (tensor, row, chunk).
+  // Pass 1 over samples [first, first + count): partial norm sums per (tensor, row, chunk).
   void chunk_item(int64_t first, int64_t count, int64_t item, float* buffer) {
     const auto [t, local] = chunk_items_.locate(item);
     const int64_t chunks = chunks_[t], set = local / chunks, c = local % chunks, numel = tensors_[t].numel;
@@ -177,20 +177,20 @@ class FusedClip {
     const Readable* readable[kRowsTogether];
     for (int64_t r = 0; r < rows; ++r) row_starts[r] = first_row + r * numel;
     readable_rows(row_starts, rows, n, buffer, kClipChunk, readable);
-    chunk_sums(readable, rows, n, partials_.data() + partial_starts_.starts[t] + row * chunks + c, chunks);
+    chunk_sums<Norm>(readable, rows, n, partials_.data() + partial_starts_.starts[t] + row * chunks + c, chunks);
   }
 
-  // Between the passes (one thread): the group's squared norms, factors and non-zero-factor rows.
+  // Between the passes (one thread): the group's norm sums, factors and non-zero-factor rows.
   void finish_norms(int64_t first, int64_t count) {
     for (int64_t r = 0; r < count; ++r) {
-      double* row_squares = squares_ + (first + r) * num_tensors_;
+      double* row_sums = sums_ + (first + r) * num_tensors_;
       for (int64_t t = 0; t < num_tensors_; ++t) {
         const double* p = partials_.data() + partial_starts_.starts[t] + r * chunks_[t];
         double sum = 0.0;
         for (int64_t c = 0; c < chunks_[t]; ++c) sum += p[c];
-        row_squares[t] = sum;
+        row_sums[t] = sum;
       }
-      clip_factors(row_squares, clip_norms_, num_tensors_, per_layer_, factors_.data() + (first + r) * num_tensors_);
+      clip_factors(row_sums, clip_norms_, num_tensors_, per_layer_, Norm, factors_.data() + (first + r) * num_tensors_);
     }
     for (int64_t t = 0; t < num_tensors_; ++t) {
       kept_[t].clear();
@@ -256,7 +256,7 @@ class FusedClip {
   int64_t num_tensors_;
   const double* clip_norms_;
   bool per_layer_;
-  double* squares_;
+  double* sums_;
   std::vector<float> factors_;
   std::vector<uint64_t> noise_base_;  // noise index of each tensor's element 0
   std::vector<int64_t> chunks_;
@@ -266,11 +266,11 @@ class FusedClip {
   std::vector<std::vector<int64_t>> kept_;  // per tensor, the group's samples with a non-zero factor, in order
 };
 
-template <class In>
+template <ClipNorm Norm, class In>
 void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
                            int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
-                           uint64_t offset, double scale, double* squares) {
-  FusedClip<In> clip(tensors, outs, batch, clip_norms, per_layer, squares);
+                           uint64_t offset, double scale, double* sums) {
+  FusedClip<Norm, In> clip(tensors, outs, batch, clip_norms, per_layer, sums);
   const float std_f = static_cast<float>(noise_std), scale_f = static_cast<float>(scale);
   int64_t elements = 0;
   for (const auto& t : tensors) elements += batch * t.numel;
@@ -295,13 +295,15 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
 }  // namespace
 
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
-                     uint64_t offset, double scale, double* squares) {
+                     int64_t batch, const double* clip_norms, bool per_layer, ClipNorm norm_type, double noise_std,
+                     uint64_t key, uint64_t offset, double scale, double* sums) {
   if (batch < 1 || tensors.empty() || outs.size() != tensors.size())
     throw std::invalid_argument("clip_accumulate: batch must be >= 1 and there must be one output per tensor");
-  dispatch_grad_dtype(dtype, [&](auto zero) {
-    clip_accumulate_typed<decltype(zero)>(tensors, outs, batch, clip_norms, per_layer, noise_std, key, offset, scale,
-                                          squares);
+  dispatch_clip_norm(norm_type, [&](auto norm) {
+    dispatch_grad_dtype(dtype, [&](auto zero) {
+      clip_accumulate_typed<decltype(norm)::value, decltype(zero)>(tensors, outs, batch, clip_norms, per_layer,
+                                                                   noise_std, key, offset, scale, sums);
+    });
   });
 }
 

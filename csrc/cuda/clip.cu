@@ -1,7 +1,7 @@
 // CUDA fused clipping, the CPU's arithmetic in the CPU's order. Up to kGroup tensors travel in
 // the kernel arguments, so one launch covers them (a model with more tensors takes one launch
 // per kGroup). Pass 1: 16 threads per (tensor, sample, chunk), one per lane of
-// chunk_sums_of_squares, then one thread per (tensor, sample) folds the chunks. Then one thread
+// chunk_norm_sums, then one thread per (tensor, sample) folds the chunks. Then one thread
 // per sample computes its clip factors. Pass 2: one thread per output element, looping over the
 // samples in order; neighbouring threads read neighbouring elements of a sample, so the loads
 // coalesce. All launches queue on one stream: the host never waits between the passes.
@@ -37,7 +37,7 @@ __device__ int locate(const Group& g, int64_t item) {
   return t;
 }
 
-template <class In>
+template <ClipNorm Norm, class In>
 __global__ void chunk_sums(Group g, int64_t batch, double* partials, int64_t partial_base) {
   const int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t item = id / kClipLanes;
@@ -52,10 +52,11 @@ __global__ void chunk_sums(Group g, int64_t batch, double* partials, int64_t par
     const int64_t n = min(kClipChunk, g.numel[t] - c * kClipChunk);
     for (int64_t j = lane; j < n; j += kClipLanes) {
       const float v = Element<In>::load(x[j]);
-      sum += v * v;
+      if constexpr (Norm == ClipNorm::l2) sum += v * v;
+      else sum += fabsf(v);
     }
   }
-  // Lanes combine in lane order in double, as in chunk_sums_of_squares; an item's 16 lanes are
+  // Lanes combine in lane order in double, as in chunk_norm_sums; an item's 16 lanes are
   // neighbouring threads of one block (kThreads is a multiple of kClipLanes).
   __shared__ float lanes[kThreads];
   lanes[threadIdx.x] = sum;
@@ -78,10 +79,11 @@ __global__ void fold_chunks(Group g, int64_t batch, const double* partials, int6
   out[b * g.num_tensors + g.first + t] = sum;
 }
 
-__global__ void sample_factors(const double* squares, const double* clip_norms, int64_t batch, int64_t num_tensors,
-                               bool per_layer, float* factors) {
+__global__ void sample_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors,
+                               bool per_layer, ClipNorm norm_type, float* factors) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < batch) clip_factors(squares + b * num_tensors, clip_norms, num_tensors, per_layer, factors + b * num_tensors);
+  if (b < batch)
+    clip_factors(sums + b * num_tensors, clip_norms, num_tensors, per_layer, norm_type, factors + b * num_tensors);
 }
 
 template <class In>
@@ -145,8 +147,9 @@ int64_t clip_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch) 
 }
 
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
-                     uint64_t offset, double scale, double* squares, void* workspace, int device, void* stream) {
+                     int64_t batch, const double* clip_norms, bool per_layer, ClipNorm norm_type, double noise_std,
+                     uint64_t key, uint64_t offset, double scale, double* sums, void* workspace, int device,
+                     void* stream) {
   if (batch < 1 || tensors.empty() || outs.size() != tensors.size())
     throw std::invalid_argument("clip_accumulate: batch must be >= 1 and there must be one output per tensor");
   const DeviceGuard guard(device);
@@ -156,29 +159,33 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
   auto* partials = static_cast<double*>(workspace);
   auto* factors = reinterpret_cast<float*>(partials + partial_count);
   const int64_t num_tensors = static_cast<int64_t>(tensors.size());
-  dispatch_grad_dtype(dtype, [&](auto zero) {
-    using In = decltype(zero);
-    int64_t partial_base = 0;
-    for (const Group& g : make_groups(tensors, nullptr, [&](int64_t n) { return batch * clip_chunks(n); })) {
-      // A group whose tensors all have numel 0 has no chunks: a 0-block launch is an error
-      // (cudaErrorInvalidConfiguration), so skip it; fold_chunks still writes their squares (0).
-      if (g.starts[g.count] > 0) {
-        chunk_sums<In><<<blocks_for(g.starts[g.count] * kClipLanes), kThreads, 0, s>>>(g, batch, partials,
-                                                                                      partial_base);
-        check(cudaGetLastError(), "clip_accumulate: chunk_sums launch");
+  dispatch_clip_norm(norm_type, [&](auto norm) {
+    dispatch_grad_dtype(dtype, [&](auto zero) {
+      using In = decltype(zero);
+      constexpr ClipNorm Norm = decltype(norm)::value;
+      int64_t partial_base = 0;
+      for (const Group& g : make_groups(tensors, nullptr, [&](int64_t n) { return batch * clip_chunks(n); })) {
+        // A group whose tensors all have numel 0 has no chunks: a 0-block launch is an error
+        // (cudaErrorInvalidConfiguration), so skip it; fold_chunks still writes their sums (0).
+        if (g.starts[g.count] > 0) {
+          chunk_sums<Norm, In><<<blocks_for(g.starts[g.count] * kClipLanes), kThreads, 0, s>>>(g, batch, partials,
+                                                                                              partial_base);
+          check(cudaGetLastError(), "clip_accumulate: chunk_sums launch");
+        }
+        fold_chunks<<<blocks_for(g.count * batch), kThreads, 0, s>>>(g, batch, partials, partial_base, sums);
+        check(cudaGetLastError(), "clip_accumulate: fold_chunks launch");
+        partial_base += g.starts[g.count];
       }
-      fold_chunks<<<blocks_for(g.count * batch), kThreads, 0, s>>>(g, batch, partials, partial_base, squares);
-      check(cudaGetLastError(), "clip_accumulate: fold_chunks launch");
-      partial_base += g.starts[g.count];
-    }
-    sample_factors<<<blocks_for(batch), kThreads, 0, s>>>(squares, clip_norms, batch, num_tensors, per_layer, factors);
-    check(cudaGetLastError(), "clip_accumulate: sample_factors launch");
-    for (const Group& g : make_groups(tensors, &outs, [](int64_t n) { return n; })) {
-      if (g.starts[g.count] == 0) continue;  // no output elements: nothing to launch (0 blocks is an error)
-      accumulate<In><<<std::min(blocks_for(g.starts[g.count]), 65536u), kThreads, 0, s>>>(
-          g, batch, factors, static_cast<float>(noise_std), key, offset, static_cast<float>(scale));
-      check(cudaGetLastError(), "clip_accumulate: accumulate launch");
-    }
+      sample_factors<<<blocks_for(batch), kThreads, 0, s>>>(sums, clip_norms, batch, num_tensors, per_layer, norm_type,
+                                                            factors);
+      check(cudaGetLastError(), "clip_accumulate: sample_factors launch");
+      for (const Group& g : make_groups(tensors, &outs, [](int64_t n) { return n; })) {
+        if (g.starts[g.count] == 0) continue;  // no output elements: nothing to launch (0 blocks is an error)
+        accumulate<In><<<std::min(blocks_for(g.starts[g.count]), 65536u), kThreads, 0, s>>>(
+            g, batch, factors, static_cast<float>(noise_std), key, offset, static_cast<float>(scale));
+        check(cudaGetLastError(), "clip_accumulate: accumulate launch");
+      }
+    });
   });
 }
 

@@ -5,20 +5,25 @@ gradients g_1 .. g_B and expected batch size L,
 
     g~ = (sum_b clip_c(g_b) + N(0, c^2 sigma^2 I)) / L,     clip_c(g) = g min(1, c / |g|_2).
 
+Laplace DP-SGD clips in the L1 norm instead, clip_c(g) = g min(1, c / |g|_1) (``norm_type=1``);
+the sum, the scaling and the kernel's optional Gaussian noise are the same.
+
 With flat clipping |g| is the norm over all parameter tensors together; with per-layer clipping
 each tensor t is clipped to its own c_t. :func:`clip_and_accumulate` does this in one kernel that
-reads the per-sample gradients twice: pass 1 computes each sample's squared norm per tensor, the
-clip factors follow, pass 2 forms the clipped sum, adds the noise (privleak's counter-based
-Gaussian, the same bits as :func:`privleak.mechanisms.gaussian_noise`) and scales. On the CPU the
-samples go through both passes in groups small enough to stay in cache, so the second read of
-models up to a few million parameters comes from cache, not memory.
+reads the per-sample gradients twice: pass 1 computes each sample's norm sum per tensor (its
+squared L2 norm, or its L1 norm), the clip factors follow, pass 2 forms the clipped sum, adds the
+noise (privleak's counter-based Gaussian, the same bits as
+:func:`privleak.mechanisms.gaussian_noise`) and scales. On the CPU the samples go through both
+passes in groups small enough to stay in cache, so the second read of models up to a few million
+parameters comes from cache, not memory.
 
 Non-finite per-sample gradients never reach the update. By default they raise a ValueError
 naming the samples (a NaN or inf gradient is a bug upstream, and silently dropping data changes
 what is being trained on); ``non_finite="drop"`` instead gives those samples weight 0, i.e.
-treats them as absent from the batch. Squares are summed in float32 lanes (then in float64), so
-a sample also counts as non-finite when one of its elements exceeds about 1.8e19 in magnitude
-and its square overflows: a gradient that has diverged.
+treats them as absent from the batch. Squares (absolute values for L1) are summed in float32
+lanes (then in float64), so a sample also counts as non-finite when one of its elements exceeds
+about 1.8e19 in magnitude and its square overflows (L1: when a lane's sum of absolute values
+passes float32's 3.4e38): a gradient that has diverged.
 """
 from __future__ import annotations
 
@@ -37,26 +42,27 @@ GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
 @torch.library.custom_op("privleak::clip_accumulate", mutates_args=())
 def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor, per_layer: bool, noise_std: float,
-                        key: Sequence[int], offset: int, scale: float) -> list[torch.Tensor]:
-    """The fused kernel: [out_0 .. out_{T-1}, squares], squares the (B, T) float64 squared norms."""
+                        key: Sequence[int], offset: int, scale: float, norm_type: int = 2) -> list[torch.Tensor]:
+    """The fused kernel: [out_0 .. out_{T-1}, sums], sums the (B, T) float64 norm sums per tensor:
+    squared L2 norms (norm_type 2) or L1 norms (norm_type 1)."""
     batch, device = grads[0].shape[0], grads[0].device
     outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=device) for g in grads]
-    squares = torch.empty(batch, len(grads), dtype=torch.float64, device=device)
+    sums = torch.empty(batch, len(grads), dtype=torch.float64, device=device)
     numels = [math.prod(g.shape[1:]) for g in grads]
     args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
-            [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, noise_std, key[0] | (key[1] << 32),
-            offset, scale, squares.data_ptr())
+            [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, norm_type, noise_std,
+            key[0] | (key[1] << 32), offset, scale, sums.data_ptr())
     if grads[0].is_cuda:
         module = _backend.cuda()
         workspace = torch.empty(module.clip_workspace_bytes(numels, batch), dtype=torch.uint8, device=device)
         module.clip_accumulate(*args, workspace.data_ptr(), device.index, torch.cuda.current_stream(device).cuda_stream)
     else:
         _backend.core.clip_accumulate(*args)
-    return outs + [squares]
+    return outs + [sums]
 
 
 @_clip_accumulate_op.register_fake
-def _(grads, clip_norms, per_layer, noise_std, key, offset, scale):
+def _(grads, clip_norms, per_layer, noise_std, key, offset, scale, norm_type=2):
     outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
     return outs + [grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)]
 
@@ -65,7 +71,8 @@ class ClippedSum(NamedTuple):
     """Result of :func:`clip_and_accumulate`."""
 
     grads: list  #: float32 tensors shaped like one sample of each input: the noisy clipped average
-    norms: torch.Tensor  #: per-sample norms before clipping, float64: (B,) flat, (B, T) per layer
+    #: per-sample norms before clipping (L2, or L1 with norm_type=1), float64: (B,) flat, (B, T) per layer
+    norms: torch.Tensor
     dropped: torch.Tensor  #: (B,) bool, samples left out for non-finite gradients
 
 
@@ -116,10 +123,21 @@ def _clip_norms(clip_norm, count: Optional[int], per_layer: bool, name: str = "c
 # The kernel computes in float32: the noise std and the scale 1 / batch_size are float32 numbers,
 # and the released (sum + noise) / batch_size must be one.
 _FLOAT32 = torch.finfo(torch.float32)
-_MAX_GRAD_ELEMENT = 2.0**64  # a larger element's square overflows float32 and counts as non-finite
+# The largest element of a sample the kernel keeps: a larger element's square overflows float32
+# and counts as non-finite (L2); in L1 the float32 sum of absolute values must stay finite.
+_MAX_GRAD_ELEMENT = {2: 2.0**64, 1: _FLOAT32.max}
+NORM_TYPES = (1, 2)
 
 
-def _check_release_range(batch: int, clip_norms: list[float], noise_std: float, scale_by: float, secure: bool) -> None:
+def _check_norm_type(norm_type) -> int:
+    norm_type = validation.integer(norm_type, "norm_type")
+    if norm_type not in NORM_TYPES:
+        raise ValueError(f"norm_type must be 1 (L1 clipping) or 2 (L2 clipping), got {norm_type}")
+    return norm_type
+
+
+def _check_release_range(batch: int, clip_norms: list[float], noise_std: float, scale_by: float, secure: bool,
+                         norm_type: int = 2) -> None:
     """Refuse a noise_std and batch_size whose release (sum + noise) / batch_size could overflow
     float32, or whose std or 1 / batch_size float32 cannot hold."""
     if not _FLOAT32.tiny <= 1.0 / scale_by <= _FLOAT32.max:
@@ -130,7 +148,7 @@ def _check_release_range(batch: int, clip_norms: list[float], noise_std: float, 
                          f"got {noise_std!r}")
     unit_max = _mechanisms._SECURE_UNIT_MAX["gaussian"] if secure else \
         _mechanisms._UNIT_MAX[("gaussian", torch.float32)]
-    noisy_sum = batch * min(max(clip_norms), _MAX_GRAD_ELEMENT) + unit_max * noise_std
+    noisy_sum = batch * min(max(clip_norms), _MAX_GRAD_ELEMENT[norm_type]) + unit_max * noise_std
     # Secure noise is added to the float32 sum before the scaling, so the sum must fit as well.
     largest = max(noisy_sum / scale_by, noisy_sum if secure else 0.0)
     if largest > _FLOAT32.max:
@@ -151,13 +169,13 @@ def _noise_alone(grads: list[torch.Tensor], noise_std: float, words: list[int], 
     return [part.mul(scale).reshape(g.shape[1:]) for part, g in zip(flat.split(sizes), grads)]
 
 
-def _sum_columns_in_order(squares: torch.Tensor) -> torch.Tensor:
-    """Row sums of the (B, T) float64 squares, column 0 + column 1 + ... left to right: the order
-    the kernels' clip factors use, and the same bits on every device (torch's own reduction adds
-    in an order that differs between CPU and CUDA)."""
-    total = squares[:, 0].clone()
-    for t in range(1, squares.shape[1]):
-        total.add_(squares[:, t])
+def _sum_columns_in_order(sums: torch.Tensor) -> torch.Tensor:
+    """Row sums of the (B, T) float64 norm sums, column 0 + column 1 + ... left to right: the
+    order the kernels' clip factors use, and the same bits on every device (torch's own reduction
+    adds in an order that differs between CPU and CUDA)."""
+    total = sums[:, 0].clone()
+    for t in range(1, sums.shape[1]):
+        total.add_(sums[:, t])
     return total
 
 
@@ -181,6 +199,7 @@ def clip_and_accumulate(
     key: Optional[int] = None,
     offset: Optional[int] = None,
     non_finite: str = "raise",
+    norm_type: int = 2,
 ) -> ClippedSum:
     """(sum_b clip(g_b) + N(0, noise_std^2 I)) / batch_size for per-sample gradients, fused.
 
@@ -197,6 +216,8 @@ def clip_and_accumulate(
             :class:`~privleak.mechanisms.SecureNoiseGenerator` the sum is formed by the kernel and
             the secure (discretised) noise is added to it before scaling.
         non_finite: "raise" (default) or "drop"; see the module docstring.
+        norm_type: the norm samples are clipped in: 2 (L2, default; Gaussian DP-SGD) or 1 (L1,
+            clip_c(g) = g min(1, c / |g|_1); Laplace DP-SGD). The returned norms are in it too.
 
     Returns:
         :class:`ClippedSum` with the float32 noisy average per tensor, the norms, the dropped samples.
@@ -205,6 +226,7 @@ def clip_and_accumulate(
     per_layer = _check_bool(per_layer, "per_layer")
     norms_allowed = _clip_norms(clip_norm, len(grads), per_layer)
     non_finite = validation.choice(non_finite, "non_finite", ("raise", "drop"))
+    norm_type = _check_norm_type(norm_type)
     noise_std = _mechanisms._check_scale(noise_std, "noise_std")
     _mechanisms._check_generator(generator)
     batch = grads[0].shape[0]
@@ -218,7 +240,7 @@ def clip_and_accumulate(
         _mechanisms._check_cuda(grads[0].device, "per_sample_grads' device")
 
     secure_noise = noise_std > 0 and isinstance(generator, _mechanisms.SecureNoiseGenerator)
-    _check_release_range(batch, norms_allowed, noise_std, scale_by, secure_noise)
+    _check_release_range(batch, norms_allowed, noise_std, scale_by, secure_noise, norm_type)
     kernel_noise = 0.0 if secure_noise else noise_std
     words, stream_offset = [0, 0], 0
     if kernel_noise > 0:
@@ -229,15 +251,18 @@ def clip_and_accumulate(
     kernel_scale = 1.0 if secure_noise else 1.0 / scale_by
     if batch == 0:
         outs = _noise_alone(grads, kernel_noise, words, stream_offset, kernel_scale)
-        squares = torch.empty(0, len(grads), dtype=torch.float64, device=grads[0].device)
+        sums = torch.empty(0, len(grads), dtype=torch.float64, device=grads[0].device)
     else:
-        *outs, squares = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
-                                                            stream_offset, kernel_scale)
-    bad = ~torch.isfinite(squares).all(dim=1)
+        *outs, sums = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
+                                                         stream_offset, kernel_scale, norm_type)
+    bad = ~torch.isfinite(sums).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
+        beyond = "beyond 1.8e19" if norm_type == 2 else "their L1 norm beyond 3.4e38"
         raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite "
-                         "(or beyond 1.8e19); pass non_finite='drop' to leave such samples out")
-    norms = _sqrt(squares if per_layer else _sum_columns_in_order(squares))
+                         f"(or {beyond}); pass non_finite='drop' to leave such samples out")
+    norms = sums if per_layer else _sum_columns_in_order(sums)
+    if norm_type == 2:
+        norms = _sqrt(norms)
     if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
         for out in outs:
             _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
