@@ -52,12 +52,8 @@ def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor,
     args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
             [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, norm_type, noise_std,
             key[0] | (key[1] << 32), offset, scale, sums.data_ptr())
-    if grads[0].is_cuda:
-        module = _backend.cuda()
-        workspace = torch.empty(module.clip_workspace_bytes(numels, batch), dtype=torch.uint8, device=device)
-        module.clip_accumulate(*args, workspace.data_ptr(), device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        _backend.core.clip_accumulate(*args)
+    _backend.call("clip_accumulate", grads[0], *args,
+                  workspace=lambda module: module.clip_workspace_bytes(numels, batch))
     return outs + [sums]
 
 
