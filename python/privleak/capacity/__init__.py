@@ -45,10 +45,6 @@ from privleak.capacity.closed_form import (
 )
 from privleak.capacity.estimator import CapacityEstimate, GaussianNoise, LaplaceNoise, VMFNoise, estimate
 
-# The estimator's noise families under their former names, for docs/capacity.md until it uses the
-# new ones; to be removed then.
-Gaussian, Laplace, VMF = GaussianNoise, LaplaceNoise, VMFNoise
-
 __all__ = [
     "GAUSSIAN_SUM_MAX_DIM", "CapacityEstimate", "GaussianBallChannel", "GaussianNoise", "LaplaceNoise", "LogCapacity",
     "VMFChannel", "VMFNoise", "dpsgd_gaussian", "dpsgd_gaussian_per_layer", "dpsgd_vmf", "estimate",
