@@ -15,11 +15,17 @@ Many attacks run as one batched optimisation (``torch.func.vmap`` over images, r
 given, per-attack model parameters). The objective is a sum of independent terms and Adam and the
 sign act element-wise, so this gives the same images as running the attacks one at a time.
 
+:class:`GradientAttack` is what the sweeps (:mod:`privleak.reproduce`, :mod:`privleak.estimation`)
+take: any attack that reconstructs images from leaked one-image updates. A second attack is one
+subclass with its settings as fields and a :meth:`~GradientAttack.reconstruct`;
+:class:`InvertingGradients` is the first.
+
 Scores: :func:`mse`, :func:`psnr` and :func:`ssim` (Wang et al. 2004).
 """
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -60,9 +66,44 @@ def infer_labels(model: nn.Module, leaked: Sequence[torch.Tensor]) -> torch.Tens
 # ----------------------------------------------------------------------------- the attack
 
 
+class Reconstruction(NamedTuple):
+    images: torch.Tensor  #: (A, C, H, W): the best restart of each attack
+    labels: torch.Tensor  #: (A,): given or inferred
+    objective: torch.Tensor  #: (A,): 1 - cosine + alpha TV of the returned images
+    restart_objectives: torch.Tensor  #: (A, restarts): the same for every restart's final images
+
+
+class GradientAttack(ABC):
+    """A reconstruction attack on leaked one-image updates, as the sweeps use it.
+
+    Subclasses are frozen dataclasses whose fields are the attack's settings. ``iterations`` is
+    how many times :meth:`reconstruct` calls ``progress``; ``restarts`` how many independent runs
+    it makes per update before keeping one (1 when every run is its own attempt, as
+    :mod:`privleak.estimation` needs).
+    """
+
+    iterations: int
+    restarts: int = 1
+
+    @abstractmethod
+    def reconstruct(self, model: nn.Module, leaked: Sequence[torch.Tensor], image_shape: Sequence[int], *,
+                    labels: Optional[torch.Tensor] = None, parameters: Optional[Sequence[torch.Tensor]] = None,
+                    generator: Optional[torch.Generator] = None,
+                    progress: Optional[Callable[[int], None]] = None) -> Reconstruction:
+        """One image per leaked update: ``leaked`` holds one (A, *p.shape) tensor per trainable
+        parameter of ``model``; ``labels`` (A,) if known, ``parameters`` per-attack model parameters
+        if the updates were taken at different points of training; ``generator`` seeds the attack;
+        ``progress(done)`` is called as it goes, ``done`` up to :attr:`iterations`."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The settings in words, for reports."""
+
+
 @dataclass(frozen=True)
-class InvertingGradients:
-    """Settings of the attack; the defaults are Geiping et al.'s, with fewer iterations."""
+class InvertingGradients(GradientAttack):
+    """Inverting Gradients (:func:`invert_gradients`) with these settings; the defaults are
+    Geiping et al.'s, with fewer iterations."""
 
     iterations: int = 2000
     restarts: int = 1
@@ -82,12 +123,16 @@ class InvertingGradients:
         if not (len(self.bounds) == 2 and self.bounds[0] < self.bounds[1]):
             raise ValueError(f"bounds must be (low, high) with low < high, got {self.bounds!r}")
 
+    def reconstruct(self, model: nn.Module, leaked: Sequence[torch.Tensor], image_shape: Sequence[int], *,
+                    labels: Optional[torch.Tensor] = None, parameters: Optional[Sequence[torch.Tensor]] = None,
+                    generator: Optional[torch.Generator] = None,
+                    progress: Optional[Callable[[int], None]] = None) -> Reconstruction:
+        return invert_gradients(model, leaked, image_shape, labels=labels, parameters=parameters, settings=self,
+                                generator=generator, progress=progress)
 
-class Reconstruction(NamedTuple):
-    images: torch.Tensor  #: (A, C, H, W): the best restart of each attack
-    labels: torch.Tensor  #: (A,): given or inferred
-    objective: torch.Tensor  #: (A,): 1 - cosine + alpha TV of the returned images
-    restart_objectives: torch.Tensor  #: (A, restarts): the same for every restart's final images
+    def describe(self) -> str:
+        return (f"{self.iterations} iterations, {self.restarts} restarts, step {self.learning_rate:g}, "
+                f"TV weight {self.tv_weight:g}")
 
 
 def total_variation(images: torch.Tensor) -> torch.Tensor:
