@@ -240,6 +240,46 @@ def test_restarts_keep_the_lowest_objective_and_per_attack_parameters_are_used(m
     assert bool((result.restart_objectives.max(1).values > result.objective).all())
 
 
+def test_inverting_gradients_is_a_gradient_attack_and_reconstruct_is_invert_gradients(mnist):
+    model = _network(0)
+    rows = torch.tensor([3, 40])
+    leaked = dpsgd.per_sample_gradients(model, F.cross_entropy, mnist.images[rows], mnist.labels[rows])
+    settings = attacks.InvertingGradients(iterations=5, restarts=2)
+    assert isinstance(settings, attacks.GradientAttack)
+    assert settings.describe() == "5 iterations, 2 restarts, step 0.1, TV weight 0.0001"
+    done = []
+    got = settings.reconstruct(model, leaked, (1, 28, 28), generator=torch.Generator().manual_seed(4),
+                               progress=done.append)
+    expected = attacks.invert_gradients(model, leaked, (1, 28, 28), settings=settings,
+                                        generator=torch.Generator().manual_seed(4))
+    assert done == list(range(1, settings.iterations + 1))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_second_attack_is_one_class():
+    class Blank(attacks.GradientAttack):
+        iterations = 1
+
+        def reconstruct(self, model, leaked, image_shape, *, labels=None, parameters=None, generator=None,
+                        progress=None):
+            count = leaked[0].shape[0]
+            return attacks.Reconstruction(torch.zeros(count, *image_shape), torch.zeros(count, dtype=torch.int64),
+                                          torch.zeros(count), torch.zeros(count, 1))
+
+        def describe(self):
+            return "blank images"
+
+    from privleak import estimation, reproduce
+
+    assert reproduce.Experiment(attack=Blank()).attack.restarts == 1
+    assert estimation.Estimation(attack=Blank()).attack.describe() == "blank images"
+    with pytest.raises(ValueError, match="GradientAttack"):
+        reproduce.Experiment(attack="inverting gradients")
+    with pytest.raises(ValueError, match="GradientAttack"):
+        estimation.Estimation(attack=None)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(iterations=0), "iterations"), (dict(restarts=0), "restarts"), (dict(learning_rate=0.0), "learning_rate"),
     (dict(tv_weight=-1.0), "tv_weight"), (dict(bounds=(1.0, 0.0)), "bounds")])

@@ -102,9 +102,9 @@ def test_canaries_and_membership_are_seeded(digits, captured):
 
 @pytest.fixture
 def noise_scale_fault(monkeypatch):
-    """The Gaussian step's noise std 10x too small; the accountant still reads config.noise_multiplier."""
-    honest = dpsgd.gaussian_noise_std
-    monkeypatch.setattr(dpsgd, "gaussian_noise_std", lambda config, num_tensors: 0.1 * honest(config, num_tensors))
+    """The Gaussian step's noise std 10x too small; the accountant still reads the noise multiplier."""
+    honest = dpsgd.Gaussian.noise_std
+    monkeypatch.setattr(dpsgd.Gaussian, "noise_std", lambda self, clipping: 0.1 * honest(self, clipping))
 
 
 def test_honest_run_never_contradicts_the_claim(digits):

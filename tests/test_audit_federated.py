@@ -3,7 +3,7 @@ import pytest
 import torch
 from privleak import dpsgd, fl
 from privleak.audit import audit_fl
-from privleak.audit.one_run import calibrated_config
+from privleak.audit.one_run import calibrated_config, default_delta
 
 ROUNDS, LOCAL_STEPS = 5, 2  # the audited client's run: 10 full-batch DP-SGD steps
 
@@ -18,7 +18,7 @@ def federation(seed=0):
 
 def run_audit(config, seed=0, **kwargs):
     model, clients = federation(seed)
-    kwargs.setdefault("delta", 1e-5 if config.mechanism == "gaussian" else 0.0)
+    kwargs.setdefault("delta", default_delta(config.mechanism.name))
     return audit_fl(model, clients, config, rounds=ROUNDS, local_steps=LOCAL_STEPS, canaries=1000, seed=seed,
                     **kwargs)
 
@@ -72,10 +72,10 @@ def test_vmf_bound_below_claim():
 
 
 def test_catches_noise_ten_times_too_small(monkeypatch):
-    """The client's noise std 10x too small (privatize reads dpsgd.gaussian_noise_std, the
-    accountant config.noise_multiplier) under a claim of 2: measured 3.47, every guess right."""
-    honest = dpsgd.gaussian_noise_std
-    monkeypatch.setattr(dpsgd, "gaussian_noise_std", lambda config, num_tensors: 0.1 * honest(config, num_tensors))
+    """The client's noise std 10x too small (privatize reads Gaussian.noise_std, the accountant
+    the noise multiplier) under a claim of 2: measured 3.47, every guess right."""
+    honest = dpsgd.Gaussian.noise_std
+    monkeypatch.setattr(dpsgd.Gaussian, "noise_std", lambda self, clipping: 0.1 * honest(self, clipping))
     audit = run_audit(calibrated_config("gaussian", 2.0, 1e-5, ROUNDS * LOCAL_STEPS))
     assert audit.epsilon_claimed == pytest.approx(2.0, rel=1e-6)
     assert audit.epsilon_lower > 2.0

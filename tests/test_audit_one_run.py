@@ -231,7 +231,7 @@ def test_power_on_gaussian_dpsgd(digits, epsilon):
 def test_secure_gaussian_and_per_layer_are_audited(digits):
     secure = run_audit(digits, gaussian_config(4.0), generator=M.SecureNoiseGenerator())
     assert 0.2 * 4.0 <= secure.epsilon_lower <= secure.epsilon_claimed
-    config = gaussian_config(4.0)._replace(clip_norm=[1.0, 0.5], per_layer=True)
+    config = gaussian_config(4.0).replace(clip_norm=[1.0, 0.5], per_layer=True)
     per_layer = run_audit(digits, config)
     assert 0.2 * 4.0 <= per_layer.epsilon_lower <= per_layer.epsilon_claimed
 
@@ -259,9 +259,9 @@ def test_vmf_never_contradicts_its_accounting(digits):
 @pytest.fixture
 def noise_scale_fault(monkeypatch):
     """A test-only fault: the Gaussian step's noise std 10x too small. privatize takes its noise std
-    from dpsgd.gaussian_noise_std; the accountant reads config.noise_multiplier, so the claim is unchanged."""
-    honest = dpsgd.gaussian_noise_std
-    monkeypatch.setattr(dpsgd, "gaussian_noise_std", lambda config, num_tensors: 0.1 * honest(config, num_tensors))
+    from Gaussian.noise_std; the accountant reads the noise multiplier, so the claim is unchanged."""
+    honest = dpsgd.Gaussian.noise_std
+    monkeypatch.setattr(dpsgd.Gaussian, "noise_std", lambda self, clipping: 0.1 * honest(self, clipping))
 
 
 def test_catches_noise_ten_times_too_small(digits, noise_scale_fault):
@@ -299,13 +299,16 @@ def test_audit_dpsgd_bad_arguments(digits):
 
 
 def test_audit_digits_is_the_hand_built_run(digits):
-    # The CLI's experiment is exactly run_audit on a calibrated config: same membership, noise and
+    # The CLI's experiment is exactly run_audit on the calibrated config: same membership, noise and
     # guesses. The accountant's epsilon of the calibrated run is the requested one (T Gaussian steps
     # at sigma sqrt(T) compose to the analytic Gaussian at sigma).
-    expected = run_audit(digits, gaussian_config(4.0), seed=1)
+    expected = run_audit(digits, O.calibrated_config("gaussian", 4.0, 1e-5, STEPS), seed=1)
     got = O.audit_digits("gaussian", 4.0, steps=STEPS, canaries=1000, images=300, seed=1)
     assert got == expected
     assert got.epsilon_claimed == pytest.approx(4.0, rel=1e-9)
+    # The same guesses as with the closed-form calibration of the Gaussian.
+    closed_form = run_audit(digits, gaussian_config(4.0), seed=1)
+    assert (closed_form.correct, closed_form.guesses) == (got.correct, got.guesses)
     vmf = O.audit_digits("vmf", 4.0, delta=0.0, steps=STEPS, canaries=200, images=50, seed=1)
     assert vmf.epsilon_claimed == pytest.approx(4.0, rel=1e-12) and vmf.epsilon_lower <= 4.0
 
@@ -320,6 +323,27 @@ def test_cli_audit_run_json(capsys):
     assert 0.0 <= result["lower_bound"] <= result["epsilon"] and result["canaries"] == 200
 
 
+@pytest.mark.parametrize("name, steps", [("gaussian", 1), ("gaussian", 10), ("vmf", 10), ("laplace", 10)])
+def test_calibrated_config_is_each_mechanisms_accountant_at_the_claim(name, steps):
+    delta = O.default_delta(name)
+    assert delta == (1e-5 if name == "gaussian" else 0.0)
+    config = O.calibrated_config(name, 4.0, delta, steps)
+    assert config.mechanism.name == name and config.clip_norm == 1.0
+    report = dpsgd.privacy_report(config, [(7850,)], expected_batch_size=100, dataset_size=100, steps=steps,
+                                  delta=delta)
+    assert report.epsilon == pytest.approx(4.0, rel=1e-12) and report.epsilon <= 4.0
+    closed_form = {"gaussian": dict(noise_multiplier=accounting.analytic_gaussian_noise_multiplier(4.0, 1e-5)
+                                    * math.sqrt(steps)),
+                   "vmf": dict(kappa=4.0 / (2 * steps)), "laplace": dict(noise_multiplier=steps / 4.0)}[name]
+    assert config.mechanism.parameters() == pytest.approx(closed_form, rel=1e-12)
+
+
+def test_audit_digits_takes_every_registered_mechanism():
+    for name in dpsgd.mechanism.names():
+        audit = O.audit_digits(name, 4.0, delta=O.default_delta(name), steps=2, canaries=100, images=30, seed=2)
+        assert audit.epsilon_claimed == pytest.approx(4.0, rel=1e-9) and 0 <= audit.epsilon_lower <= 4.0
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--mechanism", "gaussian", "--epsilon", "1", "--delta", "0"], "--delta"),
     (["--mechanism", "vmf", "--epsilon", "1", "--secure"], "--secure"),
@@ -327,7 +351,7 @@ def test_cli_audit_run_json(capsys):
     (["--mechanism", "gaussian", "--epsilon", "nan"], "--epsilon"),
     (["--mechanism", "gaussian", "--epsilon", "1", "--steps", "0"], "--steps"),
     (["--mechanism", "gaussian", "--epsilon", "1", "--images", "5001"], "--images"),
-    (["--mechanism", "laplace", "--epsilon", "1"], "--mechanism"),
+    (["--mechanism", "no-such", "--epsilon", "1"], "--mechanism"),
 ])
 def test_cli_audit_run_refuses_bad_options(capsys, monkeypatch, argv, named):
     from privleak import cli

@@ -99,6 +99,21 @@ def test_vmf_and_paper_cnn_rows():
         report.audit_sweep("gaussian", [1.0], model="resnet")
 
 
+def test_a_laplace_row_fills_the_shared_parameter_column(tmp_path):
+    from privleak import dpsgd
+
+    rows = report.audit_sweep(["vmf", "laplace"], [4.0], steps=2, canaries=20, images=5)
+    assert [r["mechanism"] for r in rows] == ["vmf", "laplace"] and [r["delta"] for r in rows] == [0.0, 0.0]
+    laplace = rows[1]
+    assert laplace["noise_multiplier"] == pytest.approx(2 / 4.0, rel=1e-12) and math.isnan(laplace["kappa"])
+    config = dpsgd.DPSGDConfig(1.0, "laplace", noise_multiplier=laplace["noise_multiplier"])
+    expected = config.mechanism.log_capacity([7850], config.clipping(1), 5 + laplace["included"])
+    assert laplace["log_capacity"] == pytest.approx(expected.log, rel=1e-12)
+    paths = report.write_audit_report(rows, str(tmp_path))
+    assert tuple(_read_csv(paths["audit.csv"])[0]) == report.csv_fields(["vmf", "laplace"]) == report.CSV_FIELDS
+    assert [cells["noise multiplier"] for cells in _markdown_table(paths["audit.md"])] == ["-", "0.5"]
+
+
 def test_cli_out_writes_the_report(tmp_path, capsys):
     from privleak import cli
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from privleak import cli, datasets, estimation, reproduce
+from privleak import cli, datasets, dpsgd, estimation, reproduce
 
 
 class Reached(Exception):
@@ -74,7 +74,7 @@ SHARED = [
     (["--dataset"], "--dataset"),
     *[(["--epsilons", *v], "--epsilons") for v in (["0"], ["-1"], ["nan"], ["inf"], ["-inf"], ["1e999"], ["abc"], [""],
                                                    ["10", "nan"], ["1e3", "1000"], [])],
-    *[(["--mechanisms", *v], "--mechanisms") for v in (["laplace"], ["vmf", "vmf"], ["Gaussian"], [])],
+    *[(["--mechanisms", *v], "--mechanisms") for v in (["no-such"], ["vmf", "vmf"], ["Gaussian"], [])],
     *[(["--iterations", v], "--iterations") for v in ("0", "-1", "1.5", "nan", "1e3", "abc", "")],
     *[(["--seed", v], "--seed") for v in ("-1", str(2 ** 63), str(2 ** 64), str(2 ** 70), "2**70", "1.5", "nan", "",
                                           "-1e3")],
@@ -282,6 +282,7 @@ def test_info_and_the_top_level_refuse_bad_arguments(capsys, no_work, monkeypatc
     (["--clients", "112", "--dataset", "sklearn-digits"], dict(clients=112, dataset="sklearn-digits")),
     (["--rounds", "1", "--iterations", "1", "--restarts", "1"], dict(rounds=1)),
     (["--mechanisms", "vmf"], dict(mechanisms=("vmf",))),
+    (["--mechanisms", *dpsgd.mechanism.names()], dict(mechanisms=dpsgd.mechanism.names())),
 ])
 def test_valid_reproduce_edges_parse(tmp_path, reach, extra, expected):
     out = tmp_path / "new" / "nested" / "out"

@@ -4,7 +4,7 @@ import re
 
 import numpy as np
 import pytest
-from privleak import accounting, attacks, capacity, cli, reproduce
+from privleak import accounting, attacks, capacity, cli, dpsgd, reproduce
 from privleak.models import PaperNetwork, parameter_count
 
 SMALL = reproduce.Experiment(dataset="sklearn-digits", epsilons=(100.0, 1e6), clients=3, examples_per_client=4,
@@ -93,8 +93,7 @@ def test_the_report_numbers_are_the_csvs(small_run):
 def _settings_of(rows):
     seen = {}
     for r in rows:
-        seen.setdefault((r["mechanism"], r["epsilon"]), reproduce.Setting(
-            r["mechanism"], r["epsilon"], r["noise_multiplier"], r["kappa"], r["log2_capacity"]))
+        seen.setdefault((r["mechanism"], r["epsilon"]), reproduce.Setting.from_row(r))
     return list(seen.values())
 
 
@@ -113,8 +112,8 @@ def test_the_noiseless_attack_beats_the_noisy_ones(small_run):
 
 
 def _summary(mechanism, epsilon, log2_capacity, mse):
-    return reproduce.Summary(reproduce.Setting(mechanism, epsilon, math.nan, math.nan, log2_capacity),
-                             mse, mse, math.nan, math.nan, 1.0)
+    return reproduce.Summary(reproduce.Setting(mechanism, epsilon, None, log2_capacity), mse, mse, math.nan,
+                             math.nan, 1.0)
 
 
 def test_mechanism_gap_is_the_distance_between_the_curves():
@@ -126,6 +125,66 @@ def test_mechanism_gap_is_the_distance_between_the_curves():
     assert reproduce.mechanism_gap(gaussian + [_summary("vmf", x, x, 1 - math.log10(x) / 4) for x in (10.0, 1e3)],
                                    "log2_capacity") == pytest.approx(0.0, abs=1e-12)
     assert math.isnan(reproduce.mechanism_gap(gaussian + [_summary("vmf", 1e9, 1e9, 0.5)], "epsilon"))
+
+
+@pytest.mark.parametrize("name", dpsgd.mechanism.names())
+def test_settings_are_each_mechanisms_own_calibration(name):
+    experiment = reproduce.Experiment(epsilons=(10.0, 1e3), mechanisms=(name,), delta=1e-6, clip_norm=0.5)
+    noiseless, *grid = reproduce.settings(experiment, 1000)
+    assert (noiseless.mechanism, noiseless.epsilon, noiseless.noise, noiseless.log2_capacity) == \
+        ("none", math.inf, None, math.inf)
+    assert math.isnan(noiseless.noise_multiplier) and math.isnan(noiseless.kappa)
+    assert [(s.mechanism, s.epsilon) for s in grid] == [(name, 10.0), (name, 1e3)]
+    for setting in grid:
+        noise = dpsgd.mechanism.get(name).calibrate(setting.epsilon, 1e-6)
+        assert setting.noise == noise and setting.parameters == noise.parameters()
+        config = dpsgd.DPSGDConfig(0.5, noise)
+        assert setting.log2_capacity == noise.log_capacity([1000], config.clipping(1), 1).bits
+        assert reproduce.dpsgd_config(setting, 0.5) == config
+        assert reproduce.Setting.from_row({"mechanism": name, "epsilon": setting.epsilon,
+                                           "log2_capacity": setting.log2_capacity,
+                                           **setting.parameters}) == setting
+
+
+def test_gaussian_and_vmf_settings_are_the_papers_calibrations():
+    # Gaussian: two clipped gradients differ by up to 2c, so 2 x the analytic sigma; VMF: kappa = eps / 2.
+    experiment = reproduce.Experiment(epsilons=(10.0, 173.0, 1e6))
+    _, *grid = reproduce.settings(experiment, 13426)
+    for setting in grid:
+        if setting.mechanism == "gaussian":
+            sigma = 2 * accounting.analytic_gaussian_noise_multiplier(setting.epsilon, 1e-5)
+            assert setting.noise_multiplier == sigma and math.isnan(setting.kappa)
+            assert setting.log2_capacity == capacity.dpsgd_gaussian(13426, 1.0, sigma, 1).log_capacity().bits
+        else:
+            assert setting.kappa == setting.epsilon / 2 and math.isnan(setting.noise_multiplier)
+            assert setting.log2_capacity == capacity.dpsgd_vmf(13426, setting.epsilon / 2).log_capacity().bits
+    with pytest.raises(AttributeError):
+        grid[0].no_such_parameter  # noqa: B018
+
+
+def test_csv_has_a_column_per_parameter_of_the_sweeps_mechanisms():
+    assert reproduce.CSV_FIELDS[:5] == ("mechanism", "epsilon", "delta", "noise_multiplier", "kappa")
+    every = reproduce.csv_fields(dpsgd.mechanism.names())
+    for name in dpsgd.mechanism.names():
+        for field in dpsgd.mechanism.get(name).calibrate(1.0, 1e-5).parameters():
+            assert every.count(field) == 1
+
+
+@pytest.mark.filterwarnings("ignore:An input array is constant")  # one epsilon: no rank correlation
+def test_every_registered_mechanism_runs_from_the_command_line(tmp_path):
+    names = dpsgd.mechanism.names()
+    code = cli.main(["reproduce", "--out", str(tmp_path), "--dataset", "sklearn-digits", "--epsilons", "1e4",
+                     "--mechanisms", *names, "--clients", "1", "--rounds", "1", "--iterations", "5",
+                     "--grid-epsilons", "1e4", "--quiet"])
+    assert code == 0
+    rows = reproduce.read_csv(str(tmp_path / "reconstructions.csv"))
+    assert [r["mechanism"] for r in rows] == ["none", *names]
+    for row in rows[1:]:
+        noise = dpsgd.mechanism.get(row["mechanism"]).calibrate(1e4, 1e-5)
+        for key, value in noise.parameters().items():
+            assert row[key] == value
+    text = (tmp_path / "report.md").read_text()
+    assert all(f"| {name} | 10000 |" in text for name in names)
 
 
 def test_the_command_line_runs_a_sweep(tmp_path, capsys):
@@ -140,7 +199,7 @@ def test_the_command_line_runs_a_sweep(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(epsilons=()), "epsilons"), (dict(epsilons=(0.0,)), "epsilons"), (dict(mechanisms=("laplace",)), "mechanisms"),
+    (dict(epsilons=()), "epsilons"), (dict(epsilons=(0.0,)), "epsilons"), (dict(mechanisms=("no-such",)), "mechanisms"),
     (dict(delta=0.0), "delta"), (dict(clients=0), "clients"), (dict(rounds=0), "rounds")])
 def test_bad_experiments_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

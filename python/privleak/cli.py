@@ -5,9 +5,12 @@ the command with one line, ``privleak <command>: error: argument --option: ...``
 2. Each option's range is what the code behind it needs:
 
 - numbers: ``type=`` functions built on :mod:`privleak.validation` (NaN and infinities are refused
-  everywhere; epsilons > 0, delta in (0, 1) (an audited claim's delta in [0, 1), > 0 for the
-  Gaussian), confidence in (0, 1), SSIM threshold in [-1, 1), counts >= 1, images >= 2, audit
-  releases in [2, 10^8], seed in [0, 2^63));
+  everywhere; epsilons > 0, delta in (0, 1) (an audited claim's delta in [0, 1), > 0 for a
+  mechanism that is not pure DP, such as the Gaussian), confidence in (0, 1), SSIM threshold in
+  [-1, 1), counts >= 1, images >= 2, audit releases in [2, 10^8], seed in [0, 2^63));
+- mechanisms: the choices are the registered DP-SGD mechanisms (:func:`privleak.dpsgd.mechanism.names`)
+  or, for ``audit release``, the audited releases (:data:`privleak.audit.release.MECHANISMS`);
+  what a mechanism needs (delta > 0, a secure mode) is asked of the mechanism;
 - after parsing: no value repeated in a list option, ``--out`` an existing writable folder or one
   that can be created, ``--dataset`` a known name or a readable folder holding IDX files with
   enough images for the clients asked for (only the files' headers are read).
@@ -269,12 +272,14 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _prepare_audit_release(args: argparse.Namespace) -> dict:
-    """audit_release's arguments; the checks that span options (the Gaussian needs delta > 0)."""
+    """audit_release's arguments; the checks that span options (a mechanism that is not pure DP
+    needs delta > 0)."""
     from privleak.audit import release
 
+    mechanism = release.release_mechanism(args.mechanism)
     delta = release.DEFAULT_DELTA[args.mechanism] if args.delta is None else args.delta
-    if args.mechanism == "gaussian" and delta == 0.0:
-        raise _BadOption("--delta", "must be > 0 for the gaussian mechanism (no Gaussian noise gives pure DP), got 0")
+    if not mechanism.pure and delta == 0.0:
+        raise _BadOption("--delta", f"must be > 0 for the {args.mechanism} mechanism (it is not pure DP), got 0")
     release._check_noise(args.mechanism, args.epsilon, delta, 1.0, None)  # the calibration exists (ValueError: exit 2)
     return {"mechanism": args.mechanism, "epsilon": args.epsilon, "delta": delta, "releases": args.releases,
             "confidence": args.confidence, "seed": args.seed}
@@ -282,23 +287,22 @@ def _prepare_audit_release(args: argparse.Namespace) -> dict:
 
 def _audit_release(args: argparse.Namespace) -> int:
     from privleak.audit import audit_release
+    from privleak.audit.release import release_mechanism
 
     result = audit_release(**args.prepared)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2, allow_nan=False))
         return 0
-    noise = {"gaussian": "noise std", "laplace": "Laplace scale", "vmf": "kappa"}[result.mechanism]
-    where = f" on S^{result.dim - 1}" if result.mechanism == "vmf" else ""
-    print(f"{result.mechanism} mechanism{where}, {noise} {result.noise:.6g}: {result.releases} releases on each of "
-          f"two neighbouring inputs x0, x1 ({result.selection_releases} choose the test, "
-          f"{result.evaluation_releases} measure it), seed {result.seed}")
+    mechanism = release_mechanism(result.mechanism)
+    print(f"{result.mechanism} mechanism{mechanism.where(result.dim)}, {mechanism.noise_name} {result.noise:.6g}: "
+          f"{result.releases} releases on each of two neighbouring inputs x0, x1 ({result.selection_releases} choose "
+          f"the test, {result.evaluation_releases} measure it), seed {result.seed}")
     print(f"claimed epsilon      {result.epsilon:g} at delta {result.delta:g} "
           f"(privleak's accountant for this noise: {result.accountant_epsilon:.6g})")
     print(f"audited lower bound  {result.lower_bound:.4f} at {result.confidence:g} confidence "
           f"({result.lower_bound / result.epsilon:.1%} of the claim)")
-    statistic = "e1.y" if result.mechanism == "vmf" else "y"
-    print(f"attack               'x1 if {statistic} > {result.threshold:.6g}': FPR {result.fpr:.4g} (upper bound "
-          f"{result.fpr_upper:.4g}), FNR {result.fnr:.4g} (upper bound {result.fnr_upper:.4g})")
+    print(f"attack               'x1 if {mechanism.statistic} > {result.threshold:.6g}': FPR {result.fpr:.4g} (upper "
+          f"bound {result.fpr_upper:.4g}), FNR {result.fnr:.4g} (upper bound {result.fnr_upper:.4g})")
     print(f"Bayes capacity       log {result.log_capacity:.4f} nats of one release")
     if result.lower_bound > result.epsilon:
         print("the audit contradicts the claim: the mechanism is not as private as claimed (or this is the "
@@ -307,24 +311,25 @@ def _audit_release(args: argparse.Namespace) -> int:
 
 
 def _prepare_audit_run(args: argparse.Namespace) -> dict:
-    """audit_digits's arguments; the checks that span options."""
-    from privleak import accounting
-
-    delta = (1e-5 if args.mechanism == "gaussian" else 0.0) if args.delta is None else args.delta
-    if args.mechanism == "gaussian" and delta == 0.0:
-        raise _BadOption("--delta", "must be > 0 for the gaussian mechanism (no Gaussian noise gives pure DP), got 0")
-    if args.secure and args.mechanism != "gaussian":
-        raise _BadOption("--secure", "secure noise is Gaussian only (VMF has no secure mode)")
+    """audit_digits's arguments; the checks that span options (delta > 0 for a mechanism that is
+    not pure DP, --secure for one with a secure mode, the calibration of every epsilon)."""
+    from privleak import dpsgd
+    from privleak.audit.one_run import calibrated_config, default_delta
     from privleak.audit.report import MODEL_PARAMETERS
 
+    pure = default_delta(args.mechanism) == 0.0
+    delta = default_delta(args.mechanism) if args.delta is None else args.delta
+    if not pure and delta == 0.0:
+        raise _BadOption("--delta", f"must be > 0 for the {args.mechanism} mechanism (it is not pure DP), got 0")
+    if args.secure and not dpsgd.mechanism.get(args.mechanism).secure:
+        raise _BadOption("--secure", f"the {args.mechanism} mechanism has no secure mode")
     epsilons = [args.epsilon] if args.epsilons is None else args.epsilons
-    if args.mechanism == "gaussian":
-        option = "--epsilon" if args.epsilons is None else "--epsilons"
-        for epsilon in epsilons:  # the calibration exists
-            try:
-                accounting.analytic_gaussian_noise_multiplier(epsilon, delta)
-            except ValueError as error:
-                raise _BadOption(option, f"{epsilon:g}: {error}") from None
+    option = "--epsilon" if args.epsilons is None else "--epsilons"
+    for epsilon in epsilons:  # the calibration exists
+        try:
+            calibrated_config(args.mechanism, epsilon, delta, args.steps)
+        except ValueError as error:
+            raise _BadOption(option, f"{epsilon:g}: {error}") from None
     limit = MODEL_PARAMETERS[args.model]
     if args.canaries > limit:
         raise _BadOption("--canaries", f"must be at most {limit} for --model {args.model} (one parameter each), "
@@ -377,19 +382,28 @@ def _audit_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mechanism_names() -> tuple:
+    """The registered DP-SGD mechanisms: the choices of every --mechanism(s) option but audit release's."""
+    from privleak import dpsgd
+
+    return dpsgd.mechanism.names()
+
+
 def _add_audit_commands(commands) -> None:
     """``privleak audit``, a command with its own subcommands (``release``; more go beside it)."""
     audit = commands.add_parser("audit", help="statistical lower bounds on epsilon from attacks on real releases",
                                 description="Privacy auditing: run a mechanism, attack its outputs and turn the "
                                             "attack's error rates into a lower bound on epsilon.")
     audit_commands = audit.add_subparsers(dest="audit_command", required=True)
+    from privleak.audit.release import MECHANISMS as releases
+
     release = audit_commands.add_parser(
-        "release", help="audit one release of the Gaussian, Laplace or VMF mechanism in isolation",
+        "release", help=f"audit one release of a mechanism ({', '.join(releases)}) in isolation",
         description="Release the mechanism on two worst-case neighbouring inputs --releases times each (privleak's "
                     "keyed noise), attack with a threshold test on the privacy-loss statistic chosen on a quarter of "
                     "the releases, bound its error rates on the rest (Clopper-Pearson) and print the lower bound on "
                     "epsilon that holds with probability --confidence.")
-    release.add_argument("--mechanism", required=True, choices=["gaussian", "laplace", "vmf"],
+    release.add_argument("--mechanism", required=True, choices=releases,
                          help="gaussian (std from the exact (epsilon, delta) calibration), laplace (scale 1 / epsilon) "
                               "or vmf (kappa = epsilon / 2 on S^1, antipodal means)")
     release.add_argument("--epsilon", required=True, type=_EPSILON, help="the claimed epsilon, finite and > 0")
@@ -410,15 +424,17 @@ def _add_audit_commands(commands) -> None:
                     "full-batch steps, calibrated to claim --epsilon; inject --canaries Dirac gradient canaries, "
                     "each included with probability 1/2; guess membership from the released updates and print the "
                     "one-run lower bound on epsilon that holds with probability --confidence.")
-    run.add_argument("--mechanism", required=True, choices=["gaussian", "vmf"],
-                     help="gaussian (Alg. 1, noise multiplier from the exact calibration) or vmf (Alg. 2, "
+    run.add_argument("--mechanism", required=True, choices=_mechanism_names(),
+                     help="the DP-SGD mechanism, calibrated so that privleak's accountant gives the run --epsilon "
+                          "(gaussian, Alg. 1: noise multiplier from the exact calibration; vmf, Alg. 2: "
                           "kappa = epsilon / (2 steps))")
     claims = run.add_mutually_exclusive_group(required=True)
     claims.add_argument("--epsilon", type=_EPSILON, help="the run's claimed epsilon, finite and > 0")
     claims.add_argument("--epsilons", type=_EPSILON, nargs="+", metavar="E",
                         help="a sweep: one audit per claimed epsilon, each finite, > 0 and given once")
     run.add_argument("--delta", type=_DELTA_OR_ZERO,
-                     help="the claimed delta, in [0, 1); > 0 for gaussian (default 1e-5 for gaussian, 0 for vmf)")
+                     help="the claimed delta, in [0, 1); > 0 for a mechanism that is not pure DP (default 1e-5 "
+                          "for gaussian, 0 for pure-DP mechanisms such as vmf)")
     run.add_argument("--steps", type=_COUNT, default=10, help="DP-SGD steps, >= 1 (default 10)")
     run.add_argument("--canaries", type=_COUNT, default=1000,
                      help="canaries, >= 1 and at most the model's parameters (7850 logistic, 13426 paper-cnn; "
@@ -427,7 +443,8 @@ def _add_audit_commands(commands) -> None:
                      help="logistic regression 784 -> 10 (default) or the paper CNN (privleak.models.PaperNetwork)")
     run.add_argument("--images", type=_integer_type("an integer in [1, 5000]", low=1, high=5000), default=300,
                      help="training digits, in [1, 5000] (default 300)")
-    run.add_argument("--secure", action="store_true", help="secure Gaussian noise (SecureNoiseGenerator)")
+    run.add_argument("--secure", action="store_true",
+                     help="secure noise (SecureNoiseGenerator), for a mechanism that has a secure mode")
     run.add_argument("--confidence", type=_CONFIDENCE, default=0.95,
                      help="probability that the bound is below the true epsilon, in (0, 1) (default 0.95)")
     run.add_argument("--seed", type=_SEED, default=0, help="an integer in [0, 2^63) (default 0)")
@@ -446,7 +463,8 @@ def _add_sweep_arguments(command: argparse.ArgumentParser, default_epsilons: str
                                            "IDX files (train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz])")
     command.add_argument("--epsilons", type=_EPSILON, nargs="+", metavar="EPSILON",
                          help=f"epsilons of one update, finite and > 0, each once (default {default_epsilons})")
-    command.add_argument("--mechanisms", nargs="+", choices=["gaussian", "vmf"], help="each once (default both)")
+    command.add_argument("--mechanisms", nargs="+", choices=_mechanism_names(),
+                         help="registered DP-SGD mechanisms, each once (default gaussian vmf)")
     command.add_argument("--iterations", type=_COUNT, help="attack iterations, >= 1")
     command.add_argument("--seed", type=_SEED, help="an integer in [0, 2^63) (default 0)")
     command.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -462,12 +480,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     reproduce = commands.add_parser(
         "reproduce", help="paper 004's experiment: FL with Gaussian and VMF DP-SGD, Inverting Gradients, Fig. 1 and 2",
-        description="Sweep epsilon for the Gaussian and VMF mechanisms, attack the leaked updates, and write a CSV, "
+        description="Sweep epsilon for the Gaussian and VMF mechanisms (or any registered ones, --mechanisms), attack "
+                    "the leaked updates, and write a CSV, "
                     "the figures and a Markdown report into --out. The defaults take a few minutes on 2 CPU cores.")
     _add_sweep_arguments(reproduce, "10 173 1e3 3e3 1e4 3e4 1e5 1e6")
     reproduce.add_argument("--paper-scale", action="store_true",
                            help="32 clients, 12 epsilons, 4800 attack iterations, 4 restarts (hours on a CPU)")
-    reproduce.add_argument("--delta", type=_DELTA, help="delta of the Gaussian mechanism, in (0, 1) (default 1e-5)")
+    reproduce.add_argument("--delta", type=_DELTA,
+                           help="delta of each update's (epsilon, delta) calibration, in (0, 1); pure-DP mechanisms "
+                                "do not use it (default 1e-5)")
     reproduce.add_argument("--clients", type=_COUNT,
                            help="clients, >= 1, one attacked image each per setting; clients x 16 (32 with "
                                 "--paper-scale) images must fit in the data set")

@@ -20,7 +20,7 @@ A noiseless row (clipping only) shows what the attack does when nothing protects
 """
 from __future__ import annotations
 
-import csv
+import inspect
 import math
 import os
 import time
@@ -30,18 +30,22 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
-from privleak import accounting, attacks, capacity, datasets, dpsgd, fl, validation
+from privleak import attacks, datasets, dpsgd, fl, report, validation
 from privleak.models import PaperNetwork, parameter_count
 
+#: The default sweep: paper 004's two mechanisms. Any registered name (dpsgd.mechanism.names()) works.
 MECHANISMS = ("gaussian", "vmf")
 SEED_LIMIT = 2 ** 63  #: seeds are ints in [0, SEED_LIMIT)
-NOISELESS = "none"
+NOISELESS = report.NOISELESS
+#: The noiseless row's step: the clipped average, no noise (the Gaussian mechanism at noise 0).
+NOISELESS_MECHANISM = dpsgd.Gaussian(0.0)
 
 
 @dataclass(frozen=True)
 class Experiment:
     """What ``privleak reproduce`` runs. The defaults finish in minutes on 2 CPU cores;
-    :data:`PAPER_SCALE` is closer to the paper's (and Geiping et al.'s) budget."""
+    :data:`PAPER_SCALE` is closer to the paper's (and Geiping et al.'s) budget. ``attack`` is any
+    :class:`privleak.attacks.GradientAttack`."""
 
     dataset: str = "mnist-5k"
     epsilons: tuple = (10.0, 173.0, 1e3, 3e3, 1e4, 3e4, 1e5, 1e6)
@@ -52,15 +56,16 @@ class Experiment:
     examples_per_client: int = 16
     rounds: int = 3  #: the last round's updates are attacked
     learning_rate: float = 0.1
-    attack: attacks.InvertingGradients = field(default_factory=lambda: attacks.InvertingGradients(1500, 2))
+    attack: attacks.GradientAttack = field(default_factory=lambda: attacks.InvertingGradients(1500, 2))
     grid_epsilons: tuple = (173.0, 1e4, 1e5)  #: rows of the reconstruction figure (Fig. 2 uses 173)
     seed: int = 0
 
     def __post_init__(self):
         if not self.epsilons or any(not (e > 0 and math.isfinite(e)) for e in self.epsilons):
             raise ValueError(f"epsilons must be positive and finite, got {self.epsilons!r}")
-        if not self.mechanisms or any(m not in MECHANISMS for m in self.mechanisms):
-            raise ValueError(f"mechanisms must be taken from {MECHANISMS}, got {self.mechanisms!r}")
+        known = dpsgd.mechanism.names()
+        if not self.mechanisms or any(m not in known for m in self.mechanisms):
+            raise ValueError(f"mechanisms must be taken from {known}, got {self.mechanisms!r}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
         if not self.clip_norm > 0:
@@ -70,6 +75,8 @@ class Experiment:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not self.grid_epsilons or any(not (e > 0 and math.isfinite(e)) for e in self.grid_epsilons):
             raise ValueError(f"grid_epsilons must be positive and finite, got {self.grid_epsilons!r}")
+        if not isinstance(self.attack, attacks.GradientAttack):
+            raise ValueError(f"attack must be a privleak.attacks.GradientAttack, got {type(self.attack).__name__}")
         # torch.Generator.manual_seed takes seed and seed + 1; NoiseGenerator takes it modulo 2^64.
         validation.integer(self.seed, "seed", low=0, high=SEED_LIMIT - 1)
 
@@ -81,35 +88,53 @@ PAPER_SCALE = Experiment(
 
 
 class Setting(NamedTuple):
-    mechanism: str
+    """One row of the sweep: a mechanism calibrated to an epsilon, or the noiseless row.
+
+    A mechanism's parameters read as attributes too (``setting.noise_multiplier``,
+    ``setting.kappa``, ...): nan where this setting's mechanism has no such parameter."""
+
+    mechanism: str  #: a registered name, or NOISELESS
     epsilon: float  #: of one update, local DP; inf for the noiseless row
-    noise_multiplier: float  #: Gaussian sigma (noise std / c); nan otherwise
-    kappa: float  #: VMF concentration; nan otherwise
+    noise: Optional[dpsgd.DPSGDMechanism]  #: the mechanism's calibrate(epsilon, delta); None for the noiseless row
     log2_capacity: float  #: Bayes capacity of one update's channel, in bits; inf without noise
+
+    @property
+    def parameters(self) -> dict:
+        """The mechanism's parameters ({} for the noiseless row)."""
+        return {} if self.noise is None else self.noise.parameters()
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Setting":
+        """The setting of a CSV row (:func:`run`'s rows, or :func:`read_csv`'s)."""
+        if row["mechanism"] == NOISELESS:
+            return cls(NOISELESS, row["epsilon"], None, row["log2_capacity"])
+        fields = report.parameter_columns((row["mechanism"],))
+        noise = dpsgd.mechanism.create(row["mechanism"], {name: row[name] for name in fields})
+        return cls(row["mechanism"], row["epsilon"], noise, row["log2_capacity"])
+
+    def __getattr__(self, name: str):
+        if not name.startswith("_") and name in report.parameter_columns(dpsgd.mechanism.names()):
+            return float(self.parameters.get(name, math.nan))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def settings(experiment: Experiment, dim: int) -> list:
-    """The noiseless row, then every (mechanism, epsilon) with its noise and Bayes capacity."""
-    rows = [Setting(NOISELESS, math.inf, math.nan, math.nan, math.inf)]
-    for mechanism in experiment.mechanisms:
+    """The noiseless row, then every (mechanism, epsilon): the mechanism's own calibration of one
+    update to (epsilon, delta) (``calibrate``) and the Bayes capacity of its channel for a network
+    of ``dim`` parameters, flat clipping, one-image batches (``log_capacity``)."""
+    rows = [Setting(NOISELESS, math.inf, None, math.inf)]
+    for name in experiment.mechanisms:
+        calibrate = dpsgd.mechanism.get(name).calibrate
         for epsilon in experiment.epsilons:
-            if mechanism == "gaussian":
-                sigma = 2.0 * accounting.analytic_gaussian_noise_multiplier(epsilon, experiment.delta)
-                bits = capacity.dpsgd_gaussian(dim, experiment.clip_norm, sigma, 1).log_capacity().bits
-                rows.append(Setting(mechanism, epsilon, sigma, math.nan, bits))
-            else:
-                kappa = epsilon / 2.0
-                rows.append(Setting(mechanism, epsilon, math.nan, kappa,
-                                    capacity.dpsgd_vmf(dim, kappa).log_capacity().bits))
+            config = dpsgd.DPSGDConfig(experiment.clip_norm, calibrate(epsilon, experiment.delta))
+            bits = config.mechanism.log_capacity([dim], config.clipping(1), 1).bits
+            rows.append(Setting(name, epsilon, config.mechanism, bits))
     return rows
 
 
 def dpsgd_config(setting: Setting, clip_norm: float) -> dpsgd.DPSGDConfig:
     """The DP-SGD configuration of one setting of the sweep."""
-    if setting.mechanism == "vmf":
-        return dpsgd.DPSGDConfig(clip_norm, "vmf", kappa=setting.kappa)
-    noise = 0.0 if setting.mechanism == NOISELESS else setting.noise_multiplier
-    return dpsgd.DPSGDConfig(clip_norm, "gaussian", noise_multiplier=noise)
+    return dpsgd.DPSGDConfig(clip_norm, NOISELESS_MECHANISM if setting.noise is None else setting.noise)
 
 
 class Attacked(NamedTuple):
@@ -152,12 +177,18 @@ class Results(NamedTuple):
     seconds: float
 
 
-CSV_FIELDS = ("mechanism", "epsilon", "delta", "noise_multiplier", "kappa", "log2_capacity", "client",
-              "dataset_index", "label", "inferred_label", "mse", "psnr", "ssim")
+def csv_fields(mechanisms: tuple = MECHANISMS) -> tuple:
+    """reconstructions.csv's columns: one per parameter of the default mechanisms (noise_multiplier,
+    kappa) and of ``mechanisms`` (:func:`privleak.report.parameter_columns`)."""
+    return ("mechanism", "epsilon", "delta", *report.parameter_columns((*MECHANISMS, *mechanisms)), "log2_capacity",
+            "client", "dataset_index", "label", "inferred_label", "mse", "psnr", "ssim")
+
+
+CSV_FIELDS = csv_fields()  #: the columns for the default mechanisms
 
 
 def run(experiment: Experiment, progress: Optional[Callable[[str, int, int], None]] = None) -> Results:
-    """Train every setting, then attack all their updates in one batched Inverting Gradients run."""
+    """Train every setting, then attack all their updates in one batched run of ``experiment.attack``."""
     started = time.perf_counter()
     data = datasets.load(experiment.dataset)
     dim = parameter_count(PaperNetwork(data.image_shape, data.num_classes))
@@ -171,8 +202,8 @@ def run(experiment: Experiment, progress: Optional[Callable[[str, int, int], Non
     updates = [torch.cat(parts) for parts in zip(*(c.updates for c in collected))]
     model = PaperNetwork(data.image_shape, data.num_classes)
     iterations = experiment.attack.iterations
-    reconstruction = attacks.invert_gradients(
-        model, updates, data.image_shape, parameters=parameters, settings=experiment.attack,
+    reconstruction = experiment.attack.reconstruct(
+        model, updates, data.image_shape, parameters=parameters,
         generator=torch.Generator().manual_seed(experiment.seed + 1),
         progress=None if progress is None else (lambda done: progress("attack", done, iterations)))
     originals = torch.cat([c.images for c in collected])
@@ -181,12 +212,13 @@ def run(experiment: Experiment, progress: Optional[Callable[[str, int, int], Non
     mse = attacks.mse(reconstruction.images, originals)
     psnr = attacks.psnr(reconstruction.images, originals)
     ssim = attacks.ssim(reconstruction.images, originals)
+    columns = report.parameter_columns((*MECHANISMS, *experiment.mechanisms))
     rows = []
     for a in range(len(labels)):
         setting = grid[a // experiment.clients]
         rows.append({
             "mechanism": setting.mechanism, "epsilon": setting.epsilon, "delta": experiment.delta,
-            "noise_multiplier": setting.noise_multiplier, "kappa": setting.kappa,
+            **report.parameter_cells(setting.noise, columns),
             "log2_capacity": setting.log2_capacity, "client": a % experiment.clients,
             "dataset_index": int(dataset_indices[a]),
             "label": int(labels[a]), "inferred_label": int(reconstruction.labels[a]),
@@ -226,27 +258,32 @@ def mechanism_gap(summaries: list, measure: str) -> float:
     """How far apart the mechanisms' MSE curves are when plotted against ``measure``.
 
     Paper 004's Fig. 1 claims that at equal Bayes capacity the Gaussian and VMF mechanisms give
-    similar MSE, and at equal epsilon they do not. This makes that a number: for every setting of
-    one mechanism whose measure lies within the other mechanism's range, the distance between its
-    mean MSE and the other mechanism's MSE curve (linear in log measure) at that point; averaged
-    over both directions. Smaller means the measure predicts the attack regardless of mechanism.
-    nan if the mechanisms' ranges do not overlap.
+    similar MSE, and at equal epsilon they do not. This makes that a number: for every ordered pair
+    of distinct mechanisms (mine, other) in ``summaries``, for every setting of mine whose measure
+    lies within other's range, the distance between its mean MSE and other's MSE curve (linear in
+    log measure) at that point; averaged over all of them. Smaller means the measure predicts the
+    attack regardless of mechanism. nan if no two mechanisms' ranges overlap.
     """
+    names = list(dict.fromkeys(s.setting.mechanism for s in summaries if s.setting.mechanism != NOISELESS))
     gaps = []
-    for mine, other in (("gaussian", "vmf"), ("vmf", "gaussian")):
-        points = sorted((getattr(s.setting, measure), s.mean_mse) for s in summaries if s.setting.mechanism == other)
-        if len(points) < 2:
-            continue
-        x, y = np.log([p[0] for p in points]), np.array([p[1] for p in points])
-        for s in summaries:
-            value = getattr(s.setting, measure)
-            if s.setting.mechanism == mine and x[0] <= math.log(value) <= x[-1]:
-                gaps.append(abs(s.mean_mse - float(np.interp(math.log(value), x, y))))
+    for mine in names:
+        for other in names:
+            if other == mine:
+                continue
+            points = sorted((getattr(s.setting, measure), s.mean_mse) for s in summaries
+                            if s.setting.mechanism == other)
+            if len(points) < 2:
+                continue
+            x, y = np.log([p[0] for p in points]), np.array([p[1] for p in points])
+            for s in summaries:
+                value = getattr(s.setting, measure)
+                if s.setting.mechanism == mine and x[0] <= math.log(value) <= x[-1]:
+                    gaps.append(abs(s.mean_mse - float(np.interp(math.log(value), x, y))))
     return float(np.mean(gaps)) if gaps else math.nan
 
 
 def rank_correlations(summaries: list) -> dict:
-    """Spearman correlation of the mean MSE with epsilon and with the log Bayes capacity, both
+    """Spearman correlation of the mean MSE with epsilon and with the log Bayes capacity, all
     mechanisms pooled, the noiseless row left out."""
     from scipy.stats import spearmanr
 
@@ -257,76 +294,45 @@ def rank_correlations(summaries: list) -> dict:
 
 
 def write_csv(rows: list, path: str, fields: tuple = CSV_FIELDS) -> None:
-    """``rows`` (dicts with keys ``fields``) as CSV, floats as repr (they read back exactly)."""
-    with open(path, "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+    """``rows`` (dicts with keys ``fields``) as CSV, floats as repr (:func:`privleak.report.write_csv`)."""
+    report.write_csv(rows, path, fields)
 
 
-def read_csv(path: str) -> list:
-    """The rows of :func:`write_csv`, with numbers parsed back."""
-    numbers = {"epsilon", "delta", "noise_multiplier", "kappa", "log2_capacity", "mse", "psnr", "ssim"}
-    integers = {"client", "dataset_index", "label", "inferred_label"}
-    with open(path, newline="") as stream:
-        return [{k: float(v) if k in numbers else int(v) if k in integers else v for k, v in row.items()}
-                for row in csv.DictReader(stream)]
-
-
-_COLOURS = {"gaussian": "tab:blue", "vmf": "tab:orange", NOISELESS: "black"}
-_LABELS = {"gaussian": "Gaussian (Alg. 1)", "vmf": "VMF (Alg. 2)", NOISELESS: "no noise"}
+read_csv = report.read_csv
 
 
 def _plot_mse_against(summaries: list, rows: list, measure: str, xlabel: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(5.5, 4))
-    for mechanism in MECHANISMS:
-        mine = [s for s in summaries if s.setting.mechanism == mechanism]
-        if not mine:
-            continue
-        x = [getattr(s.setting, measure) for s in mine]
-        per_image = [[r["mse"] for r in rows if r["mechanism"] == mechanism and r["epsilon"] == s.setting.epsilon]
-                     for s in mine]
-        axes.errorbar(x, [s.mean_mse for s in mine], yerr=[np.std(v) / math.sqrt(len(v)) for v in per_image],
-                      marker="o", capsize=3, color=_COLOURS[mechanism], label=_LABELS[mechanism])
-    noiseless = [s for s in summaries if s.setting.mechanism == NOISELESS]
-    if noiseless:
-        axes.axhline(noiseless[0].mean_mse, color=_COLOURS[NOISELESS], linestyle="--", label=_LABELS[NOISELESS])
-    axes.set_xscale("log")
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel("reconstruction MSE (mean over images)")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with report.figure(path) as (axes,):
+        for mechanism, mine in report.by_mechanism(summaries, lambda s: s.setting.mechanism):
+            x = [getattr(s.setting, measure) for s in mine]
+            per_image = [[r["mse"] for r in rows if r["mechanism"] == mechanism and r["epsilon"] == s.setting.epsilon]
+                         for s in mine]
+            report.curve(axes, mechanism, x, [s.mean_mse for s in mine],
+                         yerr=[np.std(v) / math.sqrt(len(v)) for v in per_image])
+        noiseless = [s for s in summaries if s.setting.mechanism == NOISELESS]
+        if noiseless:
+            axes.axhline(noiseless[0].mean_mse, color=report.colour(NOISELESS), linestyle="--",
+                         label=report.legend_label(NOISELESS))
+        axes.set_xscale("log")
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel("reconstruction MSE (mean over images)")
 
 
 def _grid_rows(results: Results, grid_epsilons: tuple) -> list:
     """Rows of the reconstruction figure: the originals, no noise, then for each of
     ``grid_epsilons`` each mechanism at the sweep's epsilon nearest to it."""
-    rows = [("original", results.originals[0]), (_LABELS[NOISELESS], results.reconstructions[0])]
+    rows = [("original", results.originals[0]), (report.legend_label(NOISELESS), results.reconstructions[0])]
+    indexed = list(enumerate(results.settings))
+    groups = report.by_mechanism(indexed, lambda pair: pair[1].mechanism)
     for wanted in grid_epsilons:
-        for mechanism in MECHANISMS:
-            mine = [i for i, s in enumerate(results.settings) if s.mechanism == mechanism]
-            if mine:
-                i = min(mine, key=lambda i: abs(math.log(results.settings[i].epsilon / wanted)))
-                rows.append((f"{_LABELS[mechanism]}, eps = {results.settings[i].epsilon:g}",
-                             results.reconstructions[i]))
+        for mechanism, mine in groups:
+            i, setting = min(mine, key=lambda pair: abs(math.log(pair[1].epsilon / wanted)))
+            rows.append((f"{report.legend_label(mechanism)}, eps = {setting.epsilon:g}", results.reconstructions[i]))
     return rows
 
 
 def _plot_reconstructions(results: Results, grid_epsilons: tuple, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     rows = _grid_rows(results, grid_epsilons)
     columns = results.originals.shape[1]
     figure, axes = plt.subplots(len(rows), columns, figsize=(1.1 * columns + 1.6, 1.2 * len(rows)), squeeze=False)
@@ -336,22 +342,26 @@ def _plot_reconstructions(results: Results, grid_epsilons: tuple, path: str) -> 
             axes[r, c].set_xticks([])
             axes[r, c].set_yticks([])
         axes[r, 0].set_ylabel(title, rotation=0, ha="right", va="center", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    report.save(figure, path)
 
 
-def _number(value: float) -> str:
-    return "inf" if value == math.inf else "-" if math.isnan(value) else f"{value:.6g}"
+_number = report.number  # kept for callers of the old private helper
+
+
+def _calibration(name: str) -> str:
+    """The first sentence of a mechanism's ``calibrate`` docstring: how it meets (epsilon, delta)."""
+    doc = " ".join(inspect.getdoc(dpsgd.mechanism.get(name).calibrate).split())
+    return doc.split(". ")[0].rstrip(".")
 
 
 def report_markdown(experiment: Experiment, results: Results, summaries: list) -> str:
-    attack = experiment.attack
+    mechanisms = [name for name, _ in report.by_mechanism(summaries, lambda s: s.setting.mechanism)]
+    columns = report.parameter_columns((*MECHANISMS, *experiment.mechanisms))
     lines = [
         "# privleak reproduce",
         "",
-        f"Paper 004 (Biswas et al.), Sec. IV-A: Inverting Gradients against federated DP-SGD with Gaussian (Alg. 1) "
-        f"and VMF (Alg. 2) noise. Run time {results.seconds:.0f} s.",
+        f"Paper 004 (Biswas et al.), Sec. IV-A: Inverting Gradients against federated DP-SGD with "
+        f"{' and '.join(report.legend_label(m) for m in mechanisms)} noise. Run time {results.seconds:.0f} s.",
         "",
         "## Parameters",
         "",
@@ -359,33 +369,26 @@ def report_markdown(experiment: Experiment, results: Results, summaries: list) -
         f"- federated DP-SGD: {experiment.clients} clients x {experiment.examples_per_client} examples, "
         f"{experiment.rounds} rounds, one-image batches, clip norm {experiment.clip_norm:g}, "
         f"learning rate {experiment.learning_rate:g}; the last round's {experiment.clients} updates are attacked",
-        f"- epsilon: of one update as local DP, delta = {experiment.delta:g} for the Gaussian "
-        f"(noise multiplier 2 sigma_analytic(eps, delta)), pure for VMF (kappa = eps / 2)",
-        f"- attack: {attack.iterations} iterations, {attack.restarts} restarts, step {attack.learning_rate:g}, "
-        f"TV weight {attack.tv_weight:g}, labels inferred from the last layer",
+        f"- epsilon: of one update as local DP, delta = {experiment.delta:g}; "
+        + "; ".join(f"{m}: {_calibration(m)}" for m in mechanisms),
+        f"- attack: {experiment.attack.describe()}, labels inferred from the last layer",
         f"- seed {experiment.seed}",
         "",
         "## Results",
         "",
-        "| mechanism | epsilon | noise multiplier | kappa | log2 Bayes capacity | mean MSE | median MSE "
-        "| mean PSNR | mean SSIM | label accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in summaries:
-        t = s.setting
-        lines.append(f"| {t.mechanism} | {_number(t.epsilon)} | {_number(t.noise_multiplier)} | {_number(t.kappa)} "
-                     f"| {_number(t.log2_capacity)} | {_number(s.mean_mse)} | {_number(s.median_mse)} "
-                     f"| {_number(s.mean_psnr)} | {_number(s.mean_ssim)} | {_number(s.label_accuracy)} |")
+    lines += report.markdown_table(
+        ["mechanism", "epsilon", *(report.column_title(c) for c in columns), "log2 Bayes capacity", "mean MSE",
+         "median MSE", "mean PSNR", "mean SSIM", "label accuracy"],
+        ([s.setting.mechanism, s.setting.epsilon, *(getattr(s.setting, c) for c in columns), s.setting.log2_capacity,
+          s.mean_mse, s.median_mse, s.mean_psnr, s.mean_ssim, s.label_accuracy] for s in summaries))
     correlations = rank_correlations(summaries)
+    lines += ["", "## Which measure predicts the attack", ""]
+    lines += report.markdown_table(
+        ["measure", "gap between the mechanisms' MSE curves", "Spearman rho with MSE, mechanisms pooled"],
+        [["epsilon", mechanism_gap(summaries, "epsilon"), f"{correlations['epsilon']:.3f}"],
+         ["log2 Bayes capacity", mechanism_gap(summaries, "log2_capacity"), f"{correlations['log2_capacity']:.3f}"]])
     lines += [
-        "",
-        "## Which measure predicts the attack",
-        "",
-        "| measure | gap between the mechanisms' MSE curves | Spearman rho with MSE, mechanisms pooled |",
-        "|---|---|---|",
-        f"| epsilon | {_number(mechanism_gap(summaries, 'epsilon'))} | {correlations['epsilon']:.3f} |",
-        f"| log2 Bayes capacity | {_number(mechanism_gap(summaries, 'log2_capacity'))} "
-        f"| {correlations['log2_capacity']:.3f} |",
         "",
         "The gap is the mean distance, in MSE, from each setting of one mechanism to the other "
         "mechanism's curve at the same value of the measure (privleak.reproduce.mechanism_gap): "
@@ -407,7 +410,7 @@ def write_outputs(experiment: Experiment, results: Results, out: str) -> dict:
     summaries = summarise(results.rows, results.settings)
     paths = {name: os.path.join(out, name) for name in
              ("reconstructions.csv", "epsilon_vs_mse.png", "capacity_vs_mse.png", "reconstructions.png", "report.md")}
-    write_csv(results.rows, paths["reconstructions.csv"])
+    report.write_csv(results.rows, paths["reconstructions.csv"], csv_fields(experiment.mechanisms))
     _plot_mse_against(summaries, results.rows, "epsilon", "epsilon of one update (local DP)",
                       paths["epsilon_vs_mse.png"])
     _plot_mse_against(summaries, results.rows, "log2_capacity", "log2 Bayes capacity of one update (bits)",

@@ -45,7 +45,7 @@ def audit_fl(model, clients: Sequence, config, *, rounds: int, client: int = 0, 
 
     Trains ``model`` in place: ``rounds`` rounds of the federated loop over ``clients``
     (:class:`privleak.fl.Client`), every client taking ``local_steps`` DP-SGD steps under
-    ``config`` (Gaussian or VMF) with batches of the audited client's size (which must be the
+    ``config`` (any registered mechanism) with batches of the audited client's size (which must be the
     smallest client's: its local steps are full-batch), the server stepping at ``learning_rate``
     x ``server_learning_rate``. ``canary`` is "dirac" (needs as many parameters as canaries) or
     "random". ``seed`` seeds the loop's batches and noise (:func:`privleak.fl.client_streams`),

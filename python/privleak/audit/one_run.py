@@ -57,6 +57,7 @@ within 10% of the best fixed fraction, and a single pair needs no correction).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -384,29 +385,39 @@ def _check_training_data(model, loss_fn, inputs, targets) -> None:
 
 def _check_run(model, config, delta: float, guesses, m: int):
     """Checks shared by every audited DP-SGD run: the trainable parameters, ``config``, the guess
-    pairs, and that the run has a claimed epsilon. Returns (params, checked config, guess pairs)."""
-    from privleak import dpsgd
+    pairs, and that the run has a claimed epsilon (the mechanism gives one update a finite epsilon
+    at ``delta``: not so for a Gaussian without noise or at delta = 0). Returns (params, checked
+    config, guess pairs)."""
+    from privleak.dpsgd.config import check_config
 
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
-    config = dpsgd._check_config(config, len(params))
+    config = check_config(config, len(params))
     pairs = _check_guess_pairs(guesses, m)
-    if config.mechanism == "gaussian" and (config.noise_multiplier == 0 or delta == 0):
-        raise ValueError("a Gaussian run needs config.noise_multiplier > 0 and delta > 0 for its claimed epsilon")
+    if math.isinf(_update_epsilon(config.mechanism, delta)):
+        raise ValueError(f"a {config.mechanism.name} run with {config.mechanism} has no claimed epsilon at "
+                         f"delta = {delta}: it needs noise (and delta > 0 unless the mechanism is pure DP)")
     return params, config, pairs
+
+
+def _update_epsilon(noise, delta: float) -> float:
+    """``noise.update_epsilon(delta)``, inf where the mechanism has none at ``delta``."""
+    try:
+        return float(noise.update_epsilon(delta))
+    except ValueError:
+        return math.inf
 
 
 def _check_canary_run(config, m: int, params) -> list:
     """The gradient-canary audits' rows must fit; returns the per-tensor clip norms of ``config``
-    (already checked) for ``params``."""
-    from privleak import dpsgd
-
+    (already checked) for ``params``: one per tensor with per-layer clipping, else the flat one."""
     total = sum(p.numel() for p in params)
     if m * total > MAX_CANARY_ELEMENTS:
         raise ValueError(f"canaries: {m} canaries x {total} parameters is more than {MAX_CANARY_ELEMENTS} elements "
                          "of canary gradients; use fewer canaries or a smaller model")
-    return dpsgd._clip_norms(config.clip_norm, len(params), config.per_layer)
+    return list(config.clipping(len(params)).norms)
+
 
 def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries: int = 1000,
                 sampling_rate: float = 1.0, lr: float = 0.1, delta: float = 1e-5, confidence: float = 0.95,
@@ -415,7 +426,7 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
     gradient canaries (module docstring).
 
     Trains ``model`` in place for ``steps`` steps of :class:`privleak.dpsgd.DPOptimizer` (SGD at
-    ``lr``) under ``config`` (Gaussian, or VMF). Each step Poisson-samples the data and the included
+    ``lr``) under ``config`` (any registered mechanism). Each step Poisson-samples the data and the included
     canaries at ``sampling_rate`` (1: full batch, every included canary every step); the expected
     batch size is sampling_rate x (data + included canaries). ``canary`` is "dirac" (norm c on one
     coordinate each, distinct coordinates; needs as many parameters as canaries) or "random"
@@ -466,21 +477,58 @@ def audit_dpsgd(model, loss_fn, inputs, targets, config, *, steps: int, canaries
                          epsilon_claimed=claimed)
 
 
+def default_delta(mechanism: str) -> float:
+    """The default delta of a claim for ``mechanism``: 0 for a pure-DP mechanism (its one update
+    has a finite epsilon at delta = 0), 1e-5 otherwise (the Gaussian)."""
+    from privleak import dpsgd
+
+    noise = dpsgd.mechanism.get(mechanism).calibrate(1.0, 1e-5)
+    return 0.0 if math.isfinite(_update_epsilon(noise, 0.0)) else 1e-5
+
+
+@functools.lru_cache(maxsize=256)
 def calibrated_config(mechanism: str, epsilon: float, delta: float, steps: int):
     """The :class:`~privleak.dpsgd.DPSGDConfig` (clip norm 1) of ``steps`` full-batch DP-SGD steps
-    whose run is exactly (``epsilon``, ``delta``)-DP by privleak's accountant.
+    whose run is (``epsilon``, ``delta``)-DP by privleak's accountant.
 
-    T full-batch Gaussian steps of noise multiplier sigma compose exactly to one Gaussian of
-    multiplier sigma / sqrt(T), so sigma = sqrt(T) x the analytic calibration of (epsilon, delta)
-    (Balle and Wang 2018); VMF steps are 2 kappa-DP each and compose to 2 kappa T, so
-    kappa = epsilon / (2 T).
+    The mechanism is the registered class's ``calibrate(e, delta)`` at the e for which its own
+    accountant (``epsilon``, ``steps`` steps at sampling rate 1, add/remove neighbours) gives the
+    run ``epsilon``: found by bisection on log e to the float resolution, keeping the side whose
+    run epsilon is <= ``epsilon``. For the Gaussian the accountant at rate 1 is the exact
+    composition, one Gaussian of multiplier sigma / sqrt(T), so sigma = sqrt(T) x the analytic
+    calibration of (epsilon, delta) (Balle and Wang 2018); VMF steps are 2 kappa-DP each and
+    compose to 2 kappa T, so kappa = epsilon / (2 T) at delta = 0; Laplace steps are
+    1 / noise_multiplier-DP for add/remove and compose to T / noise_multiplier.
     """
-    from privleak import accounting, dpsgd
+    from privleak import dpsgd
+    from privleak.dpsgd.mechanism import Sampling
 
-    if mechanism == "gaussian":
-        multiplier = accounting.analytic_gaussian_noise_multiplier(epsilon, delta) * math.sqrt(steps)
-        return dpsgd.DPSGDConfig(clip_norm=1.0, noise_multiplier=multiplier)
-    return dpsgd.DPSGDConfig(clip_norm=1.0, mechanism="vmf", kappa=epsilon / (2.0 * steps))
+    cls = dpsgd.mechanism.get(mechanism)
+    epsilon = validation.positive(epsilon, "epsilon")
+    delta = validation.probability(delta, "delta", open_high=True)
+    steps = validation.integer(steps, "steps", low=1)
+    full_batch = Sampling("poisson", 1.0, 1)
+
+    def run_epsilon(log_e: float) -> float:
+        return cls.calibrate(math.exp(log_e), delta).epsilon(steps, delta, full_batch)
+
+    if math.isinf(run_epsilon(math.log(epsilon))):
+        raise ValueError(f"the {mechanism} mechanism has no finite epsilon at delta = {delta}: "
+                         "give a delta > 0")
+    low = high = math.log(epsilon)
+    while run_epsilon(low) > epsilon:  # bracket: run_epsilon(low) <= epsilon < run_epsilon(high)
+        low -= math.log(2.0)
+    while run_epsilon(high) <= epsilon:
+        high += math.log(2.0)
+    while True:
+        middle = 0.5 * (low + high)
+        if not low < middle < high:
+            break
+        if run_epsilon(middle) <= epsilon:
+            low = middle
+        else:
+            high = middle
+    return dpsgd.DPSGDConfig(1.0, cls.calibrate(math.exp(low), delta))
 
 
 def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: float = 1e-5, steps: int = 10,
@@ -497,16 +545,16 @@ def audit_digits(mechanism: str = "gaussian", epsilon: float = 4.0, *, delta: fl
     """
     import torch
 
-    from privleak import datasets
+    from privleak import datasets, dpsgd
     from privleak import mechanisms as _mechanisms
 
-    mechanism = validation.choice(mechanism, "mechanism", ("gaussian", "vmf"))
+    mechanism = validation.choice(mechanism, "mechanism", dpsgd.mechanism.names())
     epsilon = validation.positive(epsilon, "epsilon")
     steps = validation.integer(steps, "steps", low=1)
     images = validation.integer(images, "images", low=1, high=5000)
     model = validation.choice(model, "model", ("logistic", "paper-cnn"))
-    if secure and mechanism != "gaussian":
-        raise ValueError("secure noise is Gaussian only: VMF has no secure mode")
+    if secure and not dpsgd.mechanism.get(mechanism).secure:
+        raise ValueError(f"secure: the {mechanism} mechanism has no secure mode")
     config = calibrated_config(mechanism, epsilon, delta, steps)
     data = datasets.mnist_5k()
     torch.manual_seed(seed)

@@ -68,11 +68,8 @@ import numpy as np
 
 from privleak import validation
 
-MECHANISMS = ("gaussian", "laplace", "vmf")
 #: Most releases per hypothesis: the statistic of each is kept (16 bytes per pair of releases).
 MAX_RELEASES = 10**8
-#: Default delta of the audited claim: the Gaussian mechanism needs delta > 0; Laplace and VMF are pure DP.
-DEFAULT_DELTA = {"gaussian": 1e-5, "laplace": 0.0, "vmf": 0.0}
 DEFAULT_VMF_DIM = 2
 _CHUNK_VALUES = 2**22  # draws are made this many floats at a time (the noise stream is the same either way)
 _TAIL_CANDIDATES = 48  # geometric ranks from each tail of each selection sample
@@ -168,51 +165,124 @@ def laplace_segment_log_capacity(sensitivity: float, scale: float) -> float:
     return math.log1p(sensitivity / (2.0 * scale))
 
 
-def _check_noise(mechanism: str, epsilon: float, delta: float, sensitivity: float, noise: Optional[float]) -> float:
-    from privleak import accounting
+class _Release:
+    """One audited release mechanism: its calibration, its accountant, its capacity and the draws of
+    its statistic on the neighbouring pair (module docstring). One subclass per mechanism, found by
+    name in :data:`RELEASES`."""
 
-    if noise is not None:
-        return validation.positive(noise, "noise")
-    if mechanism == "gaussian":
+    name: str
+    pure: bool  #: epsilon-DP at delta = 0 (the default delta of a claim is 0, else 1e-5)
+    noise_name: str  #: what ``noise`` is, in words
+    statistic: str  #: the attack's statistic s, in words
+    spherical: bool = False  #: draws on S^(dim - 1): takes ``dim``, no ``sensitivity``
+
+    def calibrate(self, epsilon: float, delta: float, sensitivity: float) -> float:
+        """The noise parameter of a release that is (epsilon, delta)-DP on the pair."""
+        raise NotImplementedError
+
+    def accountant_epsilon(self, noise: float, delta: float, sensitivity: float) -> float:
+        raise NotImplementedError
+
+    def log_capacity(self, noise: float, sensitivity: float, dim: int) -> float:
+        raise NotImplementedError
+
+    def check_noise(self, noise: float) -> None:
+        """The noise op's own range check, before any draw."""
+
+    def statistics(self, which: int, count: int, noise: float, sensitivity: float, dim: int,
+                   generator) -> np.ndarray:
+        """s for ``count`` releases of M(x_which), drawn in chunks from ``generator`` (the chunks read
+        consecutive ranges of its stream, so the values do not depend on the chunk size)."""
+        raise NotImplementedError
+
+    def where(self, dim: int) -> str:
+        """Where the release lives, for a report (" on S^1")."""
+        return f" on S^{dim - 1}" if self.spherical else ""
+
+
+class _AdditiveRelease(_Release):
+    """M(x) = x + noise on the real line, x0 = 0, x1 = sensitivity; s = y."""
+
+    statistic = "y"
+    op: str  #: privleak.mechanisms' in-place noise op: add_<op>_noise_
+
+    def check_noise(self, noise: float) -> None:
+        from privleak import mechanisms
+
+        mechanisms._check_noise_range(self.op, noise, "noise", _torch_float64(), secure=False)
+
+    def statistics(self, which, count, noise, sensitivity, dim, generator):
+        import torch
+
+        from privleak import mechanisms
+
+        add = getattr(mechanisms, f"add_{self.op}_noise_")
+        out = np.empty(count, dtype=np.float64)
+        x = sensitivity if which == 1 else 0.0
+        for start in range(0, count, _CHUNK_VALUES):
+            n = min(_CHUNK_VALUES, count - start)
+            y = add(torch.full((n,), x, dtype=torch.float64), noise, generator=generator)  # M(x) on a batch of copies
+            out[start:start + n] = y.numpy()
+        return out
+
+
+class _GaussianRelease(_AdditiveRelease):
+    name, op, pure, noise_name = "gaussian", "gaussian", False, "noise std"
+
+    def calibrate(self, epsilon, delta, sensitivity):
+        from privleak import accounting
+
         if delta == 0.0:
             raise ValueError("delta must be > 0 for the gaussian mechanism: no Gaussian noise gives pure DP "
                              "(or pass noise, the std, to audit a given noise against epsilon at delta = 0)")
         return sensitivity * accounting.analytic_gaussian_noise_multiplier(epsilon, delta)
-    if mechanism == "laplace":
-        return sensitivity / epsilon
-    return epsilon / 2.0  # VMF: kappa
 
+    def accountant_epsilon(self, noise, delta, sensitivity):
+        from privleak import accounting
 
-def _accountant_epsilon(mechanism: str, noise: float, delta: float, sensitivity: float) -> float:
-    from privleak import accounting
-
-    if mechanism == "gaussian":
         return math.inf if delta == 0.0 else accounting.analytic_gaussian_epsilon(noise / sensitivity, delta)
-    if mechanism == "laplace":
-        return sensitivity / noise
-    return accounting.vmf_privacy(noise).step_epsilon
 
+    def log_capacity(self, noise, sensitivity, dim):
+        from privleak import capacity
 
-def _log_capacity(mechanism: str, noise: float, sensitivity: float, dim: int) -> float:
-    from privleak import capacity
-
-    if mechanism == "gaussian":
         return capacity.gaussian_ball_log_capacity(1, sensitivity / 2.0, noise).log
-    if mechanism == "laplace":
+
+
+class _LaplaceRelease(_AdditiveRelease):
+    name, op, pure, noise_name = "laplace", "laplace", True, "Laplace scale"
+
+    def calibrate(self, epsilon, delta, sensitivity):
+        return sensitivity / epsilon
+
+    def accountant_epsilon(self, noise, delta, sensitivity):
+        return sensitivity / noise
+
+    def log_capacity(self, noise, sensitivity, dim):
         return laplace_segment_log_capacity(sensitivity, noise)
-    return capacity.vmf_log_capacity(dim, noise).log
 
 
-def _statistics(mechanism: str, which: int, count: int, noise: float, sensitivity: float, dim: int,
-                generator) -> np.ndarray:
-    """s for ``count`` releases of M(x_which), drawn in chunks from ``generator`` (the chunks read
-    consecutive ranges of its stream, so the values do not depend on the chunk size)."""
-    import torch
+class _VMFRelease(_Release):
+    name, pure, noise_name, statistic, spherical = "vmf", True, "kappa", "e1.y", True
 
-    from privleak import mechanisms
+    def calibrate(self, epsilon, delta, sensitivity):
+        return epsilon / 2.0
 
-    out = np.empty(count, dtype=np.float64)
-    if mechanism == "vmf":
+    def accountant_epsilon(self, noise, delta, sensitivity):
+        from privleak import accounting
+
+        return accounting.vmf_privacy(noise).step_epsilon
+
+    def log_capacity(self, noise, sensitivity, dim):
+        from privleak import capacity
+
+        return capacity.vmf_log_capacity(dim, noise).log
+
+    def statistics(self, which, count, noise, sensitivity, dim, generator):
+        import torch
+
+        from privleak import mechanisms
+
+        out = np.empty(count, dtype=np.float64)
         mean = torch.zeros(dim, dtype=torch.float64)
         mean[0] = 1.0 if which == 1 else -1.0
         step = max(1, _CHUNK_VALUES // dim)
@@ -221,13 +291,24 @@ def _statistics(mechanism: str, which: int, count: int, noise: float, sensitivit
             y = mechanisms.vmf_sample(mean, noise, n, generator=generator)
             out[start:start + n] = y[:, 0].numpy()  # s = e1.y
         return out
-    add = mechanisms.add_gaussian_noise_ if mechanism == "gaussian" else mechanisms.add_laplace_noise_
-    x = sensitivity if which == 1 else 0.0
-    for start in range(0, count, _CHUNK_VALUES):
-        n = min(_CHUNK_VALUES, count - start)
-        y = add(torch.full((n,), x, dtype=torch.float64), noise, generator=generator)  # M(x) on a batch of copies
-        out[start:start + n] = y.numpy()
-    return out
+
+
+#: The audited release mechanisms by name.
+RELEASES = {release.name: release for release in (_GaussianRelease(), _LaplaceRelease(), _VMFRelease())}
+MECHANISMS = tuple(RELEASES)
+#: Default delta of the audited claim: the Gaussian mechanism needs delta > 0; Laplace and VMF are pure DP.
+DEFAULT_DELTA = {name: 0.0 if release.pure else 1e-5 for name, release in RELEASES.items()}
+
+
+def release_mechanism(name: Any) -> _Release:
+    """The audited release mechanism called ``name`` (one of :data:`MECHANISMS`)."""
+    return RELEASES[validation.choice(name, "mechanism", MECHANISMS)]
+
+
+def _check_noise(mechanism: str, epsilon: float, delta: float, sensitivity: float, noise: Optional[float]) -> float:
+    if noise is not None:
+        return validation.positive(noise, "noise")
+    return release_mechanism(mechanism).calibrate(epsilon, delta, sensitivity)
 
 
 def _candidate_thresholds(sorted0: np.ndarray, sorted1: np.ndarray) -> np.ndarray:
@@ -309,7 +390,8 @@ def audit_release(mechanism: str, epsilon: float, *, delta: Optional[float] = No
     """
     from privleak import mechanisms
 
-    mechanism = validation.choice(mechanism, "mechanism", MECHANISMS)
+    release = release_mechanism(mechanism)
+    mechanism = release.name
     epsilon = validation.positive(epsilon, "epsilon")
     delta = DEFAULT_DELTA[mechanism] if delta is None else validation.real(delta, "delta", low=0.0, high=1.0,
                                                                              high_open=True)
@@ -318,23 +400,23 @@ def audit_release(mechanism: str, epsilon: float, *, delta: Optional[float] = No
     seed = validation.integer(seed, "seed", low=0, high=2**64 - 1)
     sensitivity = validation.positive(sensitivity, "sensitivity")
     if dim is None:
-        dim = DEFAULT_VMF_DIM if mechanism == "vmf" else 1
-    elif mechanism != "vmf":
+        dim = DEFAULT_VMF_DIM if release.spherical else 1
+    elif not release.spherical:
         raise ValueError(f"dim applies to the vmf mechanism only (the {mechanism} audit is one-dimensional), "
                          f"got dim={dim!r}")
     else:
         dim = validation.integer(dim, "dim", low=2, high=2**31)
-    if mechanism == "vmf" and sensitivity != 1.0:
-        raise ValueError("sensitivity does not apply to the vmf mechanism (its means are antipodal unit vectors)")
+    if release.spherical and sensitivity != 1.0:
+        raise ValueError(f"sensitivity does not apply to the {mechanism} mechanism (its means are antipodal unit "
+                         "vectors)")
     selection_fraction = validation.real(selection_fraction, "selection_fraction", low=0.0, high=1.0,
                                          low_open=True, high_open=True)
     noise = _check_noise(mechanism, epsilon, delta, sensitivity, noise)
-    if mechanism != "vmf":  # the noise ops' own range check, before any draw
-        mechanisms._check_noise_range(mechanism, noise, "noise", _torch_float64(), secure=False)
+    release.check_noise(noise)
 
     generator = mechanisms.NoiseGenerator(seed)
-    s0 = _statistics(mechanism, 0, releases, noise, sensitivity, dim, generator)
-    s1 = _statistics(mechanism, 1, releases, noise, sensitivity, dim, generator)
+    s0 = release.statistics(0, releases, noise, sensitivity, dim, generator)
+    s1 = release.statistics(1, releases, noise, sensitivity, dim, generator)
     selected = min(releases - 1, max(1, int(releases * selection_fraction)))
     level = 1.0 - (1.0 - confidence) / 2.0  # union bound over the two rates
 
@@ -355,8 +437,8 @@ def audit_release(mechanism: str, epsilon: float, *, delta: Optional[float] = No
         releases=releases, selection_releases=selected, evaluation_releases=evaluated,
         fpr=false_positives / evaluated, fnr=false_negatives / evaluated, fpr_upper=fpr_upper, fnr_upper=fnr_upper,
         threshold=threshold, noise=noise, sensitivity=sensitivity, dim=dim, seed=seed,
-        accountant_epsilon=float(_accountant_epsilon(mechanism, noise, delta, sensitivity)),
-        log_capacity=float(_log_capacity(mechanism, noise, sensitivity, dim)))
+        accountant_epsilon=float(release.accountant_epsilon(noise, delta, sensitivity)),
+        log_capacity=float(release.log_capacity(noise, sensitivity, dim)))
 
 
 def _torch_float64():

@@ -7,11 +7,16 @@ the run (:mod:`privleak.capacity`). :func:`write_audit_report` writes them as au
 lower_bound_vs_epsilon.png and audit.md.
 
 **The capacity of one update.** audit_digits runs full-batch DP-SGD with flat clipping at c = 1,
-so one released update is the average of L = images + included canaries clipped gradients plus
-N(0, sigma^2 I) / L: :func:`privleak.capacity.dpsgd_gaussian` (P, 1, sigma, L) with P the model's
-parameters (7850 for the logistic regression, 13426 for the paper CNN) and sigma the per-step
-noise multiplier (sqrt(T) x the analytic calibration of the run's (epsilon, delta)); for VMF,
+so one released update is the mechanism's release of the average of L = images + included
+canaries clipped gradients: the mechanism's ``log_capacity`` for P parameters in one tensor
+(7850 for the logistic regression, 13426 for the paper CNN) and batch size L, the mechanism being
+:func:`privleak.audit.one_run.calibrated_config`'s. For the Gaussian that is
+:func:`privleak.capacity.dpsgd_gaussian` (P, 1, sigma, L) with sigma the per-step noise multiplier
+(sqrt(T) x the analytic calibration of the run's (epsilon, delta)); for VMF
 :func:`privleak.capacity.dpsgd_vmf` (P, kappa) with kappa = epsilon / (2 T).
+
+The files go through :mod:`privleak.report`; the CSV has one column per parameter of the
+mechanisms audited (``noise_multiplier`` and ``kappa`` always, nan where a mechanism has none).
 """
 from __future__ import annotations
 
@@ -20,13 +25,23 @@ import os
 import time
 from typing import Callable, Optional, Sequence, Union
 
-from privleak import validation
-from privleak.audit.one_run import calibrated_config
+from privleak import report, validation
+from privleak.audit.one_run import calibrated_config, default_delta
 
-#: audit.csv's columns, in order.
-CSV_FIELDS = ("mechanism", "model", "epsilon", "epsilon_claimed", "delta", "confidence", "lower_bound", "fraction",
-              "guesses", "correct", "canaries", "included", "steps", "images", "noise_multiplier", "kappa",
-              "log_capacity", "log2_capacity", "seed", "seconds")
+#: The mechanisms whose parameters audit.csv always has columns for.
+_DEFAULT_MECHANISMS = ("gaussian", "vmf")
+
+
+def csv_fields(mechanisms: Sequence[str] = _DEFAULT_MECHANISMS) -> tuple:
+    """audit.csv's columns, in order, for rows of ``mechanisms``."""
+    return ("mechanism", "model", "epsilon", "epsilon_claimed", "delta", "confidence", "lower_bound", "fraction",
+            "guesses", "correct", "canaries", "included", "steps", "images",
+            *report.parameter_columns((*_DEFAULT_MECHANISMS, *mechanisms)), "log_capacity", "log2_capacity", "seed",
+            "seconds")
+
+
+#: audit.csv's columns for Gaussian and VMF rows.
+CSV_FIELDS = csv_fields()
 
 #: Trainable parameters of the models audit_digits can train (audit_digits' ``model``).
 MODEL_PARAMETERS = {"logistic": 784 * 10 + 10, "paper-cnn": 13426}
@@ -39,13 +54,8 @@ def update_capacity(mechanism: str, epsilon: float, delta: float, steps: int, ba
                     model: str = "logistic"):
     """The Bayes capacity (:class:`privleak.capacity.LogCapacity`) of one update of audit_digits'
     run: full batch of ``batch_size`` = images + included canaries, clip norm 1 (module docstring)."""
-    from privleak import capacity
-
-    dim = MODEL_PARAMETERS[model]
     config = calibrated_config(mechanism, epsilon, delta, steps)
-    if mechanism == "gaussian":
-        return capacity.dpsgd_gaussian(dim, 1.0, config.noise_multiplier, batch_size).log_capacity()
-    return capacity.dpsgd_vmf(dim, config.kappa).log_capacity()
+    return config.mechanism.log_capacity([MODEL_PARAMETERS[model]], config.clipping(1), batch_size)
 
 
 def audit_row(mechanism: str, epsilon: float, result, *, steps: int, images: int, model: str, seed: int,
@@ -53,14 +63,14 @@ def audit_row(mechanism: str, epsilon: float, result, *, steps: int, images: int
     """One row of the report: ``result`` (:class:`~privleak.audit.one_run.OneRunAudit`) of
     audit_digits(``mechanism``, ``epsilon``, ...) with its noise and its update's capacity."""
     config = calibrated_config(mechanism, epsilon, result.delta, steps)
-    sigma, kappa = (config.noise_multiplier, math.nan) if mechanism == "gaussian" else (math.nan, config.kappa)
+    parameters = report.parameter_cells(config.mechanism, report.parameter_columns((*_DEFAULT_MECHANISMS, mechanism)))
     log_capacity = update_capacity(mechanism, epsilon, result.delta, steps, images + result.included, model)
     return {"mechanism": mechanism, "model": model, "epsilon": float(epsilon),
             "epsilon_claimed": float(result.epsilon_claimed), "delta": float(result.delta),
             "confidence": float(result.confidence), "lower_bound": float(result.epsilon_lower),
             "fraction": float(result.epsilon_lower / result.epsilon_claimed), "guesses": result.guesses,
             "correct": result.correct, "canaries": result.canaries, "included": result.included, "steps": steps,
-            "images": images, "noise_multiplier": sigma, "kappa": kappa, "log_capacity": log_capacity.log,
+            "images": images, **parameters, "log_capacity": log_capacity.log,
             "log2_capacity": log_capacity.bits, "seed": seed, "seconds": float(seconds)}
 
 
@@ -71,16 +81,18 @@ def audit_sweep(mechanism: Union[str, Sequence[str]], epsilons: Sequence[float],
     """audit_digits for each mechanism (a name or a sequence of names) and each claimed epsilon;
     one :func:`audit_row` dict per run, mechanisms outer, epsilons in the given order.
 
-    ``delta`` None: 1e-5 for the Gaussian, 0 for VMF. The other knobs are audit_digits'.
+    ``delta`` None: :func:`privleak.audit.one_run.default_delta` (1e-5 for the Gaussian, 0 for a
+    pure-DP mechanism such as VMF). The other knobs are audit_digits'.
     ``progress(stage, done, total)`` is called after each run (the CLI draws a tqdm bar with it).
     """
     from privleak.audit.one_run import audit_digits
+    from privleak.dpsgd import mechanism as registry
 
     mechanisms = (mechanism,) if isinstance(mechanism, str) else tuple(mechanism)
     if not mechanisms:
         raise ValueError("mechanism: give at least one mechanism")
     for name in mechanisms:
-        validation.choice(name, "mechanism", ("gaussian", "vmf"))
+        validation.choice(name, "mechanism", registry.names())
     if isinstance(epsilons, (str, bytes)) or not isinstance(epsilons, Sequence) or not epsilons:
         raise validation.ArgumentTypeError(f"epsilons must be a non-empty sequence of numbers, got {epsilons!r}")
     epsilons = [validation.positive(e, f"epsilons[{i}]") for i, e in enumerate(epsilons)]
@@ -88,7 +100,7 @@ def audit_sweep(mechanism: Union[str, Sequence[str]], epsilons: Sequence[float],
     total = len(mechanisms) * len(epsilons)
     rows = []
     for name in mechanisms:
-        run_delta = (1e-5 if name == "gaussian" else 0.0) if delta is None else delta
+        run_delta = default_delta(name) if delta is None else delta
         for epsilon in epsilons:
             started = time.perf_counter()
             result = audit_digits(name, epsilon, delta=run_delta, steps=steps, canaries=canaries, images=images,
@@ -104,45 +116,34 @@ def audit_sweep(mechanism: Union[str, Sequence[str]], epsilons: Sequence[float],
 
 
 def _plot(rows: list, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from privleak.reproduce import _COLOURS, _LABELS
-
-    figure, axes = plt.subplots(figsize=(5.5, 4))
     claimed = [r["epsilon_claimed"] for r in rows]
     low, high = min(claimed), max(claimed)
     decades = high / low >= 10
     line = [low, high] if not decades else [low * (high / low) ** (i / 50) for i in range(51)]
-    axes.plot(line, line, ":", color="grey", label="lower bound = claim (a tight audit)")
-    for mechanism in ("gaussian", "vmf"):
-        mine = [r for r in rows if r["mechanism"] == mechanism]
-        if mine:
-            axes.plot([r["epsilon_claimed"] for r in mine], [r["lower_bound"] for r in mine], "o-",
-                      color=_COLOURS[mechanism],
-                      label=f"{_LABELS[mechanism]}: lower bound, {mine[0]['confidence']:.0%} confidence")
-    if decades:
-        axes.set_xscale("log")
-        axes.set_yscale("symlog", linthresh=low)
-    axes.set_ylim(bottom=0.0)
-    axes.set_xlabel("claimed epsilon (privleak's accountant)")
-    axes.set_ylabel("one-run audited lower bound on epsilon")
-    axes.set_title("markers: the true epsilon is >= the marker w.p. >= confidence", fontsize=8)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with report.figure(path, legend_fontsize=7) as (axes,):
+        axes.plot(line, line, ":", color="grey", label="lower bound = claim (a tight audit)")
+        for mechanism, mine in report.by_mechanism(rows, lambda r: r["mechanism"]):
+            report.curve(axes, mechanism, [r["epsilon_claimed"] for r in mine], [r["lower_bound"] for r in mine],
+                         label=f"{report.legend_label(mechanism)}: lower bound, "
+                               f"{mine[0]['confidence']:.0%} confidence")
+        if decades:
+            axes.set_xscale("log")
+            axes.set_yscale("symlog", linthresh=low)
+        axes.set_ylim(bottom=0.0)
+        axes.set_xlabel("claimed epsilon (privleak's accountant)")
+        axes.set_ylabel("one-run audited lower bound on epsilon")
+        axes.set_title("markers: the true epsilon is >= the marker w.p. >= confidence", fontsize=8)
+
+
+def _mechanisms(rows: list) -> tuple:
+    return tuple(dict.fromkeys(r["mechanism"] for r in rows))
 
 
 def report_markdown(rows: list) -> str:
     """audit.md: the parameters, one table row per run, what the numbers mean."""
-    from privleak.reproduce import _number
-
     first = rows[0]
-    mechanisms = ", ".join(dict.fromkeys(r["mechanism"] for r in rows))
+    mechanisms = _mechanisms(rows)
+    columns = report.parameter_columns((*_DEFAULT_MECHANISMS, *mechanisms))
     lines = [
         "# privleak audit run",
         "",
@@ -153,23 +154,21 @@ def report_markdown(rows: list) -> str:
         "",
         f"- model: {_MODEL_NAMES[first['model']]}, {MODEL_PARAMETERS[first['model']]} parameters, clip norm 1",
         f"- data: the first {first['images']} images of mnist-5k, {first['steps']} full-batch steps",
-        f"- mechanisms: {mechanisms}; Gaussian noise multiplier sqrt(steps) x the analytic calibration of the "
-        "claimed (epsilon, delta), VMF kappa = epsilon / (2 steps)",
+        f"- mechanisms: {', '.join(mechanisms)}; each calibrated so that privleak's accountant gives the run of "
+        "steps exactly the claimed (epsilon, delta) (privleak.audit.one_run.calibrated_config)",
         f"- canaries: {first['canaries']} Dirac gradient canaries, each included with probability 1/2",
         f"- confidence {first['confidence']:g}, seed {first['seed']}",
         "",
         "## Results",
         "",
-        "| mechanism | claimed epsilon | delta | lower bound | fraction of claim | confidence | correct | guesses "
-        "| canaries | included | steps | noise multiplier | kappa | log capacity (nats) | log2 capacity (bits) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['mechanism']} | {_number(r['epsilon_claimed'])} | {_number(r['delta'])} "
-                     f"| {_number(r['lower_bound'])} | {_number(r['fraction'])} | {_number(r['confidence'])} "
-                     f"| {r['correct']} | {r['guesses']} | {r['canaries']} | {r['included']} | {r['steps']} "
-                     f"| {_number(r['noise_multiplier'])} | {_number(r['kappa'])} | {_number(r['log_capacity'])} "
-                     f"| {_number(r['log2_capacity'])} |")
+    lines += report.markdown_table(
+        ["mechanism", "claimed epsilon", "delta", "lower bound", "fraction of claim", "confidence", "correct",
+         "guesses", "canaries", "included", "steps", *(report.column_title(c) for c in columns),
+         "log capacity (nats)", "log2 capacity (bits)"],
+        ([r["mechanism"], r["epsilon_claimed"], r["delta"], r["lower_bound"], r["fraction"], r["confidence"],
+          r["correct"], r["guesses"], r["canaries"], r["included"], r["steps"], *(r[c] for c in columns),
+          r["log_capacity"], r["log2_capacity"]] for r in rows))
     contradicted = [r for r in rows if r["lower_bound"] > r["epsilon_claimed"]]
     lines += [
         "",
@@ -197,13 +196,11 @@ def report_markdown(rows: list) -> str:
 
 def write_audit_report(rows: list, out: str) -> dict:
     """audit.csv, lower_bound_vs_epsilon.png and audit.md in ``out`` (created if needed); their paths."""
-    from privleak.reproduce import write_csv
-
     if not rows:
         raise ValueError("rows: nothing to report")
     os.makedirs(out, exist_ok=True)
     paths = {name: os.path.join(out, name) for name in ("audit.csv", "lower_bound_vs_epsilon.png", "audit.md")}
-    write_csv(rows, paths["audit.csv"], CSV_FIELDS)
+    report.write_csv(rows, paths["audit.csv"], csv_fields(_mechanisms(rows)))
     _plot(rows, paths["lower_bound_vs_epsilon.png"])
     with open(paths["audit.md"], "w") as stream:
         stream.write(report_markdown(rows))
