@@ -20,9 +20,10 @@ reconstruction attacks in federated learning*):
   1" into Thm III.1, a ball that contains the product and gives a larger, loose value; see
   :func:`gaussian_product_of_balls_log_capacity`.
 - VMF mechanism on the sphere (Thm IV.1): correct as stated; see :func:`vmf_log_capacity`.
-- DP-SGD (Alg. 1 and 2): the theorems leave out the batch size. The noise of Alg. 1 has standard
-  deviation c sigma / L around an average that can be anywhere in the ball of radius c, so the
-  capacity depends on L / sigma (not on c); see :func:`dpsgd_gaussian`.
+- DP-SGD with Gaussian noise (Alg. 1): the theorem leaves out the batch size. The noise has
+  standard deviation c sigma / L around an average that can be anywhere in the ball of radius c,
+  so the capacity depends on L / sigma (not on c); see :func:`dpsgd_gaussian`. Alg. 2 releases
+  VMF noise around the normalised average, whose capacity has no batch size to leave out.
 
 For any other input set given as a finite (possibly huge) set of points, :func:`estimate` gives a
 Monte Carlo estimate with a confidence interval, for Gaussian, VMF and Laplace noise
