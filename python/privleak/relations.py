@@ -174,9 +174,9 @@ def pac_robustness_failure_probability(mbp_xi: float, beta: float, prior: Any = 
     the sharp pair of inequalities eta-LDP gives for one event and its complement. The paper's
     gamma = (1 + 4 xi) beta, claimed for 0 <= xi <= 1, relies on e^(2 xi) <= 1 + 2 xi + 4 xi^2 <=
     1 + 4 xi, which fails for xi > 0.6282 (the root of e^(2 xi) = 1 + 4 xi; of its two steps, the
-    second fails for every xi > 1/2 and the first past xi = 0.8966): at xi = 1 a mechanism reaches 7.39 beta > 5 beta (tests). Its main
-    text also quotes a confidence 1 - beta / gamma and a radius log(1/gamma) / (2 n xi) that the
-    theorem does not contain.
+    second fails for every xi > 1/2 and the first past xi = 0.8966): at xi = 1 a mechanism reaches
+    7.39 beta > 5 beta (tests). Its main text also quotes a confidence 1 - beta / gamma and a
+    radius log(1/gamma) / (2 n xi) that the theorem does not contain.
     """
     beta = validation.probability(beta, "beta")
     eta = ldp_from_mbp(mbp_xi, prior)
