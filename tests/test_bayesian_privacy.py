@@ -19,6 +19,7 @@ from hypothesis.extra.numpy import arrays
 from privleak import bayesian_privacy as bp
 from privleak import channels as ch
 from privleak import relations as rel
+from scipy.optimize import brentq
 from scipy.stats import binom
 
 # Joint counts J[d, w] with equal column sums 9: the posterior P(d | w) = J[d, w] / 9 is a whole
@@ -228,7 +229,7 @@ def test_abp_intervals_hold_together_for_drawn_releases(n_releases, trials, conf
 
 
 def test_mbp_interval_holds_with_few_runs():
-    """T = 20: many zero counts and relative errors above 1, where the printed Lemma C.1 fails."""
+    """T = 20: many zero counts and relative errors well above 1."""
     rng = np.random.default_rng(5)
     repetitions, confidence = 500, 0.8
     misses = 0
@@ -266,17 +267,44 @@ def test_chernoff_interval_covers_every_p_exactly(trials, confidence):
         assert binom.pmf(counts[covered], trials, p).sum() >= confidence - 1e-12, p
 
 
-def test_printed_lemma_c1_holds_for_relative_errors_up_to_one():
+LEMMA_C1_LIMIT = 1.8169605  # root of (1 + eps) ln(1 + eps) - eps = eps^2 / 3
+
+
+def test_lemma_c1_limit_is_where_the_poisson_exponent_drops_below_eps_squared_over_three():
+    """For eps >= 1 only the upper tail exists, and it is at most exp(-mu ((1 + eps) ln(1 + eps) - eps)),
+    which is at most the printed exp(-mu eps^2 / 3) exactly while eps <= 1.8170."""
+    gap = lambda e: (1 + e) * math.log1p(e) - e - e * e / 3  # noqa: E731
+    assert brentq(gap, 1.0, 3.0, xtol=1e-12) == pytest.approx(LEMMA_C1_LIMIT, abs=1e-7)
+    assert all(gap(e) >= 0 for e in np.linspace(1e-6, LEMMA_C1_LIMIT - 1e-7, 2000))
+    assert gap(LEMMA_C1_LIMIT + 1e-6) < 0
+
+
+def test_printed_lemma_c1_holds_for_relative_errors_up_to_1_8():
     worst = 0.0
-    for trials in (10, 100, 1000):
+    for trials in (10, 100, 1000, 10000):
         for p in (0.001, 0.01, 0.05, 0.1, 0.3, 0.5, 0.9):
-            for epsilon in np.linspace(0.01, 1.0, 100):
+            for epsilon in np.linspace(0.01, 1.8, 180):
                 claim = 2 * math.exp(-epsilon ** 2 * trials * p / 3)
-                worst = max(worst, two_sided_failure(trials, p, epsilon) / claim)
-    assert worst <= 1.0
+                failure = two_sided_failure(trials, p, epsilon)
+                assert failure <= claim, (trials, p, epsilon)
+                if claim > 0:  # it underflows for T k1 eps^2 above ~2200, where the tail is 0 too
+                    worst = max(worst, failure / claim)
+    assert worst == pytest.approx(0.589, abs=1e-3)  # T = 10, k1 = 0.05, eps = 0.99
 
 
-def test_printed_lemma_c1_fails_for_relative_errors_above_one():
+@pytest.mark.parametrize("trials, p, epsilon, ratio", [
+    (10 ** 6, 7.65e-5, 2.07, 1.0637),  # mu = 76.5: failure is X >= 235
+    (10 ** 6, 1.275e-4, 2.0, 1.0153),  # mu = 127.5: X >= 383
+    (10 ** 4, 1.145e-2, 2.1, 1.0135),  # mu = 114.5: X >= 355
+])
+def test_printed_lemma_c1_fails_past_its_limit(trials, p, epsilon, ratio):
+    """Exact binomial tails above the promised 2 exp(-eps^2 T k1 / 3), a little past eps = 1.817."""
+    log_claim = math.log(2) - epsilon ** 2 * trials * p / 3
+    log_exact = binom.logsf(math.floor(trials * p * (1 + epsilon)), trials, p)  # the lower tail is empty
+    assert math.exp(log_exact - log_claim) == pytest.approx(ratio, abs=1e-4)
+
+
+def test_printed_lemma_c1_fails_far_past_its_limit():
     """T = 100 runs, k1 = 0.001, eps = 18: two recoveries already miss by more than 18 k1."""
     claim = 2 * math.exp(-18 ** 2 * 100 * 0.001 / 3)
     exact = two_sided_failure(100, 0.001, 18)

@@ -21,8 +21,12 @@ to the exact MBP xi and ABP of :mod:`privleak.channels`.
 What differs from the papers (each checked numerically in ``tests/test_bayesian_privacy.py``; the
 numbers are in ``docs/bayesian_privacy.md``):
 
-* Lemma C.1 (multiplicative Chernoff, P(|k^ - k| > eps k) <= 2 exp(-eps^2 T k / 3)) needs
-  eps <= 1, which it does not state; beyond, it fails. Its exponent T k is the expected count for
+* Lemma C.1 (multiplicative Chernoff, P(|k^ - k| > eps k) <= 2 exp(-eps^2 T k / 3)) puts no
+  limit on eps. It holds for every T and k while eps <= 1.8170, the root of
+  (1 + eps) ln(1 + eps) - eps = eps^2 / 3 (for eps >= 1 only the upper tail is possible, and it
+  is at most exp(-T k ((1 + eps) ln(1 + eps) - eps))); for every larger eps some T, k violate it
+  (exact binomial: T = 10^6, k = 7.65e-5, eps = 2.07 fails with 1.06 times the promised
+  probability; closer to the root it takes a larger T k). Its exponent T k is the expected count for
   f(d | w) at one fixed release (S T k when a run reconstructs S samples), but not for f^O, the
   only k1 the papers define: f^O averages over releases, so its error depends on the number M of
   releases and does not vanish as T grows with M fixed. privleak uses the Chernoff tails
@@ -33,8 +37,11 @@ numbers are in ``docs/bayesian_privacy.md``):
   and undefined for eps >= 1. The sharp bound is
   |C1^ - C1| <= sqrt(K max(js(1 + eps, 1), js(1 - min(eps, 1), 1))), K = sum_d f^O(d) <= 1, js
   the Jensen-Shannon summand; it is reached.
-* Theorem D.2 is cut off after "We have that" in both papers. With C2 known (as they assume),
-  |eps_p^ - eps_p| = 2 |C1^ - C1|, so privleak's bound is twice that of D.1.
+* Theorem D.2 ([000] Eq. 22, [001] Thm A.12, Eq. 35) states |eps_p^ - eps_p| <= 3/2 times the
+  bound of Theorem D.1, with D.1's assumption and C2 known in advance (from the text before it).
+  With C2 known, |eps_p^ - eps_p| = 2 |C1^ - C1|, so D.1 alone would give the factor 2, not 3/2;
+  D.2 holds for eps < 1 anyway because D.1 is loose (D.2 is at least 3.4 times the sharp
+  bound), and is undefined for eps >= 1. privleak's bound is twice its corrected D.1.
 * No error bound is given for xi^. privleak gives one from simultaneous intervals for every
   f(d | w_m).
 
@@ -169,9 +176,11 @@ def chernoff_relative_error(expected_successes: float, confidence: float) -> flo
 
     from the upper tail P(X >= (1 + eps) mu) <= exp(-eps^2 mu / (2 + eps)), for every eps > 0;
     the lower tail exp(-eps^2 mu / 2) is smaller. Lemma C.1 states
-    1 - 2 exp(-eps^2 T k1 / 3), i.e. eps = sqrt(3 L / (T k1)): true for eps <= 1 (and then larger
-    than the eps here), false beyond (e.g. T = 100, k1 = 0.001, eps = 18: promised failure
-    probability 4.1e-5, exact 4.6e-3), and with T in place of M for f^O. Returns inf for mu = 0.
+    1 - 2 exp(-eps^2 T k1 / 3), i.e. eps = sqrt(3 L / (T k1)): true for eps <= 1.8170 (where
+    (1 + eps) ln(1 + eps) - eps >= eps^2 / 3; for eps <= 1 larger than the eps here), false for
+    some T, k1 beyond (e.g. T = 10^6, k1 = 7.65e-5, eps = 2.07: 1.06 times the promised failure
+    probability; T = 100, k1 = 0.001, eps = 18: promised 4.1e-5, exact 4.6e-3), and with T in
+    place of M for f^O. Returns inf for mu = 0.
     """
     mu = validation.non_negative(expected_successes, "expected_successes")
     log_term = _tail_log(1.0 - validation.confidence_level(confidence, "confidence"))
@@ -400,8 +409,10 @@ def c1_error_bound(relative_error: float, belief_mass: float = 1.0) -> float:
 def epsilon_p_error_bound(relative_error: float, belief_mass: float = 1.0) -> float:
     """Largest |eps_p^ - eps_p| when every |k1^(d) - k1(d)| <= eps k1(d) and C2 is known ([000] Thm D.2).
 
-    The statement of Thm D.2 is cut off in both papers; with C2 known, as they assume,
-    eps_p^ - eps_p = 2 (C1^ - C1), so the bound is 2 :func:`c1_error_bound`.
+    With C2 known, as the papers assume, eps_p^ - eps_p = 2 (C1^ - C1), so the bound is
+    2 :func:`c1_error_bound`. Thm D.2 ([000] Eq. 22, [001] Thm A.12, Eq. 35) states 3/2 times the
+    bound of Thm D.1 instead: true for eps < 1 (at least 3.4 times this bound, because D.1 is
+    loose), undefined for eps >= 1.
     """
     return 2.0 * c1_error_bound(relative_error, belief_mass)
 
