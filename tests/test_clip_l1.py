@@ -11,16 +11,7 @@ import torch
 from conftest import requires_cuda
 from privleak import mechanisms as M
 from privleak.dpsgd.clip import clip_and_accumulate
-
-SHAPES = [[(5, 3), (7,), (2, 4, 6)], [(1,)], [(3000,), (1030, 7)], [(5000,)]]
-
-
-def per_sample(shapes, batch, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    # Varied norms, so that some samples are clipped and some are not (for a clip norm of a few
-    # tens: the L1 norm of n standard normals is about 0.8 n).
-    return [(torch.randn(batch, *s, generator=g) * torch.rand(batch, *([1] * len(s)), generator=g) * 3).to(dtype)
-            for s in shapes]
+from test_dpsgd import SHAPES, assert_close, per_sample
 
 
 def l1_reference(grads, clip_norms, per_layer, noise=None, batch_size=None):
@@ -59,12 +50,6 @@ def clip_for(grads, per_layer):
     """Clip norms near the samples' median L1 norms (about 1.2 per element): some samples clipped, some not."""
     sizes = [float(math.prod(g.shape[1:])) for g in grads]
     return sizes if per_layer else [sum(sizes)]
-
-
-def assert_close(got, want, rtol=1e-5):
-    for a, b in zip(got, want):
-        assert a.dtype == torch.float32 and a.shape == b.shape
-        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=rtol * float(b.abs().max()) + 1e-12)
 
 
 @pytest.mark.parametrize("shapes", SHAPES)

@@ -9,6 +9,7 @@ import torch
 
 from privleak import mechanisms as _noise
 from privleak import validation
+from privleak.dpsgd.clip import clip_and_accumulate
 from privleak.dpsgd.mechanism import Clipping, DPSGDMechanism, Sampling, register
 
 
@@ -40,8 +41,6 @@ class Gaussian(DPSGDMechanism):
 
     def release(self, per_sample_grads: Sequence[torch.Tensor], clipping: Clipping, batch_size: float,
                 generator, non_finite: str) -> list:
-        from privleak.dpsgd.clip import clip_and_accumulate
-
         return clip_and_accumulate(per_sample_grads, list(clipping.norms), per_layer=clipping.per_layer,
                                    noise_std=self.noise_std(clipping), batch_size=batch_size, generator=generator,
                                    non_finite=non_finite).grads

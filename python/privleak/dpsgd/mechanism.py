@@ -32,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 import torch
 
 from privleak import validation
+from privleak.dpsgd.clip import clip_and_accumulate
 
 
 class Clipping(NamedTuple):
@@ -71,8 +72,6 @@ class DPSGDMechanism(ABC):
     def release(self, per_sample_grads: Sequence[torch.Tensor], clipping: Clipping, batch_size: float,
                 generator, non_finite: str) -> list:
         """The update one batch leaks: clip each sample, average over ``batch_size``, privatise."""
-        from privleak.dpsgd.clip import clip_and_accumulate
-
         average = clip_and_accumulate(per_sample_grads, list(clipping.norms), per_layer=clipping.per_layer,
                                       batch_size=batch_size, non_finite=non_finite,
                                       norm_type=self.clip_norm_type).grads
