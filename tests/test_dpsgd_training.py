@@ -5,7 +5,12 @@ import pytest
 import torch
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.opacus_interop import PrivleakDPOptimizer  # Opacus is a test dependency: no skip without it
+from privleak.opacus_interop import (  # Opacus is a test dependency: no skip without it
+    PrivleakDPOptimizer,
+    PrivleakGhostClippingDPOptimizer,
+    PrivleakPerLayerDPOptimizer,
+)
+# Opacus is a test dependency: no skip without it
 from torch.nn.functional import cross_entropy
 
 
@@ -174,6 +179,99 @@ def test_laplace_inside_opacus_is_privleaks_laplace_step():
         torch.testing.assert_close(a, b.view_as(a), rtol=1e-5, atol=1e-6)
 
 
+PER_LAYER_NORMS = [0.3, 0.1, 0.5, 0.05]  # small enough that every tensor of some samples is clipped
+
+
+def per_layer_opacus_grads(optimizer_factory, noise_multiplier):
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPPerLayerOptimizer
+
+    model, (x, y) = small_model(), data()
+    module = GradSampleModule(model)
+    opacus_optimizer = DPPerLayerOptimizer(torch.optim.SGD(module.parameters(), lr=0.1),
+                                           noise_multiplier=noise_multiplier, max_grad_norm=PER_LAYER_NORMS,
+                                           expected_batch_size=24)
+    optimizer = optimizer_factory(opacus_optimizer)
+    cross_entropy(module(x), y).backward()
+    grad_samples = [p.grad_sample.clone() for p in module.parameters()]
+    optimizer.pre_step()
+    return [p.grad.clone() for p in module.parameters()], grad_samples
+
+
+def test_per_layer_clipping_inside_opacus_is_opacus_per_layer_step_with_privleak_noise():
+    want, grad_samples = per_layer_opacus_grads(lambda o: o, 0.0)
+    optimizers = []
+    got, _ = per_layer_opacus_grads(lambda o: optimizers.append(PrivleakDPOptimizer.from_opacus(o)) or optimizers[0],
+                                    0.0)
+    assert type(optimizers[0]) is PrivleakPerLayerDPOptimizer
+    for a, b in zip(got, want):  # Opacus clips to c / (norm + 1e-6), privleak to c / norm
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # independent of both: each tensor's per-sample gradients clipped to its own norm, by hand
+    for a, g, c in zip(got, grad_samples, PER_LAYER_NORMS):
+        norms = g.flatten(1).norm(dim=1)
+        assert (norms > c).any()
+        by_hand = (g * (c / norms).clamp(max=1).view(-1, *[1] * (g.dim() - 1))).sum(0) / 24
+        torch.testing.assert_close(a, by_hand, rtol=1e-5, atol=1e-7)
+
+    noisy, _ = per_layer_opacus_grads(
+        lambda o: PrivleakDPOptimizer.from_opacus(o, noise_generator=M.NoiseGenerator(5)), 1.3)
+    # Opacus's per-layer rule: noise std sigma |(c_t)|_2 on the sum, one stream over the tensors in order
+    std = 1.3 * torch.tensor(PER_LAYER_NORMS).norm().item()
+    noise = M.gaussian_noise(sum(p.numel() for p in got), key=5) * std / 24
+    torch.testing.assert_close(torch.cat([(n - a).reshape(-1) for n, a in zip(noisy, got)]), noise,
+                               rtol=1e-4, atol=1e-6)
+
+
+def ghost_step(mechanism_kwargs, noise_multiplier, x, y):
+    """One step of Opacus's ghost clipping (grad_sample_mode="ghost"), with privleak's optimizer
+    when ``mechanism_kwargs`` is not None; returns the update written into .grad."""
+    from opacus import PrivacyEngine
+
+    model = small_model()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = PrivacyEngine()
+        model, optimizer, criterion, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+            criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=noise_multiplier, max_grad_norm=0.5,
+            grad_sample_mode="ghost", poisson_sampling=False)
+    if mechanism_kwargs is not None:
+        optimizer = PrivleakDPOptimizer.from_opacus(optimizer, **mechanism_kwargs)
+        assert type(optimizer) is PrivleakGhostClippingDPOptimizer
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.pre_step()
+    return [p.grad.clone() for p in model.parameters()], engine
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_ghost_clipping_inside_opacus_gets_privleak_noise_on_the_clipped_sum():
+    x, y = data()
+    x = x * 5  # most samples' gradients exceed the clip norm 0.5
+    clipped = dpsgd.clip_and_accumulate(loop_per_sample_gradients(small_model(), x, y), 0.5, batch_size=24.0).grads
+    assert dpsgd.clip_and_accumulate(loop_per_sample_gradients(small_model(), x, y), 0.5).norms.gt(0.5).sum() > 12
+    want, _ = ghost_step(None, 0.0, x, y)
+    got, _ = ghost_step({}, 0.0, x, y)
+    for a, b, c in zip(got, want, clipped):  # the same clipped average: Opacus's ghost norms, a hand-written loop
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, c.view_as(a), rtol=1e-4, atol=1e-6)
+
+    noisy, engine = ghost_step({"noise_generator": M.NoiseGenerator(5)}, 1.3, x, y)
+    noise = M.gaussian_noise(sum(p.numel() for p in got), key=5) * 1.3 * 0.5 / 24
+    torch.testing.assert_close(torch.cat([(n - a).reshape(-1) for n, a in zip(noisy, got)]), noise,
+                               rtol=1e-4, atol=1e-6)
+    assert engine.accountant.history == [(1.3, 1.0, 1)]  # Opacus's accountant still counts the Gaussian step
+
+    direction, _ = ghost_step({"mechanism": "vmf", "kappa": 1e6, "noise_generator": M.NoiseGenerator(5)}, 1.3, x, y)
+    flat = torch.cat([d.reshape(-1) for d in direction])
+    mean = torch.cat([c.reshape(-1) for c in clipped])
+    torch.testing.assert_close(flat.norm().item(), 1.0, rtol=1e-5, atol=0)  # Alg. 2 releases a unit direction
+    assert torch.nn.functional.cosine_similarity(flat, mean, dim=0) > 0.99  # kappa 1e6: close to the mean's
+    with pytest.raises(ValueError, match="mechanism: ghost clipping clips in L2, but the laplace mechanism"):
+        ghost_step({"mechanism": "laplace"}, 1.3, x, y)
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook")  # Opacus's hooks on a model whose inputs need no grad
 @pytest.mark.parametrize("mechanism, kwargs, learning_rate", [
     ("gaussian", {}, 0.5), ("vmf", {"kappa": 200.0}, 0.05), ("laplace", {}, 1.5)])  # L1 clipping shrinks more
@@ -211,7 +309,7 @@ def test_opacus_trains_with_privleak(mechanism, kwargs, learning_rate):
 
 
 def test_opacus_secure_mode_gets_secure_noise_and_an_empty_batch_gets_noise_alone():
-    from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+    from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
 
     params = list(small_model().parameters())
     secure = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
@@ -221,10 +319,16 @@ def test_opacus_secure_mode_gets_secure_noise_and_an_empty_batch_gets_noise_alon
         PrivleakDPOptimizer.from_opacus(secure, noise_generator=M.NoiseGenerator(0))
     with pytest.raises(ValueError, match="no secure mode"):
         PrivleakDPOptimizer.from_opacus(secure, mechanism="vmf", kappa=3.0)
-    per_layer = DPPerLayerOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=[1.0] * 4,
+    adaptive = AdaClipDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                                  expected_batch_size=4, target_unclipped_quantile=0.5, clipbound_learning_rate=0.2,
+                                  max_clipbound=2.0, min_clipbound=0.1, unclipped_num_std=1.0)
+    with pytest.raises(TypeError, match="optimizer must be an Opacus DPOptimizer, DPPerLayerOptimizer"):
+        PrivleakDPOptimizer.from_opacus(adaptive)
+    with pytest.raises(TypeError, match="optimizer must be an Opacus DPPerLayerOptimizer, got DPOptimizer"):
+        PrivleakPerLayerDPOptimizer.from_opacus(secure)
+    with pytest.raises(ValueError, match="max_grad_norm must be a list of 4 clip norms"):
+        PrivleakPerLayerDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=[1.0] * 3,
                                     expected_batch_size=4)
-    with pytest.raises(TypeError, match="optimizer must be an Opacus DPOptimizer"):
-        PrivleakDPOptimizer.from_opacus(per_layer)
 
     def empty_batch_grads(optimizer):
         for p in params:

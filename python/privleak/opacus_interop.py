@@ -7,29 +7,41 @@ Opacus users switch in two lines, after ``PrivacyEngine.make_private``:
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism="vmf", kappa=k)  # VMF, Alg. 2
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism="laplace")       # L1 clip, Laplace
 
-The optimizer keeps Opacus's interface and hooks (gradient accumulation, skipped steps, empty
-Poisson batches, the accountant's step hook for the Gaussian mechanism) and its secure mode; it
-replaces two steps:
+``from_opacus`` takes the optimizer of each of Opacus's three single-process engines and returns
+privleak's counterpart, which keeps the engine's clipping rule:
+
+* ``DPOptimizer`` (``grad_sample_mode="hooks"`` or ``"functorch"``, flat clipping) becomes
+  :class:`PrivleakDPOptimizer`;
+* ``DPPerLayerOptimizer`` (``clipping="per_layer"``, one max_grad_norm per parameter) becomes
+  :class:`PrivleakPerLayerDPOptimizer`;
+* ``DPOptimizerFastGradientClipping`` (``grad_sample_mode="ghost"``: Opacus's ghost clipping, whose
+  loss wrapper clips in a second backward pass and leaves the clipped sum in ``p.grad``) becomes
+  :class:`PrivleakGhostClippingDPOptimizer`. Ghost clipping clips in L2 only, so an L1 mechanism
+  (Laplace) is refused there.
+
+Each keeps Opacus's interface and hooks (gradient accumulation, skipped steps, empty Poisson
+batches, the accountant's step hook for the Gaussian mechanism) and its secure mode; it replaces two
+steps:
 
 * ``clip_and_accumulate`` runs :func:`privleak.dpsgd.clip_and_accumulate` on the parameters'
-  ``grad_sample`` (flat clipping to ``max_grad_norm``, two passes, no intermediate copies).
-  Opacus divides by norm + 1e-6 where privleak clips exactly to the norm, so clipped samples differ
-  by about 1e-6 relative.
+  ``grad_sample`` (flat, or per layer with each tensor's own norm; two passes, no intermediate
+  copies). Opacus divides by norm + 1e-6 where privleak clips exactly to the norm, so clipped
+  samples differ by about 1e-6 relative. Under ghost clipping Opacus's module has already clipped.
 * ``add_noise`` is the mechanism's noise on the clipped sum
   (:meth:`privleak.dpsgd.DPSGDMechanism.noise`): privleak's counter-based Gaussian noise (std
-  noise_multiplier x max_grad_norm, reproducible from ``noise_generator``), or for
-  ``mechanism="vmf"`` a VMF(kappa) draw around the sum's direction (Biswas et al., Alg. 2), which is
-  then the whole update (``scale_grad`` leaves it alone), or any other registered mechanism's
-  (Laplace clips in L1 and adds Laplace(noise_multiplier x max_grad_norm) per coordinate).
+  noise_multiplier x max_grad_norm, with per-layer norms c_t the L2 norm |(c_t)|_2 as in Opacus;
+  reproducible from ``noise_generator``), or for ``mechanism="vmf"`` a VMF(kappa) draw around the
+  sum's direction (Biswas et al., Alg. 2), which is then the whole update (``scale_grad`` leaves it
+  alone), or any other registered mechanism's (Laplace clips in L1 and adds
+  Laplace(noise_multiplier x max_grad_norm) per coordinate).
 
 Opacus's own accountant covers the Gaussian mechanism only. With any other mechanism its step
 hook is left off, so that it records no Gaussian steps that never happened; account those runs
 with the mechanism's ``epsilon`` (or :func:`privleak.dpsgd.privacy_report`). An engine made with
 ``secure_mode=True`` gets privleak's secure noise (a
 :class:`~privleak.mechanisms.SecureNoiseGenerator` unless one is given); a mechanism without a
-secure mode (VMF) is refused. Only Opacus's ``DPOptimizer`` itself (flat
-clipping) is taken: its per-layer, adaptive, distributed and ghost-clipping subclasses do other
-work in the replaced steps.
+secure mode (VMF) is refused. Opacus's adaptive-clipping and distributed optimizers do other work
+in the replaced steps and are refused.
 """
 from __future__ import annotations
 
@@ -37,7 +49,7 @@ import dataclasses
 from typing import Optional, Union
 
 import torch
-from opacus.optimizers import DPOptimizer
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping, DPPerLayerOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from privleak import dpsgd, validation
@@ -51,14 +63,14 @@ class PrivleakDPOptimizer(DPOptimizer):
     its parameters come from the keywords (``kappa=`` for VMF), and a mechanism with a
     ``noise_multiplier`` takes Opacus's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float, max_grad_norm: float,
-                 expected_batch_size: Optional[int], loss_reduction: str = "mean",
+    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
+                 max_grad_norm: Union[float, list], expected_batch_size: Optional[int], loss_reduction: str = "mean",
                  mechanism: Union[str, dpsgd.DPSGDMechanism] = "gaussian", noise_generator=None, **kwargs):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise validation.ArgumentTypeError("optimizer must be a torch.optim.Optimizer, "
                                                f"got {type(optimizer).__name__}")
         noise_multiplier = validation.non_negative(noise_multiplier, "noise_multiplier")
-        max_grad_norm = validation.positive(max_grad_norm, "max_grad_norm")
+        max_grad_norm = self._check_max_grad_norm(max_grad_norm, optimizer)
         if expected_batch_size is not None:
             expected_batch_size = validation.positive(expected_batch_size, "expected_batch_size")
         loss_reduction = validation.choice(loss_reduction, "loss_reduction", ("mean", "sum"))
@@ -70,6 +82,7 @@ class PrivleakDPOptimizer(DPOptimizer):
             if "noise_multiplier" in fields:
                 parameters["noise_multiplier"] = noise_multiplier
             mechanism = dpsgd.mechanism.create(mechanism, parameters)
+        self._check_mechanism(mechanism)
         mechanism.check_generator(noise_generator)
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          expected_batch_size=expected_batch_size, loss_reduction=loss_reduction, **kwargs)
@@ -83,25 +96,41 @@ class PrivleakDPOptimizer(DPOptimizer):
         self.mechanism = mechanism
         self.noise_generator = noise_generator
 
+    @staticmethod
+    def _check_max_grad_norm(max_grad_norm, optimizer: torch.optim.Optimizer) -> float:
+        return validation.positive(max_grad_norm, "max_grad_norm")
+
+    def _check_mechanism(self, mechanism: dpsgd.DPSGDMechanism) -> None:
+        """Refuse a mechanism this optimizer's clipping cannot serve (flat clipping serves all)."""
+
     @classmethod
     def from_opacus(cls, optimizer: DPOptimizer, **kwargs) -> "PrivleakDPOptimizer":
-        """The same hyperparameters, wrapped optimizer, secure mode and (Gaussian) accountant hook
-        as an Opacus ``DPOptimizer``, which this optimizer replaces."""
-        if type(optimizer) is not DPOptimizer:
-            raise TypeError(f"optimizer must be an Opacus DPOptimizer (flat clipping), got {type(optimizer).__name__}")
-        new = cls(optimizer.original_optimizer, noise_multiplier=optimizer.noise_multiplier,
-                  max_grad_norm=optimizer.max_grad_norm, expected_batch_size=optimizer.expected_batch_size,
-                  loss_reduction=optimizer.loss_reduction, secure_mode=optimizer.secure_mode, **kwargs)
+        """privleak's counterpart of an Opacus optimizer (flat, per-layer or ghost clipping, module
+        docstring), with the same hyperparameters, wrapped optimizer, secure mode and (Gaussian)
+        accountant hook. Called on a subclass, it takes that subclass's Opacus optimizer only."""
+        counterpart = _COUNTERPARTS.get(type(optimizer))
+        if counterpart is None or not issubclass(counterpart, cls):
+            accepted = ", ".join(opacus.__name__ for opacus, ours in _COUNTERPARTS.items() if issubclass(ours, cls))
+            raise TypeError(f"optimizer must be an Opacus {accepted}, got {type(optimizer).__name__}")
+        new = counterpart(optimizer.original_optimizer, noise_multiplier=optimizer.noise_multiplier,
+                          max_grad_norm=counterpart._opacus_max_grad_norm(optimizer),
+                          expected_batch_size=optimizer.expected_batch_size, loss_reduction=optimizer.loss_reduction,
+                          secure_mode=optimizer.secure_mode, **kwargs)
         if isinstance(new.mechanism, dpsgd.Gaussian):  # Opacus's accountants model Gaussian noise only
             new.attach_step_hook(optimizer.step_hook)
         return new
+
+    @staticmethod
+    def _opacus_max_grad_norm(optimizer: DPOptimizer):
+        return optimizer.max_grad_norm
 
     def _clipping(self) -> dpsgd.Clipping:
         return dpsgd.Clipping((self.max_grad_norm,), False)
 
     def clip_and_accumulate(self) -> None:
+        clipping = self._clipping()
         grads = [self._get_flat_grad_sample(p).contiguous() for p in self.params]
-        summed = dpsgd.clip_and_accumulate(grads, self.max_grad_norm, batch_size=1.0,
+        summed = dpsgd.clip_and_accumulate(grads, list(clipping.norms), per_layer=clipping.per_layer, batch_size=1.0,
                                            norm_type=self.mechanism.clip_norm_type).grads
         for p, s in zip(self.params, summed):
             s = s.to(p.dtype)
@@ -121,3 +150,46 @@ class PrivleakDPOptimizer(DPOptimizer):
     def scale_grad(self) -> None:
         if not self.mechanism.releases_direction:
             super().scale_grad()
+
+
+class PrivleakPerLayerDPOptimizer(PrivleakDPOptimizer, DPPerLayerOptimizer):
+    """Opacus's ``DPPerLayerOptimizer`` with privleak's clipping and noise: parameter t is clipped to
+    its own ``max_grad_norm[t]`` (in the mechanism's norm), and the noise is calibrated to the
+    sensitivity of the clipped sum, |(c_t)|_2 in L2 (Opacus's rule) or sum_t c_t in L1."""
+
+    @staticmethod
+    def _check_max_grad_norm(max_grad_norm, optimizer: torch.optim.Optimizer) -> list:
+        norms = validation.reals(max_grad_norm, "max_grad_norm", low=0, low_open=True)
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if norms.shape != (count,):
+            raise ValueError(f"max_grad_norm must be a list of {count} clip norms, one per parameter of the "
+                             f"optimizer, got {max_grad_norm!r}")
+        return norms.tolist()
+
+    @staticmethod
+    def _opacus_max_grad_norm(optimizer: DPPerLayerOptimizer) -> list:
+        return list(optimizer.max_grad_norms)
+
+    def _clipping(self) -> dpsgd.Clipping:
+        return dpsgd.Clipping(tuple(self.max_grad_norms), True)
+
+
+class PrivleakGhostClippingDPOptimizer(PrivleakDPOptimizer, DPOptimizerFastGradientClipping):
+    """Opacus's ghost-clipping optimizer with privleak's noise. Opacus's module and loss wrapper
+    compute the per-sample norms without per-sample gradients and leave the clipped sum (L2, flat)
+    in ``p.grad``; this optimizer privatises that sum with the mechanism's noise."""
+
+    def _check_mechanism(self, mechanism: dpsgd.DPSGDMechanism) -> None:
+        if mechanism.clip_norm_type != 2:
+            raise ValueError(f"mechanism: ghost clipping clips in L2, but the {mechanism.name} mechanism clips in "
+                             f"L{mechanism.clip_norm_type}: use Opacus's hooks or functorch mode")
+
+    clip_and_accumulate = DPOptimizerFastGradientClipping.clip_and_accumulate
+
+
+#: Opacus's optimizer -> privleak's counterpart (``from_opacus``)
+_COUNTERPARTS = {
+    DPOptimizer: PrivleakDPOptimizer,
+    DPPerLayerOptimizer: PrivleakPerLayerDPOptimizer,
+    DPOptimizerFastGradientClipping: PrivleakGhostClippingDPOptimizer,
+}
