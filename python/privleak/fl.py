@@ -22,8 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from privleak import dpsgd
+from privleak import dpsgd, validation
 from privleak.mechanisms import NoiseGenerator
+
+
+class Release(NamedTuple):
+    """How a client privatised what it sent: the facts the accountant and the Bayes capacity of
+    its updates need (:func:`client_privacy`)."""
+
+    config: dpsgd.DPSGDConfig  #: clipping and mechanism of every local step
+    batch_size: int  #: L, examples per local step, drawn without replacement (fixed-size batches)
+    dataset_size: int  #: n, the client's examples: the sampling rate is q = L / n
+    secure_noise: bool = False  #: noise from a SecureNoiseGenerator (else seeded Philox)
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.batch_size / self.dataset_size
 
 
 class LeakedUpdate(NamedTuple):
@@ -37,6 +51,8 @@ class LeakedUpdate(NamedTuple):
     #: indices into the client's data of the examples in each local batch. The server does not see
     #: them; they are the ground truth that reconstruction scores compare against.
     private_batches: list
+    #: how the client privatised it, as the server knows it (None: unknown)
+    release: Optional[Release] = None
 
 
 @dataclass
@@ -96,6 +112,55 @@ class Federation:
 
     def updates_of_round(self, round_: int) -> list:
         return [u for u in self.leaked if u.round == round_]
+
+
+class ClientPrivacy(NamedTuple):
+    """One client's privacy over a run (:func:`client_privacy`)."""
+
+    client: int
+    rounds: int  #: rounds whose update the server recorded
+    #: epsilon(delta) of all the client's local DP-SGD steps; the Bayes capacity of one step's update
+    report: dpsgd.PrivacyReport
+    #: log2 of a bound on the Bayes capacity of one round's release, the sum of its k privatised
+    #: local updates: k x report.capacity_bits, with equality for k = 1 (FedSGD)
+    release_capacity_bits: float
+
+
+def client_privacy(federation: Federation, delta: float) -> dict:
+    """Per client, what its recorded updates cost in privacy: ``{client: ClientPrivacy}``.
+
+    The accountant composes all of the client's local steps, T = the sum of its updates' local
+    steps, each a DP-SGD step on a fixed-size batch of L of its n examples, sampling rate q = L / n
+    (:func:`privleak.dpsgd.privacy_report` with ``sampling="fixed"``). The Bayes capacity
+    ML(C) = sum_y max_x C(x, y) is that of one step's channel from the clipped average to the
+    update (the mechanism's ``log_capacity``, Biswas et al.). One round's release is a function of
+    k steps whose channels each take an input in the same set whatever the earlier outputs were,
+    and sum_{y1, y2} max_x A(x, y1) B_y1(x, y2) <= ML(A) sup_y1 ML(B_y1); with the
+    data-processing inequality, the release's capacity is at most k times one step's in bits
+    (privleak's bound; the papers treat one step). Needs every update's :class:`Release` (the
+    server's record of the client's privacy metadata), the same for all of a client's updates.
+    """
+    delta = validation.probability(delta, "delta", open_high=True)
+    by_client: dict = {}
+    for leaked in federation.leaked:
+        by_client.setdefault(leaked.client, []).append(leaked)
+    privacy = {}
+    for client, updates in sorted(by_client.items()):
+        releases = {leaked.release for leaked in updates}
+        if None in releases:
+            raise ValueError(f"client {client}: an update carries no release metadata (LeakedUpdate.release), "
+                             "so its privacy is unknown")
+        if len(releases) > 1:
+            raise ValueError(f"client {client} released updates under {len(releases)} configurations: "
+                             f"{sorted(map(repr, releases))}; client_privacy composes one")
+        release = releases.pop()
+        report = dpsgd.privacy_report(release.config, [tuple(p.shape) for p in updates[0].parameters],
+                                      expected_batch_size=release.batch_size, dataset_size=release.dataset_size,
+                                      steps=sum(leaked.local_steps for leaked in updates), delta=delta,
+                                      sampling="fixed")
+        steps = max(leaked.local_steps for leaked in updates)
+        privacy[client] = ClientPrivacy(client, len(updates), report, steps * report.capacity_bits)
+    return privacy
 
 
 def split_among_clients(images: torch.Tensor, labels: torch.Tensor, clients: int, per_client: int,
@@ -168,7 +233,8 @@ def run(model: nn.Module, clients: Sequence[Client], config: dpsgd.DPSGDConfig, 
                                                   learning_rate=learning_rate, generator=generator, noise=noise,
                                                   loss_fn=loss_fn, extra_gradients=None if extra_gradients is None
                                                   else functools.partial(extra_gradients, round_, index))
-            leaked = LeakedUpdate(round_, index, start, update, local_steps, batches)
+            leaked = LeakedUpdate(round_, index, start, update, local_steps, batches,
+                                  Release(config, batch_size, len(client)))
             if record:
                 federation.leaked.append(leaked)
             if on_update is not None:
