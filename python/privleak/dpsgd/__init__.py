@@ -8,9 +8,12 @@ Layout:
   (Alg. 1), :mod:`~privleak.dpsgd.vmf` (Alg. 2), :mod:`~privleak.dpsgd.laplace`;
 - :mod:`~privleak.dpsgd.config`: :class:`DPSGDConfig`, clipping plus a mechanism, checked once;
 - :mod:`~privleak.dpsgd.training`: per-sample gradients, batch sampling, :func:`privatize`,
-  :class:`DPOptimizer` and :func:`privacy_report`.
+  :class:`DPOptimizer` and :func:`privacy_report`;
+- :mod:`~privleak.dpsgd.bookkeeping`: :class:`BookKeeping`, the same step without per-sample
+  gradients (ghost norms and book-keeping), its per-layer rules in :mod:`~privleak.dpsgd.layers`.
 """
 from privleak.dpsgd import mechanism
+from privleak.dpsgd.bookkeeping import BookKeeping
 from privleak.dpsgd.clip import GRAD_DTYPES, ClippedSum, clip_and_accumulate
 from privleak.dpsgd.config import DPSGDConfig
 from privleak.dpsgd.gaussian import Gaussian
@@ -27,7 +30,7 @@ from privleak.dpsgd.training import (
 from privleak.dpsgd.vmf import VMF, vmf_release
 
 __all__ = [
-    "GRAD_DTYPES", "VMF", "ClipOnly", "ClippedSum", "Clipping", "DPOptimizer", "DPSGDConfig", "DPSGDMechanism",
-    "Gaussian", "Laplace", "PrivacyReport", "Sampling", "clip_and_accumulate", "mechanism", "per_sample_gradients",
-    "privacy_report", "privatize", "sample_batch", "vmf_release",
+    "GRAD_DTYPES", "VMF", "BookKeeping", "ClipOnly", "ClippedSum", "Clipping", "DPOptimizer", "DPSGDConfig",
+    "DPSGDMechanism", "Gaussian", "Laplace", "PrivacyReport", "Sampling", "clip_and_accumulate", "mechanism",
+    "per_sample_gradients", "privacy_report", "privatize", "sample_batch", "vmf_release",
 ]

@@ -1,0 +1,266 @@
+"""DP-SGD without per-sample gradients: ghost norms and book-keeping (Bu et al., "Differentially
+Private Optimization on Large Model at Small Cost", ICML 2023), as a drop-in for a training loop.
+
+:class:`BookKeeping` hooks every layer of a model. In the forward pass each layer records its
+input a; :meth:`BookKeeping.step` takes the per-sample losses, runs one backward pass to the
+layers' outputs only (the ordinary parameter gradients are never computed), and per layer
+(:mod:`privleak.dpsgd.layers`):
+
+1. each sample's norm of the layer's gradient: for a Linear-like layer over T positions
+   |sum_t g_t a_t^T|_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s), the ghost norm, when 2 T^2 < d p,
+   else from that layer's per-sample gradient (the mixed rule);
+2. with every layer's norms, the clip factors f_i = min(1, c / |g_i|) (flat: one norm over all
+   tensors; per layer: one per tensor), exactly as the materialised path's kernel forms them;
+3. the clipped sum sum_i f_i sum_t g_{i,t} a_{i,t}^T, one GEMM over (i, t) with g scaled by f_i.
+
+The clipped sum goes to the mechanism as the materialised path's does: the noise is added to
+the sum, and the result divided by the expected batch size L (``mechanism.noise(sum, clipping,
+1, generator) / L``; VMF releases the direction, no division), so the update equals
+:func:`~privleak.dpsgd.privatize` of the materialised per-sample gradients for the same config
+and the same noise stream, up to float32 rounding.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from privleak import validation
+from privleak.dpsgd.clip import _sqrt
+from privleak.dpsgd.layers import Layer, count_uses, layer_for
+from privleak.dpsgd.training import DPOptimizer, PrivacyReport
+
+
+class BookKeeping:
+    """DP-SGD by book-keeping: one backward pass, no per-sample gradients (module docstring).
+
+    Use it in an ordinary loop::
+
+        bk = BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), DPSGDConfig(1.0, noise_multiplier=1.1),
+                         expected_batch_size=256)
+        for x, y in batches:                       # Poisson batches (dpsgd.sample_batch), possibly empty
+            losses = F.cross_entropy(model(x), y, reduction="none")   # (B,) one loss per sample
+            update = bk.step(losses)               # what the server sees; the optimizer has stepped
+
+    Args:
+        model: the module whose forward computes the losses. Its trainable parameters must be the
+            optimizer's. Each supported layer (nn.Linear, nn.Conv1d/2d, nn.Embedding, nn.LayerNorm,
+            nn.GroupNorm) gets book-keeping; nn.MultiheadAttention and any other module with
+            trainable parameters of its own get per-sample gradients of that module alone
+            (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`). Every layer input
+            has the batch in dim 0.
+        optimizer: any torch optimizer over the model's trainable parameters.
+        config: :class:`~privleak.dpsgd.DPSGDConfig`; per-layer clip norms follow the optimizer's
+            parameter order. An L1 mechanism (Laplace) gets its norms from each layer's
+            per-sample gradient (ghost norms are L2 only), one layer at a time.
+        expected_batch_size, generator, sampling: as :class:`~privleak.dpsgd.DPOptimizer`.
+
+    Refused with an error naming the module or parameter: a parameter shared by two modules
+    (tied weights) and a parameter used outside its module's forward (the hooks cannot see that
+    use; checked every step on the autograd graph); BatchNorm in training mode; dropout inside a
+    module that must be recomputed per sample.
+
+    Every forward pass with grad since the previous step belongs to the step's batch.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, *, expected_batch_size: float,
+                 generator=None, sampling: str = "poisson"):
+        if not isinstance(model, nn.Module):
+            raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("model has no trainable parameters (none with requires_grad): there is nothing to train")
+        self._dp = DPOptimizer(optimizer, config, expected_batch_size, generator, sampling)
+        params = self._dp.params
+        if {id(p) for p in params} != {id(p) for p in trainable} or len(params) != len(trainable):
+            raise ValueError(f"optimizer must hold exactly the model's {len(trainable)} trainable parameters, each "
+                             f"once; it holds {len(params)} tensors, not the same ones")
+        self.model = model
+        self.layers = _layers_of(model)
+        self._slots = {id(p): i for i, p in enumerate(params)}
+        self._recording = True
+        self._hooks = [layer.module.register_forward_hook(self._hook(layer), with_kwargs=True)
+                       for layer in self.layers]
+
+    # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._dp.optimizer
+
+    @property
+    def config(self):
+        return self._dp.config
+
+    @property
+    def params(self) -> list:
+        return self._dp.params
+
+    @property
+    def steps(self) -> int:
+        return self._dp.steps
+
+    def privacy_report(self, dataset_size: int, delta: float) -> PrivacyReport:
+        """:func:`~privleak.dpsgd.privacy_report` for the steps taken so far."""
+        return self._dp.privacy_report(dataset_size, delta)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._dp.zero_grad(set_to_none)
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._clear()
+
+    def _hook(self, layer: Layer):
+        def record(module, args, kwargs, output):
+            if self._recording:
+                layer.record(args, kwargs, output)
+        return record
+
+    def _clear(self) -> None:
+        for layer in self.layers:
+            layer.clear()
+
+    def step(self, per_sample_losses: torch.Tensor) -> list:
+        """Privatise the batch whose per-sample losses (B,) are given, write the update into the
+        parameters' ``.grad``, step the optimizer; returns the update (what the server sees), one
+        float32 tensor per parameter in the optimizer's order."""
+        losses = _check_losses(per_sample_losses)
+        self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
+        try:
+            sums = self._clipped_sums(losses)
+        finally:
+            self._recording = True
+            self._clear()
+        config = self.config
+        clipping = config.clipping(len(self.params))
+        mechanism = config.mechanism
+        update = mechanism.noise(sums, clipping, 1.0, self._dp.generator)
+        if not mechanism.releases_direction:
+            update = [u.mul_(1.0 / self._dp.expected_batch_size) for u in update]
+        for p, u in zip(self.params, update):
+            p.grad = u.to(p.dtype)
+        self.optimizer.step()
+        self._dp.steps += 1
+        return update
+
+    def _clipped_sums(self, losses: torch.Tensor) -> list:
+        """sum_i f_i g_i per parameter, float32, in the optimizer's order."""
+        batch = losses.shape[0]
+        if batch == 0:  # an empty Poisson batch: the update is the noise alone
+            return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
+        for layer in self.layers:
+            for size in layer.batch_sizes():
+                if size != batch:
+                    raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
+                                     f"{size} in a forward pass since the last step (every layer input must have the "
+                                     "batch in dim 0, and step() takes every forward pass since the last step)")
+        if losses.grad_fn is None:
+            raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
+                             "(it has no autograd graph)")
+        self._check_uses(losses)
+        edges = [edge for layer in self.layers for edge in layer.edges]
+        if not edges:
+            raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
+                             "last step")
+        grads = torch.autograd.grad(losses, edges, grad_outputs=torch.ones_like(losses), allow_unused=True)
+        start = 0
+        for layer in self.layers:
+            layer.take_grads(grads[start:start + len(layer.edges)])
+            start += len(layer.edges)
+        norm_type = self.config.mechanism.clip_norm_type
+        with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
+            columns: list = [None] * len(self.params)
+            for layer in self.layers:
+                for p, norm in zip(layer.parameters, layer.norms(batch, norm_type)):
+                    columns[self._slots[id(p)]] = norm
+            factors, keep = self._factors(torch.stack(columns, 1), norm_type)
+            sums: list = [None] * len(self.params)
+            for layer in self.layers:
+                slots = [self._slots[id(p)] for p in layer.parameters]
+                for slot, total in zip(slots, layer.clipped_sums([factors[s] for s in slots], keep)):
+                    sums[slot] = total
+        return sums
+
+    def _factors(self, sums: torch.Tensor, norm_type: int) -> tuple[list, Optional[torch.Tensor]]:
+        """Clip factors per parameter (a list of (B,) float32; the same tensor for every parameter
+        with flat clipping) from the (B, tensors) float64 norm sums, as the clip kernel forms them
+        (``csrc/common/clip.h``): the sums added left to right, f = c / |g| where |g| > c, else
+        1; a sample with a non-finite sum raises or gets f = 0 (``config.non_finite``)."""
+        config = self.config
+        finite = torch.isfinite(sums).all(1)
+        dropped = ~finite
+        if bool(dropped.any()) and config.non_finite == "raise":
+            raise ValueError(f"per-sample gradients of samples {dropped.nonzero().flatten().tolist()} are not finite; "
+                             "pass non_finite='drop' to leave such samples out")
+        clipping = config.clipping(len(self.params))
+        if config.per_layer:
+            columns = [(sums[:, j], clipping.norms[j]) for j in range(sums.shape[1])]
+        else:
+            total = sums[:, 0].clone()
+            for j in range(1, sums.shape[1]):
+                total.add_(sums[:, j])
+            columns = [(total, clipping.norms[0])]
+        factors = []
+        for column, c in columns:
+            norm = _sqrt(column) if norm_type == 2 else column
+            f = torch.where(norm > c, c / norm, torch.ones_like(norm))
+            factors.append(torch.where(finite, f, torch.zeros_like(f)).float())
+        keep = None if bool(finite.all()) else finite
+        return (factors if config.per_layer else factors * sums.shape[1]), keep
+
+    def _check_uses(self, losses: torch.Tensor) -> None:
+        """Every use of a trainable parameter in the loss's autograd graph must be one a hooked
+        layer recorded; any other (a parameter used outside its module's forward, e.g.
+        ``F.linear(x, other_module.weight)``) would escape clipping."""
+        used = count_uses([losses.grad_fn], self.params)
+        seen = [0] * len(self.params)
+        for layer in self.layers:
+            for uses in layer.uses:
+                for p, count in zip(layer.parameters, uses):
+                    seen[self._slots[id(p)]] += count
+        for owner, count, recorded in zip(self._owners(), used, seen):
+            if count > recorded:
+                raise ValueError(f"parameter '{owner}' is used {count} time(s) in the graph of per_sample_losses, but "
+                                 f"its module's forward recorded {recorded}: it is used where the book-keeping hooks "
+                                 "cannot see (outside its module's forward, e.g. functionally or by weight tying); "
+                                 "use it through its module, or make that code a module of its own")
+
+    def _owners(self) -> list[str]:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return [names[id(p)] for p in self.params]
+
+
+def _layers_of(model: nn.Module) -> list[Layer]:
+    """The hooked layers of ``model``, each trainable parameter in exactly one."""
+    layers, owner, covered = [], {}, set()
+    names = {id(p): name for name, p in model.named_parameters()}
+    for name, module in model.named_modules():  # parents before children
+        if id(module) in covered:
+            continue
+        layer = layer_for(name, module)
+        if layer is None:
+            continue
+        if layer.claims_children:
+            covered.update(id(sub) for sub in module.modules())
+        for p in layer.parameters:
+            if id(p) in owner:
+                raise ValueError(f"parameter '{names[id(p)]}' belongs to modules '{owner[id(p)].name}' and '{name}' "
+                                 "(tied weights): book-keeping needs each trainable parameter in one module")
+            owner[id(p)] = layer
+        layers.append(layer)
+    return layers
+
+
+def _check_losses(losses) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor):
+        raise validation.ArgumentTypeError(f"per_sample_losses must be a torch tensor, got {type(losses).__name__}")
+    if losses.ndim != 1:
+        raise ValueError(f"per_sample_losses must be a 1-D tensor of one loss per sample (reduction='none'), got "
+                         f"shape {tuple(losses.shape)}")
+    if not losses.is_floating_point():
+        raise validation.ArgumentTypeError(f"per_sample_losses must be floating point, got {losses.dtype}")
+    return losses

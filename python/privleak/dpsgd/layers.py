@@ -1,0 +1,514 @@
+"""Per-layer rules of book-keeping DP-SGD (:class:`privleak.dpsgd.BookKeeping`): what a layer
+records in the forward pass, and how it turns its inputs and output gradients into per-sample
+norms and the clipped sum of its parameters' gradients.
+
+One class per layer kind, found through one table (:func:`layer_for`): a module's type, or the
+nearest base class in the table whose ``forward`` the module does not override. A module with
+trainable parameters and no entry in the table takes the fallback, :class:`FunctionalLayer`.
+
+Notation: sample i of a batch of B, positions t = 1..T (tokens, output pixels, or 1), a layer
+input a_{i,t} in R^d and the gradient of the summed loss by the layer output, g_{i,t} in R^p.
+Every rule returns, per parameter tensor, each sample's squared L2 norm (``norm_type`` 2) or L1
+norm (``norm_type`` 1) of its per-sample gradient, then the sum of per-sample gradients weighted
+by clip factors f_i (book-keeping: Bu et al., "Differentially Private Optimization on Large Model
+at Small Cost", ICML 2023), one GEMM per layer with the output gradients scaled by f_i.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from privleak.dpsgd.ghost_norm import embedding_ghost_norm_squared, ghost_norm_squared
+
+
+def use_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
+    """The mixed rule of Bu et al.: the ghost norm sum_{t,s} (a_t . a_s)(g_t . g_s) costs about
+    2 T^2 (d + p) per sample and two T x T Gram matrices, the per-sample gradient T d p and a
+    p x d matrix; take the ghost norm when 2 T^2 < d p."""
+    return 2 * positions * positions < inputs * outputs
+
+
+def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
+    """(N,) float64: squared L2 (norm_type 2) or L1 norm of each row of an (N, ...) tensor."""
+    flat = rows.reshape(rows.shape[0], -1)
+    return (flat.square() if norm_type == 2 else flat.abs()).sum(1).double()
+
+
+def weighted_sum(per_sample: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """sum_i f_i G_i of per-sample gradients (B, *shape), one matrix-vector product."""
+    return (factors.to(per_sample.dtype) @ per_sample.reshape(per_sample.shape[0], -1)).reshape(per_sample.shape[1:])
+
+
+def _zero_dropped(x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """x with the samples of dropped (non-finite) gradients zeroed: 0 * NaN would reach the sum."""
+    if keep is None:
+        return x
+    return torch.where(keep.view(-1, *[1] * (x.ndim - 1)), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _scaled(g: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    return g * factors.to(g.dtype).view(-1, *[1] * (g.ndim - 1))
+
+
+class Layer:
+    """One hooked module's share of a step. ``record`` runs in the module's forward hook;
+    ``take_grads`` gets the gradients by the recorded outputs (their gradient edges, in order);
+    ``norms`` and ``clipped_sums`` give per parameter the per-sample norms and the f-weighted sum.
+
+    ``uses_per_call``: how often one forward call uses each parameter in the autograd graph, for
+    the check that no parameter is used where the hooks cannot see; None: counted per call.
+    """
+
+    uses_per_call: ClassVar[Optional[int]] = 1
+    claims_children: ClassVar[bool] = False  #: the layer accounts for its children's parameters too
+    hook_without_parameters: ClassVar[bool] = False  #: hooked even without trainable parameters (to refuse a mode)
+
+    def __init__(self, name: str, module: nn.Module):
+        self.name, self.module = name, module
+        self.parameters = [p for p in module.parameters(recurse=self.claims_children) if p.requires_grad]
+        self.clear()
+
+    def describe(self) -> str:
+        return f"module '{self.name}' ({type(self.module).__name__})"
+
+    def clear(self) -> None:
+        self.calls: list = []  # what record() keeps per forward call
+        self.edges: list = []  # gradient edges of the recorded outputs, in call order
+        self.edge_counts: list[int] = []  # edges per call
+        self.uses: list[list[int]] = []  # per call, the uses of each parameter in its graph
+        self.grads: list = []
+
+    def trains(self, parameter: Optional[torch.Tensor]) -> bool:
+        return parameter is not None and parameter.requires_grad
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """Keep the input of one forward call and the gradient edge of its output."""
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return  # run without grad (evaluation): nothing to train
+        self.calls.append(args[0].detach())
+        self.edges.append(get_gradient_edge(output))
+        self.edge_counts.append(1)
+        self.uses.append([self.uses_per_call] * len(self.parameters))
+
+    def batch_sizes(self) -> list[int]:
+        return [x.shape[0] if x.ndim else 0 for x in self.calls]
+
+    def take_grads(self, grads: list) -> None:
+        """The output gradients of the recorded calls, one list per call; a call whose outputs the
+        loss does not use drops out."""
+        grads, start, kept = list(grads), 0, []
+        for call, count in zip(self.calls, self.edge_counts):
+            part = grads[start:start + count]
+            start += count
+            if any(g is not None for g in part):
+                kept.append((call, part if count > 1 else part[0]))
+        self.calls = [call for call, _ in kept]
+        self.grads = [g for _, g in kept]
+
+    def norms(self, batch: int, norm_type: int) -> list[torch.Tensor]:
+        """Per parameter, (B,) float64: each sample's squared L2 norm (norm_type 2) or L1 norm."""
+        if not self.calls:
+            return [torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters]
+        by_id = self.norms_by_parameter(batch, norm_type)
+        return [by_id[id(p)] for p in self.parameters]
+
+    def clipped_sums(self, factors: list[torch.Tensor], keep: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter, the float32 sum_i f_i G_i for ``factors`` (B,) float32, one per parameter;
+        ``keep`` (B,) bool marks the samples kept (None: all)."""
+        if not self.calls:
+            return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.parameters]
+        by_id = self.sums_by_parameter({id(p): f for p, f in zip(self.parameters, factors)}, keep)
+        return [by_id[id(p)].float() for p in self.parameters]
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        raise NotImplementedError
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        raise NotImplementedError
+
+
+_LAYERS: dict[type, type] = {}
+
+
+def layer_kind(*module_types: type):
+    """Class decorator: the rule for modules of ``module_types``."""
+    def register(cls: type) -> type:
+        for module_type in module_types:
+            _LAYERS[module_type] = cls
+        return cls
+    return register
+
+
+def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
+    """The rule for ``module``: the table's entry for its type or nearest base class whose
+    forward it keeps; else :class:`FunctionalLayer` if it has trainable parameters of its own."""
+    for base in type(module).__mro__:
+        if base in _LAYERS and type(module).forward is base.forward:
+            layer = _LAYERS[base](name, module)
+            return layer if layer.parameters or layer.hook_without_parameters else None
+    if any(p.requires_grad for p in module.parameters(recurse=False)):
+        return FunctionalLayer(name, module)
+    return None
+
+
+def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tensor:
+    """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
+    ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
+    the gradient)."""
+    if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
+        return ghost_norm_squared(a.contiguous(), g.contiguous())
+    return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
+
+
+@layer_kind(nn.Linear)
+class LinearLayer(Layer):
+    """nn.Linear over inputs of any leading shape (B, ..., d); the middle dims are positions.
+    Per-sample weight gradient G_i = sum_t g_{i,t} a_{i,t}^T, bias gradient sum_t g_{i,t}; the
+    clipped sum of the weight is one GEMM, (f g)^T a over all (i, t)."""
+
+    def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """a (B, T, d) and g (B, T, p), the calls' positions laid end to end."""
+        batch = self.calls[0].shape[0]
+        a = [x.reshape(batch, -1, x.shape[-1]) for x in self.calls]
+        g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
+        return (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        a, g = self._sites()
+        out = {}
+        if self.trains(self.module.weight):
+            out[id(self.module.weight)] = weight_norms(a, g, norm_type)
+        if self.trains(self.module.bias):
+            out[id(self.module.bias)] = row_norms(g.sum(1), norm_type)
+        return out
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        a, g = self._sites()
+        a, g = _zero_dropped(a, keep), _zero_dropped(g, keep)
+        weight, bias = self.module.weight, self.module.bias
+        out, scaled = {}, None
+        if self.trains(weight):
+            scaled = _scaled(g, factors[id(weight)])
+            out[id(weight)] = scaled.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+        if self.trains(bias):
+            if scaled is not None and factors[id(bias)] is factors[id(weight)]:  # flat clipping: one factor
+                out[id(bias)] = scaled.sum((0, 1))
+            else:
+                out[id(bias)] = weighted_sum(g.sum(1), factors[id(bias)])
+        return out
+
+
+def _conv_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(input, padding) such that the convolution of ``input`` with ``padding`` zeros on both
+    sides of each dim is the module's: non-zero padding modes and asymmetric 'same' padding are
+    applied to the input first."""
+    dims = x.ndim - 2
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), [0] * dims
+    if module.padding == "valid":
+        return x, [0] * dims
+    if module.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        if all(t % 2 == 0 for t in totals):
+            return x, [t // 2 for t in totals]
+        pad = []
+        for t in reversed(totals):  # F.pad lists the last dim first; the odd one goes on the right
+            pad += [t // 2, t - t // 2]
+        return F.pad(x, pad), [0] * dims
+    return x, list(module.padding)
+
+
+@layer_kind(nn.Conv1d, nn.Conv2d)
+class ConvLayer(Layer):
+    """nn.Conv1d / nn.Conv2d (any padding, stride, dilation, groups): the input unfolded into
+    patches is a Linear layer's input over the L output positions, one per group, for the norms.
+    The clipped sum is the convolution's own weight gradient of the scaled output gradients."""
+
+    def _patches(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, G, L, C/G k) patches of ``x`` as the convolution sees them."""
+        m = self.module
+        x, padding = _conv_padding(m, x)
+        if x.ndim == 3:  # Conv1d as a Conv2d of height 1
+            cols = F.unfold(x.unsqueeze(2), (1, *m.kernel_size), dilation=(1, *m.dilation), padding=(0, *padding),
+                            stride=(1, *m.stride))
+        else:
+            cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
+        return cols.view(x.shape[0], m.groups, cols.shape[1] // m.groups, cols.shape[2]).transpose(2, 3)
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        m, out = self.module, {}
+        if self.trains(m.weight):
+            a, g = [], []
+            for x, y in zip(self.calls, self.grads):  # per (sample, group): a (L, d), g (L, p)
+                patches = self._patches(x)
+                a.append(patches.reshape(-1, *patches.shape[2:]))
+                g.append(y.reshape(batch * m.groups, y.shape[1] // m.groups, -1).transpose(1, 2))
+            a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+            out[id(m.weight)] = weight_norms(a, g, norm_type).view(batch, m.groups).sum(1)
+        if self.trains(m.bias):
+            out[id(m.bias)] = row_norms(sum(y.flatten(2).sum(2) for y in self.grads), norm_type)
+        return out
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        m, out = self.module, {}
+        if self.trains(m.weight):
+            total = 0
+            for x, y in zip(self.calls, self.grads):
+                x, padding = _conv_padding(m, _zero_dropped(x, keep))
+                scaled = _scaled(_zero_dropped(y, keep), factors[id(m.weight)])
+                total = total + torch.ops.aten.convolution_backward(
+                    scaled, x, m.weight, None, list(m.stride), padding, list(m.dilation), False, [0] * (x.ndim - 2),
+                    m.groups, [False, True, False])[1]
+            out[id(m.weight)] = total
+        if self.trains(m.bias):
+            per_sample = sum(_zero_dropped(y, keep).flatten(2).sum(2) for y in self.grads)
+            out[id(m.bias)] = weighted_sum(per_sample, factors[id(m.bias)])
+        return out
+
+
+@layer_kind(nn.Embedding)
+class EmbeddingLayer(Layer):
+    """nn.Embedding: the input is one-hot, so the ghost norm needs only token equality
+    (:func:`~privleak.dpsgd.ghost_norm.embedding_ghost_norm_squared`) and the clipped sum is an
+    index_add of the scaled output gradients. Positions at ``padding_idx`` get no gradient."""
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__(name, module)
+        if module.scale_grad_by_freq:
+            raise ValueError(f"{self.describe()} has scale_grad_by_freq=True: its gradient divides by token counts "
+                             "over the whole batch, so a sample's gradient depends on the others and cannot be clipped")
+
+    def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (B, T) and g (B, T, p), positions at padding_idx zeroed, the calls laid end to end."""
+        batch, pad = self.calls[0].shape[0], self.module.padding_idx
+        ids = [i.reshape(batch, -1) for i in self.calls]
+        g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
+        ids, g = (ids[0], g[0]) if len(ids) == 1 else (torch.cat(ids, 1), torch.cat(g, 1))
+        if pad is not None:
+            g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
+        return ids, g
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        ids, g = self._sites()
+        if norm_type == 2:
+            return {id(self.module.weight): embedding_ghost_norm_squared(ids, g)}
+        # L1 needs the rows of the per-sample gradient: the g of equal tokens summed at the
+        # position of the token's first occurrence in its sample.
+        first = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.uint8).argmax(2, keepdim=True)
+        rows = torch.zeros_like(g).scatter_add_(1, first.expand_as(g), g)
+        return {id(self.module.weight): row_norms(rows, 1)}
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        weight = self.module.weight
+        ids, g = self._sites()
+        scaled = _scaled(_zero_dropped(g, keep), factors[id(weight)])
+        total = torch.zeros(weight.shape, dtype=scaled.dtype, device=weight.device)
+        return {id(weight): total.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]))}
+
+
+class _PerSampleLayer(Layer):
+    """Layers whose norms and weighted sum come from their per-sample gradients, which are small
+    (one value per channel) or the only form there is (the fallback)."""
+
+    def clear(self) -> None:
+        super().clear()
+        self._per_sample: dict = {}
+
+    def per_sample_grads(self, batch: int) -> dict:
+        """Per parameter id, the (B, *shape) per-sample gradients of the recorded calls."""
+        raise NotImplementedError
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        self._per_sample = self.per_sample_grads(batch)
+        return {key: row_norms(g, norm_type) for key, g in self._per_sample.items()}
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        return {key: weighted_sum(_zero_dropped(g, keep), factors[key]) for key, g in self._per_sample.items()}
+
+
+class _AffineNorm(_PerSampleLayer):
+    """A normalisation y = x_hat w + b: per-sample gradients are the sums over positions of x_hat g
+    (weight) and g (bias), x_hat recomputed from the recorded input without the affine part."""
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def channels(self, y: torch.Tensor) -> torch.Tensor:
+        """y (B, ...) as (B, positions, channels), channels in the parameters' layout."""
+        raise NotImplementedError
+
+    def per_sample_grads(self, batch: int) -> dict:
+        m = self.module
+        weight = bias = 0
+        with torch.no_grad():
+            for x, g in zip(self.calls, self.grads):
+                if self.trains(m.weight):
+                    weight = weight + self.channels(self.normalized(x) * g).sum(1)
+                if self.trains(m.bias):
+                    bias = bias + self.channels(g).sum(1)
+        out = {}
+        if self.trains(m.weight):
+            out[id(m.weight)] = weight.reshape(batch, *m.weight.shape)
+        if self.trains(m.bias):
+            out[id(m.bias)] = bias.reshape(batch, *m.bias.shape)
+        return out
+
+
+@layer_kind(nn.LayerNorm)
+class LayerNormLayer(_AffineNorm):
+    """nn.LayerNorm over the last dims of inputs of any leading shape."""
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.module.normalized_shape, eps=self.module.eps)
+
+    def channels(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(y.shape[0], -1, math.prod(self.module.normalized_shape))
+
+
+@layer_kind(nn.GroupNorm)
+class GroupNormLayer(_AffineNorm):
+    """nn.GroupNorm on (B, C, ...) inputs: one weight and bias per channel."""
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.module.num_groups, eps=self.module.eps)
+
+    def channels(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(y.shape[0], y.shape[1], -1).transpose(1, 2)
+
+
+class FunctionalLayer(_PerSampleLayer):
+    """The fallback for a module with trainable parameters and no rule: per-sample gradients of its
+    own parameters by ``torch.func`` (vmap over samples of the gradient of its forward, recomputed
+    on each sample's recorded input, weighted by the recorded output gradients). It costs another
+    forward and backward of that module and B times its parameters in memory, for it alone.
+
+    Tensor arguments whose first dim is the batch size are split by sample, the others shared.
+    The forward must treat samples independently and be deterministic: dropout inside it could
+    not be replayed and is refused in training mode.
+    """
+
+    uses_per_call = None
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> None:
+        outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
+        live = [i for i, x in enumerate(outputs) if x.requires_grad]
+        if not live:
+            return
+        self.refuse_randomness()
+        leaves, spec = tree_flatten((args, kwargs))
+        inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
+        self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs))
+        self.calls.append(([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, live))
+        self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
+        self.edge_counts.append(len(live))
+
+    def refuse_randomness(self) -> None:
+        for name, sub in self.module.named_modules(prefix=self.name):
+            if sub.training and isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+                raise ValueError(f"{self.describe()} is recomputed per sample (no book-keeping rule fits it) and "
+                                 f"contains dropout '{name}' in training mode, which cannot be replayed: set its "
+                                 "p to 0 or call .eval() on it")
+
+    def batch_sizes(self) -> list[int]:
+        sizes = []
+        for leaves, _, _ in self.calls:
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.ndim]
+            sizes.append(tensors[0].shape[0] if tensors else 0)
+        return sizes
+
+    def take_grads(self, grads: list) -> None:
+        super().take_grads(grads)
+        self.grads = [g if isinstance(g, list) else [g] for g in self.grads]
+
+    def per_sample_grads(self, batch: int) -> dict:
+        from torch.func import functional_call, grad, vmap
+
+        names = {id(p): n for n, p in self.module.named_parameters(recurse=self.claims_children)}
+        params = {names[id(p)]: p.detach() for p in self.parameters}
+        totals: dict = {}
+        for (leaves, spec, live), output_grads in zip(self.calls, self.grads):
+            split = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
+            pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
+
+            def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs):
+                values = list(leaves)
+                for i, x in zip(split, samples):
+                    values[i] = x.unsqueeze(0)
+                args, kwargs = tree_unflatten(values, spec)
+                outputs = [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
+                           if isinstance(x, torch.Tensor)]
+                return sum((outputs[i] * g.unsqueeze(0)).sum() for (i, _), g in zip(pairs, cotangents))
+
+            with warnings.catch_warnings():  # torch's note that an op has no batching rule: the docstring's cost
+                warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+                grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(
+                    params, [leaves[i] for i in split], [g for _, g in pairs])
+            for p in self.parameters:
+                g = grads[names[id(p)]]
+                totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
+        return totals
+
+
+@layer_kind(nn.MultiheadAttention)
+class MultiheadAttentionLayer(FunctionalLayer):
+    """nn.MultiheadAttention through the fallback: its forward uses in_proj_weight and out_proj's
+    parameters functionally, out of the hooks' sight, so the layer accounts for out_proj too.
+    Attention built from nn.Linear projections gets book-keeping proper instead."""
+
+    claims_children = True
+
+    def refuse_randomness(self) -> None:
+        if self.module.training and self.module.dropout > 0:
+            raise ValueError(f"{self.describe()} is recomputed per sample and has dropout={self.module.dropout} in "
+                             "training mode, which cannot be replayed: use dropout=0, .eval(), or attention built "
+                             "from nn.Linear layers (full book-keeping)")
+        super().refuse_randomness()
+
+
+@layer_kind(nn.modules.batchnorm._BatchNorm)
+class BatchNormLayer(FunctionalLayer):
+    """BatchNorm: in training mode it normalises with the batch's statistics, so no sample has a
+    gradient of its own; it is refused (use GroupNorm or LayerNorm). In eval mode it is a fixed
+    affine map per channel, through the fallback."""
+
+    hook_without_parameters = True
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.module.training:
+            raise ValueError(f"{self.describe()} is in training mode: it normalises with statistics of the whole "
+                             "batch, so per-sample gradients (and their clipping) are undefined; use GroupNorm or "
+                             "LayerNorm, or call .eval() on it")
+        if self.parameters:
+            super().record(args, kwargs, output)
+
+
+def count_uses(roots: list, parameters: list, stop: frozenset = frozenset()) -> list[int]:
+    """How many autograd edges of the graph under the nodes ``roots`` reach each of ``parameters``
+    (each use of a parameter in the forward is one edge into its AccumulateGrad node); the walk
+    does not go below the nodes in ``stop`` (a call's inputs)."""
+    wanted = {id(p): i for i, p in enumerate(parameters)}
+    counts = [0] * len(parameters)
+    seen, stack = set(stop), [n for n in roots if n is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+            if variable is not None:
+                index = wanted.get(id(variable))
+                if index is not None:
+                    counts[index] += 1
+            elif child not in seen:
+                stack.append(child)
+    return counts
