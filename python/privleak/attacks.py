@@ -11,12 +11,20 @@ the one with the lowest objective wins. The cosine is taken over all parameters 
 ignores the update's scale: it applies unchanged to the Gaussian update (sum of clipped gradients
 plus noise, over L) and to the VMF update (a unit vector).
 
-Many attacks run as one batched optimisation (``torch.func.vmap`` over images, restarts and, if
-given, per-attack model parameters). The objective is a sum of independent terms and Adam and the
-sign act element-wise, so this gives the same images as running the attacks one at a time.
+An update of a batch of B images is attacked with B dummy images at once: the dummy update is
+what the client computes from them, each dummy's gradient clipped as the client clips (flat or per
+layer, when the clipping is given) and the B averaged, and the TV term is the dummies' mean. The
+labels come from the last layer (:func:`infer_labels`) or are given. A batch's reconstructions
+come out in no particular order: :func:`match_batches` pairs them with the true images by a
+minimum-cost assignment on MSE before scoring.
+
+Many attacks run as one batched optimisation (``torch.func.vmap`` over updates, restarts, the
+images of a batch and, if given, per-attack model parameters). The objective is a sum of
+independent terms and Adam and the sign act element-wise, so this gives the same images as running
+the attacks one at a time.
 
 :class:`GradientAttack` is what the sweeps (:mod:`privleak.reproduce`, :mod:`privleak.estimation`)
-take: any attack that reconstructs images from leaked one-image updates. A second attack is one
+take: any attack that reconstructs the B images behind each leaked update. A second attack is one
 subclass with its settings as fields and a :meth:`~GradientAttack.reconstruct`;
 :class:`InvertingGradients` is the first.
 
@@ -33,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from privleak import validation
+
 # ----------------------------------------------------------------------------- label inference
 
 
@@ -47,34 +57,88 @@ def _last_linear(model: nn.Module) -> tuple[int, Optional[int]]:
     return positions[id(last.weight)], bias
 
 
-def infer_labels(model: nn.Module, leaked: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The label of a one-image update, from the last layer (Zhao et al., iDLG, 2020).
-
-    With softmax cross-entropy, d loss / d b_j = p_j - 1[j = y] is negative at the true class only,
-    and the weight row j is that times the (non-negative, here sigmoid) features. The true label is
-    the argmin of the bias gradient, or of the weight rows' sums when there is no bias. Any positive
-    scale (clipping, averaging, VMF's normalisation) leaves it unchanged; noise can flip it.
-
-    ``leaked`` holds one tensor per trainable parameter, each with a leading batch-of-attacks
-    dimension A; returns A labels.
-    """
+def _label_evidence(model: nn.Module, leaked: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """(A, classes): the per-class statistic whose most negative entries are the labels."""
     weight, bias = _last_linear(model)
-    evidence = leaked[bias] if bias is not None else leaked[weight].sum(-1)
-    return evidence.argmin(-1)
+    if batch_size == 1:
+        return leaked[bias] if bias is not None else leaked[weight].sum(-1)
+    return leaked[weight].amin(-1)
+
+
+def infer_labels(model: nn.Module, leaked: Sequence[torch.Tensor], batch_size: int = 1) -> torch.Tensor:
+    """The labels of each update of ``batch_size`` images, from the last linear layer.
+
+    With softmax cross-entropy, image b adds s_b (p_bj - 1[j = y_b]) to the bias gradient b_j and
+    that times its (non-negative, here sigmoid) features f_b to the weight row j, s_b > 0 its clip
+    factor. So classes that are no image's label have rows and bias entries >= 0.
+
+    - One image (Zhao et al., iDLG, 2020): the bias entry, or without a bias the weight row's sum,
+      is negative at the label only; its argmin. Of the per-class statistics this one averages
+      the most coordinates, so noise flips it least.
+    - A batch (Yin et al., GradInversion, CVPR 2021): the B classes whose weight rows have the
+      most negative entry, min_m dW[j, m]. A label's row is negative wherever its images'
+      features outweigh the others' p_bj f_b; the bias, one number per class, often is not (at
+      the start of training the network is confident in one class, whose bias entry the other
+      images push positive). Right when the B labels are distinct and each shows
+      (:func:`visible_labels` = B); a repeated label cannot be counted this way.
+
+    Any positive scale (clipping, averaging, VMF's normalisation) leaves the result unchanged;
+    noise can change it. ``leaked`` holds one tensor per trainable parameter, each with a leading
+    batch-of-attacks dimension A; returns A x B labels, update a's at rows a B .. a B + B - 1, in
+    increasing order.
+    """
+    batch_size = validation.integer(batch_size, "batch_size", low=1)
+    evidence = _label_evidence(model, leaked, batch_size)
+    if batch_size > evidence.shape[-1]:
+        raise ValueError(f"batch_size {batch_size} exceeds the {evidence.shape[-1]} classes: the labels of a batch "
+                         "can be inferred only when they are distinct")
+    return evidence.topk(batch_size, -1, largest=False).indices.sort(-1).values.reshape(-1)
+
+
+def visible_labels(model: nn.Module, leaked: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(A,): how many classes' last-layer weight rows have a negative entry, i.e. show up as some
+    image's label (:func:`infer_labels`). Without noise it never counts a class that is no
+    image's label, so when it equals the batch size the inferred labels are exactly the batch's."""
+    weight, _ = _last_linear(model)
+    return (leaked[weight].amin(-1) < 0).sum(-1)
+
+
+class AttackLabels(NamedTuple):
+    labels: torch.Tensor  #: (A B,): the labels the attack reconstructs with
+    given: torch.Tensor  #: (A,) bool: the update did not determine them, so the true ones were given
+
+
+def attack_labels(model: nn.Module, leaked: Sequence[torch.Tensor], batch_size: int,
+                  true_labels: torch.Tensor) -> AttackLabels:
+    """The labels an attacker works with: inferred (:func:`infer_labels`) where the update
+    determines them, the true ones (side knowledge) elsewhere. One image: always inferred (iDLG
+    gives a label for any update). A batch: inferred where exactly B classes are visible
+    (:func:`visible_labels`), which without noise means B distinct labels, all found."""
+    batch_size = validation.integer(batch_size, "batch_size", low=1)
+    true_labels = torch.as_tensor(true_labels, dtype=torch.int64).reshape(-1, batch_size)
+    inferred = infer_labels(model, leaked, batch_size).reshape(-1, batch_size)
+    if batch_size == 1:
+        given = torch.zeros(inferred.shape[0], dtype=torch.bool)
+    else:
+        given = visible_labels(model, leaked) != batch_size
+    return AttackLabels(torch.where(given[:, None], true_labels, inferred).reshape(-1), given)
 
 
 # ----------------------------------------------------------------------------- the attack
 
 
 class Reconstruction(NamedTuple):
-    images: torch.Tensor  #: (A, C, H, W): the best restart of each attack
-    labels: torch.Tensor  #: (A,): given or inferred
+    """What an attack returns for A leaked updates of B images each."""
+
+    images: torch.Tensor  #: (A B, C, H, W): the best restart's B images of each update, update a's at rows a B ..
+    labels: torch.Tensor  #: (A B,): the label each image was reconstructed with, given or inferred
     objective: torch.Tensor  #: (A,): 1 - cosine + alpha TV of the returned images
     restart_objectives: torch.Tensor  #: (A, restarts): the same for every restart's final images
+    batch_size: int = 1  #: B
 
 
 class GradientAttack(ABC):
-    """A reconstruction attack on leaked one-image updates, as the sweeps use it.
+    """A reconstruction attack on leaked updates, as the sweeps use it.
 
     Subclasses are frozen dataclasses whose fields are the attack's settings. ``iterations`` is
     how many times :meth:`reconstruct` calls ``progress``; ``restarts`` how many independent runs
@@ -88,12 +152,14 @@ class GradientAttack(ABC):
     @abstractmethod
     def reconstruct(self, model: nn.Module, leaked: Sequence[torch.Tensor], image_shape: Sequence[int], *,
                     labels: Optional[torch.Tensor] = None, parameters: Optional[Sequence[torch.Tensor]] = None,
-                    generator: Optional[torch.Generator] = None,
+                    batch_size: int = 1, config=None, generator: Optional[torch.Generator] = None,
                     progress: Optional[Callable[[int], None]] = None) -> Reconstruction:
-        """One image per leaked update: ``leaked`` holds one (A, *p.shape) tensor per trainable
-        parameter of ``model``; ``labels`` (A,) if known, ``parameters`` per-attack model parameters
-        if the updates were taken at different points of training; ``generator`` seeds the attack;
-        ``progress(done)`` is called as it goes, ``done`` up to :attr:`iterations`."""
+        """``batch_size`` images per leaked update: ``leaked`` holds one (A, *p.shape) tensor per
+        trainable parameter of ``model``; ``labels`` (A B,) if known, ``parameters`` per-attack
+        model parameters if the updates were taken at different points of training; ``config``
+        the clients' :class:`privleak.dpsgd.DPSGDConfig`, whose clipping the attack models
+        (None: the update is taken to be the batch's mean gradient); ``generator`` seeds the
+        attack; ``progress(done)`` is called as it goes, ``done`` up to :attr:`iterations`."""
 
     @abstractmethod
     def describe(self) -> str:
@@ -125,10 +191,11 @@ class InvertingGradients(GradientAttack):
 
     def reconstruct(self, model: nn.Module, leaked: Sequence[torch.Tensor], image_shape: Sequence[int], *,
                     labels: Optional[torch.Tensor] = None, parameters: Optional[Sequence[torch.Tensor]] = None,
-                    generator: Optional[torch.Generator] = None,
+                    batch_size: int = 1, config=None, generator: Optional[torch.Generator] = None,
                     progress: Optional[Callable[[int], None]] = None) -> Reconstruction:
-        return invert_gradients(model, leaked, image_shape, labels=labels, parameters=parameters, settings=self,
-                                generator=generator, progress=progress)
+        return invert_gradients(model, leaked, image_shape, labels=labels, parameters=parameters,
+                                batch_size=batch_size, config=config, settings=self, generator=generator,
+                                progress=progress)
 
     def describe(self) -> str:
         return (f"{self.iterations} iterations, {self.restarts} restarts, step {self.learning_rate:g}, "
@@ -160,6 +227,16 @@ def _per_attack(model: nn.Module, tensors: Sequence[torch.Tensor], name: str, at
     return [t.detach().to(torch.float32) for t in tensors]
 
 
+def _clip_factors(norms: torch.Tensor, clip_norms: torch.Tensor, per_layer: bool, norm_type: int) -> torch.Tensor:
+    """min(1, c / |g|) per sample (flat: one factor over all tensors) or per sample and tensor
+    (per layer), differentiably, from ``norms`` (..., T): each tensor's squared L2 norm, or its L1
+    norm; the rule of :func:`privleak.dpsgd.clip_and_accumulate`."""
+    if not per_layer:
+        norms = norms.sum(-1, keepdim=True)
+    norms = norms.clamp_min(torch.finfo(norms.dtype).tiny)  # a zero gradient keeps factor 1, not NaN
+    return (clip_norms / (norms.sqrt() if norm_type == 2 else norms)).clamp_max(1.0)
+
+
 def invert_gradients(
     model: nn.Module,
     leaked: Sequence[torch.Tensor],
@@ -167,22 +244,33 @@ def invert_gradients(
     *,
     labels: Optional[torch.Tensor] = None,
     parameters: Optional[Sequence[torch.Tensor]] = None,
+    batch_size: int = 1,
+    config=None,
     settings: InvertingGradients = InvertingGradients(),
     loss_fn: Callable = F.cross_entropy,
     generator: Optional[torch.Generator] = None,
     progress: Optional[Callable[[int], None]] = None,
 ) -> Reconstruction:
-    """Reconstruct one image from each of A leaked one-image updates (module docstring).
+    """Reconstruct the ``batch_size`` images behind each of A leaked updates (module docstring).
+
+    The dummy update of B dummy images x_1 .. x_B with labels y_1 .. y_B is
+    (1/B) sum_b clip(grad L(x_b, y_b)), clip as ``config`` says, and the objective per update is
+    1 - cosine(dummy update, leaked update) + alpha (1/B) sum_b TV(x_b).
 
     Args:
         model: the architecture the clients train (the honest-but-curious server knows it).
         leaked: one tensor per trainable parameter, in ``model.parameters()`` order, each of
             shape (A, *parameter.shape): the updates to attack.
         image_shape: (C, H, W).
-        labels: (A,) true labels if the attacker knows them; inferred with
-            :func:`infer_labels` otherwise.
+        labels: (A B,) or (A, B) labels if the attacker knows them (:func:`attack_labels`);
+            inferred with :func:`infer_labels` otherwise.
         parameters: per-attack model parameters (A, *shape) each, if the updates were computed at
             different points of training; the model's own parameters otherwise.
+        batch_size: B, the images behind each update.
+        config: the :class:`privleak.dpsgd.DPSGDConfig` the clients clipped with (the server
+            knows the protocol): each dummy's gradient is clipped the same way before averaging.
+            A flat clip of a single image only scales the update, which the cosine ignores, so
+            it is modelled only for B > 1 or per-layer clipping. None: no clipping.
         settings: iterations, restarts, step size, TV weight, pixel box.
         generator: seeds the random starting images.
         progress: called with the number of iterations done, every iteration.
@@ -192,14 +280,24 @@ def invert_gradients(
     leaked = _per_attack(model, leaked, "leaked")
     if not bool(sum(g.double().flatten(1).pow(2).sum(1) for g in leaked).gt(0).all()):
         raise ValueError("a leaked update is zero: the cosine objective has no direction to match")
+    batch_size = validation.integer(batch_size, "batch_size", low=1)
     attacks, restarts = leaked[0].shape[0], settings.restarts
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     buffers = {name: b.detach() for name, b in model.named_buffers()}
     if labels is None:
-        labels = infer_labels(model, leaked)
+        labels = infer_labels(model, leaked, batch_size)
     labels = torch.as_tensor(labels, dtype=torch.int64).reshape(-1)
-    if labels.numel() != attacks:
-        raise ValueError(f"labels holds {labels.numel()} labels for {attacks} attacks")
+    if labels.numel() != attacks * batch_size:
+        raise ValueError(f"labels holds {labels.numel()} labels for {attacks} attacks of {batch_size} images each")
+    clipping = None
+    if config is not None:
+        from privleak import dpsgd
+
+        config = dpsgd.config.check_config(config, len(names))
+        if batch_size > 1 or config.per_layer:
+            clipping = config.clipping(len(names))
+            clip_norms = torch.tensor(clipping.norms, dtype=torch.float32)
+            norm_type = config.mechanism.clip_norm_type
     if parameters is None:
         params, params_dim = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, None
     else:
@@ -212,20 +310,30 @@ def invert_gradients(
             return loss_fn(functional_call(model, (q, buffers), (image.unsqueeze(0),)), label.unsqueeze(0))
         return grad(loss)(p)
 
-    gradients = vmap(gradient_of_one, in_dims=(params_dim, 0, 0))
+    # (candidates, B, *shape) per parameter: every dummy's own gradient at its update's parameters.
+    gradients = vmap(vmap(gradient_of_one, in_dims=(None, 0, 0)), in_dims=(params_dim, 0, 0))
     targets = [g.repeat_interleave(restarts, 0).flatten(1) for g in leaked]
     target_norms = torch.sqrt(sum(t.double().pow(2).sum(1) for t in targets)).float()
-    candidate_labels = labels.repeat_interleave(restarts)
+    candidate_labels = labels.reshape(attacks, batch_size).repeat_interleave(restarts, 0)
+
+    def dummy_updates(images):
+        current = [g.flatten(2) for g in gradients(params, images, candidate_labels).values()]
+        if clipping is not None:
+            sizes = torch.stack([(g.pow(2) if norm_type == 2 else g.abs()).sum(-1) for g in current], -1)
+            factors = _clip_factors(sizes, clip_norms, clipping.per_layer, norm_type).expand_as(sizes)
+            current = [g * factors[..., t, None] for t, g in enumerate(current)]
+        return [g.mean(1) for g in current]
 
     def objective(images):
-        current = gradients(params, images, candidate_labels)
-        dots = sum((current[n].flatten(1) * t).sum(1) for n, t in zip(names, targets))
-        norms = torch.sqrt(sum(current[n].flatten(1).pow(2).sum(1) for n in names))
+        current = dummy_updates(images)
+        dots = sum((c * t).sum(1) for c, t in zip(current, targets))
+        norms = torch.sqrt(sum(c.pow(2).sum(1) for c in current))
         cosine = dots / (norms * target_norms).clamp_min(torch.finfo(torch.float32).tiny)
-        return 1.0 - cosine + settings.tv_weight * total_variation(images)
+        prior = total_variation(images.flatten(0, 1)).reshape(images.shape[:2]).mean(1)
+        return 1.0 - cosine + settings.tv_weight * prior
 
     low, high = settings.bounds
-    start = torch.randn((attacks * restarts, *image_shape), generator=generator)
+    start = torch.randn((attacks * restarts, batch_size, *image_shape), generator=generator)
     images = start.clamp(low, high).requires_grad_(True)
     optimizer = torch.optim.Adam([images], lr=settings.learning_rate)
     milestones = sorted({max(1, int(settings.iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
@@ -244,8 +352,38 @@ def invert_gradients(
     with torch.no_grad():
         final = objective(images.detach()).reshape(attacks, restarts)
     best = final.argmin(1)
-    chosen = images.detach().reshape(attacks, restarts, *image_shape)[torch.arange(attacks), best]
-    return Reconstruction(chosen, labels, final[torch.arange(attacks), best], final)
+    chosen = images.detach().reshape(attacks, restarts, batch_size, *image_shape)[torch.arange(attacks), best]
+    return Reconstruction(chosen.flatten(0, 1), labels, final[torch.arange(attacks), best], final, batch_size)
+
+
+class Matching(NamedTuple):
+    """Reconstructions paired with the true images of their batches (:func:`match_batches`)."""
+
+    order: torch.Tensor  #: (A, B): reconstruction order[a, i] of update a is paired with its true image i
+    images: torch.Tensor  #: (A B, C, H, W): the reconstructions in the true images' order
+    labels: torch.Tensor  #: (A B,): their labels, in the same order
+
+
+def match_batches(reconstruction: Reconstruction, originals: torch.Tensor) -> Matching:
+    """Pair each update's B reconstructions with its B true images (``originals``, (A B, C, H, W),
+    update-major like ``reconstruction.images``) by the assignment of least total MSE (the
+    Hungarian method, :func:`scipy.optimize.linear_sum_assignment`): a batch's gradient does not
+    depend on the order of its images, so neither can the scores. One image per update is
+    paired with itself."""
+    from scipy.optimize import linear_sum_assignment
+
+    b = reconstruction.batch_size
+    _check_pair(reconstruction.images, originals)
+    if originals.shape[0] % b:
+        raise ValueError(f"originals holds {originals.shape[0]} images, not a whole number of batches of {b}")
+    attacks = originals.shape[0] // b
+    found = reconstruction.images.reshape(attacks, b, -1).double()
+    truth = originals.reshape(attacks, b, -1).double()
+    # cost[a, i, j]: MSE between true image i and reconstruction j of update a.
+    cost = (truth.unsqueeze(2) - found.unsqueeze(1)).pow(2).mean(-1).numpy()
+    order = torch.stack([torch.as_tensor(linear_sum_assignment(c)[1], dtype=torch.int64) for c in cost])
+    rows = torch.arange(attacks).unsqueeze(1) * b + order
+    return Matching(order, reconstruction.images[rows.reshape(-1)], reconstruction.labels[rows.reshape(-1)])
 
 
 # ----------------------------------------------------------------------------- scores

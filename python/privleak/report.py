@@ -9,6 +9,8 @@
   ``kappa``, the columns these reports always had.
 - Markdown: :func:`number` formats a cell (6 significant digits, ``inf``, ``-`` for nan) and
   :func:`markdown_table` lays out a table.
+- Error bars: :func:`standard_error` of a mean, and the words that say so in a legend
+  (:data:`STANDARD_ERROR_LEGEND`) and a caption (:func:`standard_error_caption`).
 - Figures: :func:`figure` opens one row of axes and saves it (grid, legend, 120 dpi);
   :func:`by_mechanism` groups results by mechanism in the registry's order, and :func:`colour`
   gives each registered mechanism the colour of its place in the registry along matplotlib's
@@ -106,6 +108,28 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> lis
 def column_title(name: str) -> str:
     """A CSV column's name as a table header: ``noise_multiplier`` -> ``noise multiplier``."""
     return name.replace("_", " ")
+
+
+# ----------------------------------------------------------------------------- error bars
+
+#: What a curve's error bars are, for its legend entry.
+STANDARD_ERROR_LEGEND = "mean ± standard error"
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values``: s / sqrt(n), s the sample standard deviation
+    (n - 1 in its denominator); nan for fewer than two values (no spread to estimate)."""
+    values = [float(v) for v in values]
+    if len(values) < 2:
+        return math.nan
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def standard_error_caption(counts: Sequence[int]) -> str:
+    """A caption saying the error bars are standard errors over ``counts`` values per point."""
+    over = " or ".join(str(n) for n in counts)
+    return f"error bars: standard error of the mean over the {over} attacked images of each setting"
 
 
 # ----------------------------------------------------------------------------- figures
