@@ -193,8 +193,19 @@ def _prepare_reproduce(args: argparse.Namespace):
     experiment = reproduce.PAPER_SCALE if args.paper_scale else reproduce.Experiment()
     attack = dataclasses.replace(experiment.attack, **{k: v for k, v in (("iterations", args.iterations),
                                                                          ("restarts", args.restarts)) if v is not None})
-    changes = _sweep_changes(args, ("dataset", "clients", "rounds", "seed", "delta"))
-    experiment = dataclasses.replace(experiment, attack=attack, **changes)
+    changes = _sweep_changes(args, ("dataset", "clients", "rounds", "seed", "delta", "batch_size"))
+    if args.calibration is not None and args.convention != reproduce.PaperConvention.name:
+        raise _BadOption("--calibration", f"applies to --convention {reproduce.PaperConvention.name} only")
+    rules = reproduce.convention(args.convention if args.calibration is None else
+                                 f"{args.convention}-{args.calibration}")
+    try:
+        rules.check(changes.get("mechanisms", experiment.mechanisms))
+    except ValueError as error:
+        raise _BadOption("--mechanisms", str(error).removeprefix("mechanisms: ")) from None
+    if changes.get("batch_size", 1) > experiment.examples_per_client:
+        raise _BadOption("--batch-size", f"must be at most the {experiment.examples_per_client} examples per client, "
+                                         f"got {changes['batch_size']}")
+    experiment = dataclasses.replace(experiment, attack=attack, convention=rules, **changes)
     _check_images_suffice(experiment.dataset, "--clients", experiment.clients, experiment.examples_per_client)
     return experiment
 
@@ -455,6 +466,12 @@ def _add_audit_commands(commands) -> None:
     run.set_defaults(run=_audit_run, prepare=_prepare_audit_run, parser=run)
 
 
+def _calibrations() -> tuple:
+    from privleak import reproduce
+
+    return reproduce.CALIBRATIONS
+
+
 def _add_sweep_arguments(command: argparse.ArgumentParser, default_epsilons: str) -> None:
     """The arguments ``reproduce`` and ``estimate`` share: where to write, what data, which sweep."""
     command.add_argument("--out", required=True,
@@ -497,6 +514,18 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--grid-epsilons", type=_EPSILON, nargs="+", metavar="EPSILON",
                            help="epsilons shown in reconstructions.png, finite and > 0, each once "
                                 "(default 173 1e4 1e5)")
+    reproduce.add_argument("--convention", choices=["privleak", "paper"], default="privleak",
+                           help="how epsilon becomes noise: privleak (default; one update as local DP, any two "
+                                "clipped gradients: Gaussian sensitivity 2c, VMF kappa = eps/2, flat clipping) or "
+                                "paper (paper 004's: Gaussian sensitivity c, VMF kappa = eps, per-layer clipping); "
+                                "paper takes gaussian and vmf only")
+    reproduce.add_argument("--calibration", choices=list(_calibrations()),
+                           help="the Gaussian's sigma under --convention paper: analytic (default; Balle and Wang) or "
+                                "classic sqrt(2 ln(1.25/delta))/epsilon, not a valid calibration above epsilon = 1 "
+                                "(a warning says so)")
+    reproduce.add_argument("--batch-size", type=_COUNT,
+                           help="images behind each client's update, >= 1 and at most the examples per client (16; "
+                                "32 with --paper-scale); the attack reconstructs all of them (default 1)")
     reproduce.set_defaults(run=_reproduce, prepare=_prepare_reproduce, parser=reproduce)
 
     estimate = commands.add_parser(
