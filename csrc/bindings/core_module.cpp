@@ -11,6 +11,7 @@
 #include "common/chacha20.h"
 #include "cpu/clip.h"
 #include "cpu/column_stats.h"
+#include "cpu/ghost_norm.h"
 #include "cpu/nearest.h"
 #include "cpu/noise.h"
 #include "cpu/secure_noise.h"
@@ -20,6 +21,19 @@
 namespace py = pybind11;
 using privleak::bindings::as_pointer;
 namespace marshal = privleak::bindings;
+
+namespace {
+
+// The CPU path a kernel runs: None is the one chosen at load time. Tests name one to compare the
+// paths' bits.
+privleak::cpu::CpuCapability cpu_path(const std::optional<std::string>& capability) {
+  privleak::cpu::CpuCapability path = privleak::cpu::cpu_capability_level();
+  if (capability && !privleak::cpu::parse_capability(capability->c_str(), &path))
+    throw std::invalid_argument("capability must be 'default', 'avx2' or 'avx512', got '" + *capability + "'");
+  return path;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "privleak's C++ kernels. Private: call them through the privleak package.";
@@ -46,10 +60,7 @@ PYBIND11_MODULE(_core, m) {
          const std::optional<std::string>& capability) {
         const privleak::NearestMetric m = marshal::parse_metric(metric);
         const privleak::DType type = privleak::parse_dtype(dtype);
-        // None: the path chosen at load time. Tests name one to compare the paths' bits.
-        privleak::cpu::CpuCapability path = privleak::cpu::cpu_capability_level();
-        if (capability && !privleak::cpu::parse_capability(capability->c_str(), &path))
-          throw std::invalid_argument("capability must be 'default', 'avx2' or 'avx512', got '" + *capability + "'");
+        const privleak::cpu::CpuCapability path = cpu_path(capability);
         py::gil_scoped_release release;
         privleak::cpu::nearest(type, m, as_pointer(queries), n_queries, query_stride, as_pointer(inputs), n_inputs,
                                input_stride, p, as_pointer(center), as_pointer<double>(out_value),
@@ -111,6 +122,31 @@ PYBIND11_MODULE(_core, m) {
       py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("clip_norms"),
       py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("sums"));
+
+  m.def(
+      "ghost_norm",
+      [](const std::string& dtype, std::uintptr_t activations, std::uintptr_t output_grads, int64_t batch,
+         int64_t length, int64_t d, int64_t p, std::uintptr_t out, const std::optional<std::string>& capability) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::cpu::CpuCapability path = cpu_path(capability);
+        py::gil_scoped_release release;
+        privleak::cpu::ghost_norm(t, as_pointer(activations), as_pointer(output_grads), batch, length, d, p,
+                                  as_pointer<double>(out), path);
+      },
+      py::arg("dtype"), py::arg("activations"), py::arg("output_grads"), py::arg("batch"), py::arg("length"),
+      py::arg("d"), py::arg("p"), py::arg("out"), py::arg("capability") = py::none());
+
+  m.def(
+      "embedding_ghost_norm",
+      [](const std::string& dtype, std::uintptr_t ids, std::uintptr_t output_grads, int64_t batch, int64_t length,
+         int64_t p, std::uintptr_t out) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cpu::embedding_ghost_norm(t, as_pointer<const int64_t>(ids), as_pointer(output_grads), batch, length,
+                                            p, as_pointer<double>(out));
+      },
+      py::arg("dtype"), py::arg("ids"), py::arg("output_grads"), py::arg("batch"), py::arg("length"), py::arg("p"),
+      py::arg("out"));
 
   m.def(
       "chacha20_block",

@@ -4,6 +4,7 @@
 #include "bindings/marshal.h"
 #include "cuda/clip.h"
 #include "cuda/column_stats.h"
+#include "cuda/ghost_norm.h"
 #include "cuda/nearest.h"
 #include "cuda/noise.h"
 #include "cuda/secure_noise.h"
@@ -127,6 +128,38 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("clip_norms"),
       py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("sums"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def("ghost_norm_workspace_bytes", &privleak::cuda::ghost_norm_workspace_bytes, py::arg("batch"),
+        py::arg("length"));
+
+  m.def(
+      "ghost_norm",
+      [](const std::string& dtype, std::uintptr_t activations, std::uintptr_t output_grads, int64_t batch,
+         int64_t length, int64_t d, int64_t p, std::uintptr_t out, std::uintptr_t workspace, int device,
+         std::uintptr_t stream) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cuda::ghost_norm(t, as_pointer(activations), as_pointer(output_grads), batch, length, d, p,
+                                   as_pointer<double>(out), as_pointer(workspace), device, as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("activations"), py::arg("output_grads"), py::arg("batch"), py::arg("length"),
+      py::arg("d"), py::arg("p"), py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def("embedding_ghost_norm_workspace_bytes", &privleak::cuda::embedding_ghost_norm_workspace_bytes,
+        py::arg("batch"), py::arg("length"));
+
+  m.def(
+      "embedding_ghost_norm",
+      [](const std::string& dtype, std::uintptr_t ids, std::uintptr_t output_grads, int64_t batch, int64_t length,
+         int64_t p, std::uintptr_t out, std::uintptr_t workspace, int device, std::uintptr_t stream) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        py::gil_scoped_release release;
+        privleak::cuda::embedding_ghost_norm(t, as_pointer<const int64_t>(ids), as_pointer(output_grads), batch,
+                                             length, p, as_pointer<double>(out), as_pointer(workspace), device,
+                                             as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("ids"), py::arg("output_grads"), py::arg("batch"), py::arg("length"), py::arg("p"),
+      py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
   m.def("device_count", [] {
     std::string error;

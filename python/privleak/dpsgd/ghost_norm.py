@@ -8,13 +8,152 @@ gradient G_i = sum_t g_{i,t} a_{i,t}^T, with g_{i,t} = dL_i / dy_{i,t}. Its squa
     |G_i|_F^2 = sum_{t,s} (a_{i,t} . a_{i,s}) (g_{i,t} . g_{i,s}),
 
 which costs O(T^2 (d + p)) instead of O(T d p). An Embedding's input is one-hot, so
-a_t . a_s = [id_t == id_s].
+a_t . a_s = [id_t == id_s], and the sum is sum_v |sum_{t: id_t = v} g_t|^2 over the ids v of the
+sample: O(T p).
 
-These are the pure references; the kernels (where built) must equal them.
+:func:`ghost_norm_squared` and :func:`embedding_ghost_norm_squared` run privleak's kernels
+(``torch.ops.privleak.ghost_norm`` and ``torch.ops.privleak.embedding_ghost_norm``, on the CPU
+and CUDA); :func:`ghost_norm_squared_reference` and :func:`embedding_ghost_norm_squared_reference`
+are the float64 torch formulas they are tested against.
+
+The dense kernel never stores a T x T Gram matrix: it walks the lower triangle (w_ts = w_st) in
+tiles, so it does about half the work of the two batched matrix products (Opacus's formula) and
+moves none of their T x T output through memory. Its arithmetic is fixed (csrc/common/ghost_norm.h):
+each Gram entry x_t . x_s is a float32 fma chain per chunk of 128 coordinates (float64 for
+float64 inputs; bfloat16 and float16 are widened exactly first), the chunks added in float64; the
+products w_ts and every sum over positions are float64, in a fixed order. So the result does not
+depend on the thread count, the CPU's instruction set or the device: CPU and CUDA give the same
+bits. Its error against exact arithmetic on the same inputs is at most, to first order,
+
+    (min(d, 128) + min(p, 128)) 2^-24 (sum_t |a_t| |g_t|)^2
+
+(2^-53 for float64 inputs): the float32 chains' ``n u`` bound with n capped by the chunk, times
+Cauchy-Schwarz; (sum_t |a_t| |g_t|)^2 >= |G|_F^2, with equality at T = 1. A result whose exact
+value is 0 can come out slightly negative by rounding: it is clamped to 0. The Embedding kernel
+sums each id's gradients in float64 (its error is that of float64).
+
+Non-finite values: a sample with a NaN input gives NaN; one with an infinite input, or whose
+float32 Gram entries overflow (a row with squared norm past 3.4e38, i.e. elements near 1.8e19),
+gives +inf; finite inputs never give NaN. The caller treats a non-finite norm as a bad sample.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from privleak import _arrays, _backend, validation
+from privleak import mechanisms as _mechanisms
+
+#: Input dtypes of the kernels. Activations and output gradients of different dtypes are both
+#: converted to the wider one first (torch.promote_types), which is exact.
+INPUT_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_ID_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+@torch.library.custom_op("privleak::ghost_norm", mutates_args=())
+def _ghost_norm_op(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
+    """The dense kernel: (B,) float64 sum_{t,s} (a_t . a_s)(g_t . g_s) for activations (B, T, d)
+    and output gradients (B, T, p) of one dtype and device."""
+    a, g = activations.contiguous(), output_grads.contiguous()
+    batch, length, d = a.shape
+    out = torch.empty(batch, dtype=torch.float64, device=a.device)
+    if batch:
+        _backend.call("ghost_norm", a, _dtype_name(a), a.data_ptr(), g.data_ptr(), batch, length, d, g.shape[2],
+                      out.data_ptr(), workspace=lambda module: module.ghost_norm_workspace_bytes(batch, length))
+    return out
+
+
+@_ghost_norm_op.register_fake
+def _(activations, output_grads):
+    return activations.new_empty(activations.shape[0], dtype=torch.float64)
+
+
+@torch.library.custom_op("privleak::embedding_ghost_norm", mutates_args=())
+def _embedding_ghost_norm_op(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
+    """The Embedding kernel: (B,) float64 sum_{t,s} [id_t == id_s](g_t . g_s) for int64 ids (B, T)
+    and output gradients (B, T, p) on one device."""
+    ids, g = ids.contiguous(), output_grads.contiguous()
+    batch, length, p = g.shape
+    out = torch.empty(batch, dtype=torch.float64, device=g.device)
+    if batch:
+        _backend.call("embedding_ghost_norm", g, _dtype_name(g), ids.data_ptr(), g.data_ptr(), batch, length, p,
+                      out.data_ptr(),
+                      workspace=lambda module: module.embedding_ghost_norm_workspace_bytes(batch, length))
+    return out
+
+
+@_embedding_ghost_norm_op.register_fake
+def _(ids, output_grads):
+    return output_grads.new_empty(output_grads.shape[0], dtype=torch.float64)
+
+
+def _check_grads(output_grads) -> _arrays.ArrayView:
+    view = validation.tensor(output_grads, "output_grads", dtypes=INPUT_DTYPES)
+    if output_grads.ndim < 2:
+        raise ValueError("output_grads must be (B, T, p) (or (B, p), or (B, ..., p)), "
+                         f"got shape {tuple(output_grads.shape)}")
+    if view.is_cuda:
+        _mechanisms._check_cuda(output_grads.device, "output_grads' device")
+    return view
+
+
+def _positions(shape: torch.Size) -> int:
+    """T: the positions of a (B, ..., features) tensor, its middle dimensions laid end to end."""
+    return math.prod(shape[1:-1])
+
+
+def ghost_norm_squared(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 squared per-sample norms of a Linear-like layer's weight gradient:
+    sum_{t,s} (a_t . a_s)(g_t . g_s) per sample (module docstring; Li et al., ICLR 2022, Sec. 4).
+
+    Args:
+        activations: the layer's inputs a, (B, T, d), or (B, d) (T = 1), or (B, ..., d) (the
+            middle dimensions are the positions), float32, float64, bfloat16 or float16.
+        output_grads: the gradients g of the per-sample losses with respect to the layer's
+            outputs, (B, T, p) with the same B and positions, on the same device (CPU or CUDA).
+
+    Non-contiguous inputs are copied to contiguous ones; inputs of two dtypes are both converted
+    to the wider one. Accuracy and non-finite inputs: see the module docstring.
+    """
+    view_g = _check_grads(output_grads)
+    view_a = validation.tensor(activations, "activations", dtypes=INPUT_DTYPES)
+    if activations.shape[:-1] != output_grads.shape[:-1] or activations.ndim < 2:
+        raise ValueError(f"activations has shape {tuple(activations.shape)} and output_grads "
+                         f"{tuple(output_grads.shape)}: they must be (B, T, d) and (B, T, p), with the same B and T")
+    _arrays.require_same_device(view_a, "activations", view_g, "output_grads")
+    dtype = torch.promote_types(activations.dtype, output_grads.dtype)
+    batch, length = activations.shape[0], _positions(activations.shape)
+    a = activations.detach().to(dtype).reshape(batch, length, activations.shape[-1])
+    g = output_grads.detach().to(dtype).reshape(batch, length, output_grads.shape[-1])
+    return torch.ops.privleak.ghost_norm(a, g)
+
+
+def embedding_ghost_norm_squared(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 squared per-sample norms of an Embedding's weight gradient:
+    sum_{t,s} [id_t == id_s](g_t . g_s) = sum_v |sum_{t: id_t = v} g_t|^2 per sample (module
+    docstring).
+
+    Args:
+        ids: the token ids, (B, T) (or (B, ...) matching ``output_grads``), any integer dtype. Only
+            equality matters: ids need not be in the vocabulary's range. A padding id's positions
+            count like any other; zero their ``output_grads`` to leave them out.
+        output_grads: the gradients of the per-sample losses with respect to the Embedding's
+            outputs, (B, T, p), float32, float64, bfloat16 or float16, on the device of ``ids``.
+    """
+    view_g = _check_grads(output_grads)
+    view_ids = validation.tensor(ids, "ids", dtypes=_ID_DTYPES)
+    if ids.shape != output_grads.shape[:-1]:
+        raise ValueError(f"ids has shape {tuple(ids.shape)} and output_grads {tuple(output_grads.shape)}: ids must "
+                         "be (B, T) for output_grads (B, T, p), with the same B and T")
+    _arrays.require_same_device(view_ids, "ids", view_g, "output_grads")
+    batch, length = output_grads.shape[0], _positions(output_grads.shape)
+    g = output_grads.detach().reshape(batch, length, output_grads.shape[-1])
+    return torch.ops.privleak.embedding_ghost_norm(ids.to(torch.int64).reshape(batch, length), g)
 
 
 def ghost_norm_squared_reference(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
@@ -30,13 +169,3 @@ def embedding_ghost_norm_squared_reference(ids: torch.Tensor, output_grads: torc
     g = output_grads.double()
     same = (ids.unsqueeze(2) == ids.unsqueeze(1)).double()
     return (same * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
-
-
-def ghost_norm_squared(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 squared per-sample norms of a Linear-like layer's weight gradient (module docstring)."""
-    return ghost_norm_squared_reference(activations, output_grads)
-
-
-def embedding_ghost_norm_squared(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 squared per-sample norms of an Embedding's weight gradient (module docstring)."""
-    return embedding_ghost_norm_squared_reference(ids, output_grads)

@@ -1,0 +1,241 @@
+// CUDA ghost norms, the CPU's arithmetic in the CPU's order (common/ghost_norm.h).
+//
+// Dense form: one block per (sample, 64 rows t). It walks the 64-column tiles s up to its own, in
+// order; for each it computes the a-Gram and then the g-Gram tile as a classic shared-memory SGEMM
+// (16 x 16 threads, 4 x 4 entries each, kStep coordinates per step), every entry one thread's
+// fma chain in coordinate order, restarted per kGhostChunk and added to a double. The products
+// w_ts go to shared memory, and thread t adds its row's into `below` in order of s, as the CPU
+// does. No tensor cores (their accumulation order is not specified) and no atomics. Zero padding
+// past n only adds fma(0, 0, acc) = acc + 0 to the last chunk, which can turn a -0 chain into +0;
+// adding the chunk to its double (which starts at +0) gives the same +0 either way.
+//
+// Embedding form: one thread per (sample, position) finds whether the position leads its group
+// and the next position with its id; one warp per leading position sums its group's rows, lane l
+// taking coordinates j = l mod 32 as the CPU's lanes do; the lanes are added in order.
+//
+// Then one thread per sample adds its rows in order. All launches queue on the caller's stream.
+#include "cuda/ghost_norm.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+
+#include "cuda/device.h"
+
+namespace privleak::cuda {
+namespace {
+
+constexpr int kTile = 64;  // rows t of a block, and columns s of each tile it walks
+constexpr int kThreads = 256;
+constexpr int kSub = 4;  // entries per thread along each side of a tile: 16 x 4 = kTile
+static_assert(16 * kSub == kTile && 16 * 16 == kThreads, "one thread per 4 x 4 entries of a 64 x 64 tile");
+
+// Coordinates per shared-memory step: 16 floats or 8 doubles, so that the float64 kernel's
+// shared memory fits in 48 KiB as well. Steps never straddle a chunk.
+template <class Acc>
+constexpr int kStep = 64 / static_cast<int>(sizeof(Acc));
+static_assert(kGhostChunk % kStep<float> == 0 && kGhostChunk % kStep<double> == 0, "steps must tile chunks");
+
+// tot[i][j] = Gram entry (t0 + ty + 16 i, s0 + tx + 16 j) of x (length rows of n coordinates).
+template <class In, class Acc>
+__device__ void gram_tile(const In* x, int64_t length, int64_t n, int64_t t0, int64_t s0,
+                          Acc (*rows)[kTile + 1], Acc (*cols)[kTile + 1], double (&tot)[kSub][kSub]) {
+  constexpr int K = kStep<Acc>;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) tot[i][j] = 0.0;
+  for (int64_t c0 = 0; c0 < n; c0 += kGhostChunk) {
+    const int64_t c1 = min(c0 + kGhostChunk, n);
+    Acc acc[kSub][kSub];
+#pragma unroll
+    for (int i = 0; i < kSub; ++i)
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) acc[i][j] = Acc(0);
+    for (int64_t k0 = c0; k0 < c1; k0 += K) {
+      for (int e = threadIdx.x; e < kTile * K; e += kThreads) {
+        const int r = e / K, kk = e % K;
+        const int64_t k = k0 + kk;
+        rows[kk][r] = k < c1 && t0 + r < length ? static_cast<Acc>(Element<In>::load(x[(t0 + r) * n + k])) : Acc(0);
+        cols[kk][r] = k < c1 && s0 + r < length ? static_cast<Acc>(Element<In>::load(x[(s0 + r) * n + k])) : Acc(0);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < K; ++kk) {
+        Acc a[kSub], b[kSub];
+#pragma unroll
+        for (int i = 0; i < kSub; ++i) a[i] = rows[kk][ty + 16 * i];
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) b[j] = cols[kk][tx + 16 * j];
+#pragma unroll
+        for (int i = 0; i < kSub; ++i)
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) acc[i][j] = ghost_fma(a[i], b[j], acc[i][j]);
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < kSub; ++i)
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) tot[i][j] += static_cast<double>(acc[i][j]);
+  }
+}
+
+// rows[b length + t] = ghost_row_total of row t of sample b = blockIdx.x, t in block blockIdx.y.
+template <class In, class Acc>
+__global__ void __launch_bounds__(kThreads)
+    ghost_rows(const In* a, const In* g, int64_t length, int64_t d, int64_t p, double* rows) {
+  constexpr int K = kStep<Acc>;
+  __shared__ Acc tile_rows[K][kTile + 1], tile_cols[K][kTile + 1];
+  __shared__ double products[kTile][kTile + 1];
+  __shared__ double diag_a[kTile], diag_g[kTile];
+  const int64_t b = blockIdx.x, t0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const In* sample_a = a + b * length * d;
+  const In* sample_g = g + b * length * p;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  double below = 0.0;  // row t0 + threadIdx.x's, for threadIdx.x < kTile
+  for (int64_t s0 = 0; s0 <= t0; s0 += kTile) {
+    double aa[kSub][kSub], gg[kSub][kSub];
+    gram_tile(sample_a, length, d, t0, s0, tile_rows, tile_cols, aa);
+    gram_tile(sample_g, length, p, t0, s0, tile_rows, tile_cols, gg);
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const int r = ty + 16 * i, c = tx + 16 * j;
+        products[r][c] = aa[i][j] * gg[i][j];
+        if (s0 + c == t0 + r) {
+          diag_a[r] = aa[i][j];
+          diag_g[r] = gg[i][j];
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile) {
+      const int64_t t = t0 + threadIdx.x;
+      for (int c = 0; c < kTile && s0 + c < t; ++c) below += products[threadIdx.x][c];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x < kTile && t0 + threadIdx.x < length)
+    rows[b * length + t0 + threadIdx.x] = ghost_row_total(below, diag_a[threadIdx.x], diag_g[threadIdx.x]);
+}
+
+__global__ void sample_totals(const double* rows, int64_t batch, int64_t length, double* out) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < batch) out[b] = ghost_sample_total(rows + b * length, length);
+}
+
+// head[e] = whether position t of sample b (e = b length + t) is its id's first; next[e] = the
+// next position with its id, or -1.
+__global__ void embedding_links(const int64_t* ids, int64_t batch, int64_t length, int64_t* next, int64_t* head) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < batch * length; e += stride) {
+    const int64_t t = e % length;
+    const int64_t* sample = ids + (e - t);
+    const int64_t id = sample[t];
+    int64_t s = 0;
+    while (s < t && sample[s] != id) ++s;
+    int64_t n = t + 1;
+    while (n < length && sample[n] != id) ++n;
+    head[e] = s == t;
+    next[e] = n < length ? n : -1;
+  }
+}
+
+// One warp per (sample, position): its group's row if it leads the group, else 0.
+template <class In>
+__global__ void embedding_rows(const In* g, const int64_t* next, const int64_t* head, int64_t batch, int64_t length,
+                               int64_t p, double* rows) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kEmbeddingLanes;
+  const int lane = threadIdx.x % kEmbeddingLanes;
+  for (int64_t e = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kEmbeddingLanes;
+       e < batch * length; e += warps) {  // e is the same for the whole warp
+    if (!head[e]) {
+      if (lane == 0) rows[e] = 0.0;
+      continue;
+    }
+    const int64_t first = e - e % length;  // (b, 0)
+    double acc = 0.0;
+    for (int64_t j = lane; j < p; j += kEmbeddingLanes) {
+      double v = static_cast<double>(Element<In>::load(g[e * p + j]));
+      for (int64_t m = next[e]; m >= 0; m = next[first + m])
+        v += static_cast<double>(Element<In>::load(g[(first + m) * p + j]));
+      acc = ghost_fma(v, v, acc);
+    }
+    double lanes[kEmbeddingLanes];
+#pragma unroll
+    for (int l = 0; l < kEmbeddingLanes; ++l) lanes[l] = __shfl_sync(0xffffffffu, acc, l);
+    if (lane == 0) rows[e] = embedding_lanes_total(lanes);
+  }
+}
+
+unsigned blocks_for(int64_t threads) {
+  return static_cast<unsigned>(std::min<int64_t>((threads + kThreads - 1) / kThreads, 65536));
+}
+
+void check_batch(int64_t batch) {
+  if (batch > INT32_MAX) throw std::invalid_argument("ghost_norm: batch must be below 2^31 on CUDA");
+}
+
+}  // namespace
+
+int64_t ghost_norm_workspace_bytes(int64_t batch, int64_t length) {
+  return batch * length * static_cast<int64_t>(sizeof(double));
+}
+
+void ghost_norm(NoiseDType dtype, const void* activations, const void* output_grads, int64_t batch, int64_t length,
+                int64_t d, int64_t p, double* out, void* workspace, int device, void* stream) {
+  check_ghost_sizes(batch, length, d, p);
+  check_batch(batch);
+  const int64_t tiles = (length + kTile - 1) / kTile;
+  if (tiles > 65535) throw std::invalid_argument("ghost_norm: length must be at most 65535 * 64 on CUDA");
+  if (batch == 0) return;
+  const DeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream);
+  auto* rows = static_cast<double*>(workspace);
+  dispatch_ghost_dtype(dtype, [&](auto zero) {
+    using In = decltype(zero);
+    using Acc = typename GhostAcc<In>::type;
+    if (tiles == 0) return;  // no rows; a 0-block launch is an error
+    ghost_rows<In, Acc><<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(tiles)), kThreads, 0, s>>>(
+        static_cast<const In*>(activations), static_cast<const In*>(output_grads), length, d, p, rows);
+    check(cudaGetLastError(), "ghost_norm: ghost_rows launch");
+  });
+  sample_totals<<<blocks_for(batch), kThreads, 0, s>>>(rows, batch, length, out);
+  check(cudaGetLastError(), "ghost_norm: sample_totals launch");
+}
+
+int64_t embedding_ghost_norm_workspace_bytes(int64_t batch, int64_t length) {
+  return batch * length * static_cast<int64_t>(sizeof(double) + 2 * sizeof(int64_t));
+}
+
+void embedding_ghost_norm(NoiseDType dtype, const int64_t* ids, const void* output_grads, int64_t batch,
+                          int64_t length, int64_t p, double* out, void* workspace, int device, void* stream) {
+  check_ghost_sizes(batch, length, 0, p);
+  check_batch(batch);
+  if (batch == 0) return;
+  const DeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t items = batch * length;
+  auto* rows = static_cast<double*>(workspace);
+  auto* next = reinterpret_cast<int64_t*>(rows + items);
+  int64_t* head = next + items;
+  if (items > 0) {
+    embedding_links<<<blocks_for(items), kThreads, 0, s>>>(ids, batch, length, next, head);
+    check(cudaGetLastError(), "embedding_ghost_norm: embedding_links launch");
+    dispatch_ghost_dtype(dtype, [&](auto zero) {
+      using In = decltype(zero);
+      embedding_rows<In><<<blocks_for(items * kEmbeddingLanes), kThreads, 0, s>>>(
+          static_cast<const In*>(output_grads), next, head, batch, length, p, rows);
+      check(cudaGetLastError(), "embedding_ghost_norm: embedding_rows launch");
+    });
+  }
+  sample_totals<<<blocks_for(batch), kThreads, 0, s>>>(rows, batch, length, out);
+  check(cudaGetLastError(), "embedding_ghost_norm: sample_totals launch");
+}
+
+}  // namespace privleak::cuda
