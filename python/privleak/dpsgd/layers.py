@@ -15,6 +15,7 @@ at Small Cost", ICML 2023), one GEMM per layer with the output gradients scaled 
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, ClassVar, Optional
@@ -25,7 +26,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from privleak.dpsgd.ghost_norm import embedding_ghost_norm_squared, ghost_norm_squared
+from privleak.dpsgd import ghost_norm
 
 
 def use_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
@@ -44,6 +45,11 @@ def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
 def weighted_sum(per_sample: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """sum_i f_i G_i of per-sample gradients (B, *shape), one matrix-vector product."""
     return (factors.to(per_sample.dtype) @ per_sample.reshape(per_sample.shape[0], -1)).reshape(per_sample.shape[1:])
+
+
+def total(terms) -> torch.Tensor:
+    """The sum of an iterable of tensors (one term per forward call), no copy for one term."""
+    return functools.reduce(torch.add, terms)
 
 
 def _zero_dropped(x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
@@ -163,7 +169,7 @@ def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tens
     ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
     the gradient)."""
     if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
-        return ghost_norm_squared(a.contiguous(), g.contiguous())
+        return ghost_norm.ghost_norm_squared(a, g)
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
 
 
@@ -227,12 +233,20 @@ def _conv_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, lis
 
 @layer_kind(nn.Conv1d, nn.Conv2d)
 class ConvLayer(Layer):
-    """nn.Conv1d / nn.Conv2d (any padding, stride, dilation, groups): the input unfolded into
-    patches is a Linear layer's input over the L output positions, one per group, for the norms.
-    The clipped sum is the convolution's own weight gradient of the scaled output gradients."""
+    """nn.Conv1d / nn.Conv2d (any padding, stride, dilation, groups). Per group, the input unfolded
+    into patches (L positions of d = C/G k values) is a Linear layer's input: the ghost norm of
+    patches and output gradients when 2 L^2 < d p; else the per-sample weight gradients, all in
+    one convolution backward with the batch folded into the groups. Those are kept for the
+    clipped sum (a matrix-vector product) when they take no more memory than the layer's inputs
+    and output gradients; else the clipped sum is the convolution's own weight gradient of the
+    scaled output gradients."""
+
+    def clear(self) -> None:
+        super().clear()
+        self._per_sample: Optional[torch.Tensor] = None
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, G, L, C/G k) patches of ``x`` as the convolution sees them."""
+        """(B G, L, d) patches of ``x`` as the convolution sees them."""
         m = self.module
         x, padding = _conv_padding(m, x)
         if x.ndim == 3:  # Conv1d as a Conv2d of height 1
@@ -240,35 +254,56 @@ class ConvLayer(Layer):
                             stride=(1, *m.stride))
         else:
             cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
-        return cols.view(x.shape[0], m.groups, cols.shape[1] // m.groups, cols.shape[2]).transpose(2, 3)
+        return cols.view(x.shape[0] * m.groups, cols.shape[1] // m.groups, cols.shape[2]).transpose(1, 2)
+
+    def _per_sample_weight_grads(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(B, *weight.shape): sample i's weight gradient is that of a convolution of input i alone,
+        so the batch folded into the channels with B G groups gives all of them in one call."""
+        m, batch = self.module, x.shape[0]
+        x, padding = _conv_padding(m, x)
+        # Only the weight's shape matters: its values enter the input gradient, which is not asked for.
+        weight = x.new_empty(batch * m.out_channels, *m.weight.shape[1:])
+        grads = torch.ops.aten.convolution_backward(
+            g.reshape(1, -1, *g.shape[2:]), x.reshape(1, -1, *x.shape[2:]), weight, None, list(m.stride), padding,
+            list(m.dilation), False, [0] * (x.ndim - 2), batch * m.groups, [False, True, False])[1]
+        return grads.view(batch, *m.weight.shape)
+
+    def _weight_grad(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The convolution's weight gradient for input x and output gradient g."""
+        m = self.module
+        x, padding = _conv_padding(m, x)
+        return torch.ops.aten.convolution_backward(g, x, m.weight, None, list(m.stride), padding, list(m.dilation),
+                                                   False, [0] * (x.ndim - 2), m.groups, [False, True, False])[1]
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         m, out = self.module, {}
         if self.trains(m.weight):
-            a, g = [], []
-            for x, y in zip(self.calls, self.grads):  # per (sample, group): a (L, d), g (L, p)
-                patches = self._patches(x)
-                a.append(patches.reshape(-1, *patches.shape[2:]))
-                g.append(y.reshape(batch * m.groups, y.shape[1] // m.groups, -1).transpose(1, 2))
-            a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
-            out[id(m.weight)] = weight_norms(a, g, norm_type).view(batch, m.groups).sum(1)
+            positions = sum(y[0, 0].numel() for y in self.grads)
+            inputs, outputs = m.weight[0].numel(), m.out_channels // m.groups
+            if norm_type == 2 and use_ghost_norm(positions, inputs, outputs):
+                a = [self._patches(x) for x in self.calls]
+                g = [y.reshape(batch * m.groups, outputs, -1).transpose(1, 2) for y in self.grads]
+                a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+                out[id(m.weight)] = ghost_norm.ghost_norm_squared(a, g).view(batch, m.groups).sum(1)
+            else:
+                per_sample = total(self._per_sample_weight_grads(x, y) for x, y in zip(self.calls, self.grads))
+                out[id(m.weight)] = row_norms(per_sample, norm_type)
+                if per_sample.numel() <= 2 * sum(x.numel() + y.numel() for x, y in zip(self.calls, self.grads)):
+                    self._per_sample = per_sample
         if self.trains(m.bias):
-            out[id(m.bias)] = row_norms(sum(y.flatten(2).sum(2) for y in self.grads), norm_type)
+            out[id(m.bias)] = row_norms(total(y.flatten(2).sum(2) for y in self.grads), norm_type)
         return out
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         m, out = self.module, {}
-        if self.trains(m.weight):
-            total = 0
-            for x, y in zip(self.calls, self.grads):
-                x, padding = _conv_padding(m, _zero_dropped(x, keep))
-                scaled = _scaled(_zero_dropped(y, keep), factors[id(m.weight)])
-                total = total + torch.ops.aten.convolution_backward(
-                    scaled, x, m.weight, None, list(m.stride), padding, list(m.dilation), False, [0] * (x.ndim - 2),
-                    m.groups, [False, True, False])[1]
-            out[id(m.weight)] = total
+        if self.trains(m.weight) and self._per_sample is not None:
+            out[id(m.weight)] = weighted_sum(_zero_dropped(self._per_sample, keep), factors[id(m.weight)])
+        elif self.trains(m.weight):
+            f = factors[id(m.weight)]
+            out[id(m.weight)] = total(self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
+                                      for x, y in zip(self.calls, self.grads))
         if self.trains(m.bias):
-            per_sample = sum(_zero_dropped(y, keep).flatten(2).sum(2) for y in self.grads)
+            per_sample = total(_zero_dropped(y, keep).flatten(2).sum(2) for y in self.grads)
             out[id(m.bias)] = weighted_sum(per_sample, factors[id(m.bias)])
         return out
 
@@ -298,7 +333,7 @@ class EmbeddingLayer(Layer):
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         ids, g = self._sites()
         if norm_type == 2:
-            return {id(self.module.weight): embedding_ghost_norm_squared(ids, g)}
+            return {id(self.module.weight): ghost_norm.embedding_ghost_norm_squared(ids, g)}
         # L1 needs the rows of the per-sample gradient: the g of equal tokens summed at the
         # position of the token's first occurrence in its sample.
         first = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.uint8).argmax(2, keepdim=True)
@@ -346,18 +381,13 @@ class _AffineNorm(_PerSampleLayer):
 
     def per_sample_grads(self, batch: int) -> dict:
         m = self.module
-        weight = bias = 0
-        with torch.no_grad():
-            for x, g in zip(self.calls, self.grads):
-                if self.trains(m.weight):
-                    weight = weight + self.channels(self.normalized(x) * g).sum(1)
-                if self.trains(m.bias):
-                    bias = bias + self.channels(g).sum(1)
+        calls = list(zip(self.calls, self.grads))
         out = {}
         if self.trains(m.weight):
+            weight = total(self.channels(self.normalized(x) * g).sum(1) for x, g in calls)
             out[id(m.weight)] = weight.reshape(batch, *m.weight.shape)
         if self.trains(m.bias):
-            out[id(m.bias)] = bias.reshape(batch, *m.bias.shape)
+            out[id(m.bias)] = total(self.channels(g).sum(1) for _, g in calls).reshape(batch, *m.bias.shape)
         return out
 
 
