@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -336,14 +335,11 @@ def submit(directory: Union[str, os.PathLike], superlink: str, *, insecure: bool
         Path(home, "config.toml").write_text(tomli_w.dumps({"superlink": {CONNECTION: connection}}), encoding="utf-8")
         command = [*flwr_command(), "run", str(Path(directory).resolve()), CONNECTION, "--stream"]
         env = {**os.environ, "FLWR_HOME": home, "FLWR_TELEMETRY_ENABLED": "0"}
-        started = time.monotonic()
-        try:
+        try:  # --stream returns when the run has ended, after the ServerApp saved its record
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as error:
             raise TimeoutError(f"{' '.join(command)} ran past {timeout} s; output:\n{error.stdout}\n{error.stderr}") \
                 from None
-        while not record.exists() and time.monotonic() - started < timeout:
-            time.sleep(0.2)
     if not record.exists():
         raise RuntimeError(f"the run left no record at {record}: {' '.join(command)} exited with {done.returncode}; "
                            f"output:\n{done.stdout}\n{done.stderr}")
