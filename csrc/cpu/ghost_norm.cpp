@@ -16,8 +16,9 @@
 // vectors by 8). Every path computes each Gram entry by the same fma chain and each row's sum in
 // the same order, so all give the same bits; float64 inputs take the portable path.
 //
-// Work items (sample, block) are spread over threads (heaviest first) within groups of samples
-// whose packed panels fit kPackBudget; packing is parallel over (sample, matrix, panel).
+// Threads take whole samples when there are enough of them to share evenly; otherwise work items
+// (sample, block) are spread over threads (heaviest first) within groups of samples whose packed
+// panels fit kPackBudget, packed in parallel over (sample, matrix, panel) first.
 #include "cpu/ghost_norm.h"
 
 #include <algorithm>
@@ -367,35 +368,76 @@ void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t l
   }
 }
 
+// Where each sample's packed panels go: a's panels, then g's, panel_stride apart.
+struct PackedLayout {
+  int64_t a_stride, g_stride, a_size, sample_size;
+  PackedLayout(int64_t panels, int64_t d, int64_t p, int L)
+      : a_stride(panel_stride(d, L)), g_stride(panel_stride(p, L)), a_size(panels * a_stride),
+        sample_size(a_size + panels * g_stride) {}
+};
+
+// Panel `panel` of matrix `matrix` (0: a, 1: g) of one sample into its place in `packed`.
+template <class P, class In>
+void pack_panel(const In* a, const In* g, int64_t length, int64_t d, int64_t p, const PackedLayout& layout,
+                int matrix, int64_t panel, typename P::Acc* packed) {
+  if (matrix) P::pack(g, length, p, panel, packed + layout.a_size + panel * layout.g_stride);
+  else P::pack(a, length, d, panel, packed + panel * layout.a_stride);
+}
+
 template <class P, class In>
 void ghost_norm_path(const In* a, const In* g, int64_t batch, int64_t length, int64_t d, int64_t p, double* out) {
   using Acc = typename P::Acc;
   constexpr int L = P::L;
   const int64_t panels = ceil_div(length, L), blocks = ceil_div(panels, 2);
-  const int64_t a_size = panels * panel_stride(d, L), sample_size = a_size + panels * panel_stride(p, L);
-  const int64_t sample_bytes = std::max<int64_t>(1, sample_size * static_cast<int64_t>(sizeof(Acc)));
-  const int64_t group = std::clamp<int64_t>(kPackBudget / sample_bytes, 1, batch);
-  std::vector<Acc> packed(static_cast<size_t>(group * sample_size));
+  const PackedLayout layout(panels, d, p, L);
   std::vector<double> rows(static_cast<size_t>(batch * length));
   // Vector FMAs, about: a parallel region pays from a few hundred thousand on.
   const int64_t work = batch * length * std::min<int64_t>(length, 2 * L) * (d + p) / 16;
-#pragma omp parallel if (work >= kMinParallelWork)
-  {
-    std::vector<double> scratch;
-    for (int64_t first = 0; first < batch; first += group) {
-      const int64_t count = std::min(group, batch - first);
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < count * 2 * panels; ++item) {
-        const int64_t sample = item / (2 * panels), matrix = item / panels % 2, panel = item % panels;
-        Acc* dst = packed.data() + sample * sample_size + (matrix ? a_size + panel * panel_stride(p, L) : panel * panel_stride(d, L));
-        if (matrix) P::pack(g + (first + sample) * length * p, length, p, panel, dst);
-        else P::pack(a + (first + sample) * length * d, length, d, panel, dst);
-      }
+  const bool parallel = work >= kMinParallelWork;
+  const int64_t threads = parallel ? max_threads() : 1;
+  if (batch % threads == 0 || batch >= 4 * threads) {
+    // Whole samples per thread, balanced enough: one loop and no barrier between packing and the
+    // blocks (on a busy machine a descheduled thread stalls a barrier), each sample's panels in
+    // its thread's cache.
+#pragma omp parallel if (parallel)
+    {
+      std::vector<Acc> packed(static_cast<size_t>(layout.sample_size));
+      std::vector<double> scratch;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < count * blocks; ++item) {
-        const int64_t q = blocks - 1 - item / count, sample = item % count;  // the longest blocks first
-        const Acc* pa = packed.data() + sample * sample_size;
-        ghost_block<P>(pa, pa + a_size, length, d, p, q, scratch, rows.data() + (first + sample) * length);
+      for (int64_t b = 0; b < batch; ++b) {
+        const In* sample_a = a + b * length * d;
+        const In* sample_g = g + b * length * p;
+        for (int matrix = 0; matrix < 2; ++matrix)
+          for (int64_t panel = 0; panel < panels; ++panel)
+            pack_panel<P>(sample_a, sample_g, length, d, p, layout, matrix, panel, packed.data());
+        for (int64_t q = 0; q < blocks; ++q)
+          ghost_block<P>(packed.data(), packed.data() + layout.a_size, length, d, p, q, scratch,
+                         rows.data() + b * length);
+      }
+    }
+  } else {
+    // Few samples: (sample, block) items over all threads, in groups of samples packed together.
+    const int64_t sample_bytes = std::max<int64_t>(1, layout.sample_size * static_cast<int64_t>(sizeof(Acc)));
+    const int64_t group = std::clamp<int64_t>(kPackBudget / sample_bytes, 1, batch);
+    std::vector<Acc> packed(static_cast<size_t>(group * layout.sample_size));
+#pragma omp parallel if (parallel)
+    {
+      std::vector<double> scratch;
+      for (int64_t first = 0; first < batch; first += group) {
+        const int64_t count = std::min(group, batch - first);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < count * 2 * panels; ++item) {
+          const int64_t sample = item / (2 * panels), b = first + sample;
+          pack_panel<P>(a + b * length * d, g + b * length * p, length, d, p, layout,
+                        static_cast<int>(item / panels % 2), item % panels,
+                        packed.data() + sample * layout.sample_size);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < count * blocks; ++item) {
+          const int64_t q = blocks - 1 - item / count, sample = item % count;  // the longest blocks first
+          const Acc* pa = packed.data() + sample * layout.sample_size;
+          ghost_block<P>(pa, pa + layout.a_size, length, d, p, q, scratch, rows.data() + (first + sample) * length);
+        }
       }
     }
   }

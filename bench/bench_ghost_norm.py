@@ -1,0 +1,115 @@
+"""Ghost norms: privleak's kernels against Opacus's torch formulas, in one run.
+
+    python bench/bench_ghost_norm.py [--shapes 16,128,768,768 ...] [--threads N] [--device cpu|cuda] [--quick]
+
+Each case is a batch of B samples of T positions with float32 activations a (B, T, d) and output
+gradients g (B, T, p), standard normal. Sides, timed in turns (three rounds of three calls after a
+warm-up, each side's median round):
+
+- privleak: ``dpsgd.ghost_norm.ghost_norm_squared`` (the tiled kernel: lower triangle only, no
+  T x T matrix in memory);
+- opacus: ``opacus.grad_sample.linear.compute_linear_norm_sample``, the per-sample norm Opacus's
+  ghost clipping uses for a Linear layer over sequences: two batched Gram matrices (einsum, i.e.
+  bmm), their elementwise product summed, a square root.
+
+"GEMM-equiv GFLOP/s" counts the 2 B T^2 (d + p) operations of the two full Gram matrices, so that
+both sides are measured in the same unit; privleak computes about half of them. "of sgemm" is that
+rate over this machine's float32 matmul (torch, 2048 x 2048, timed in the same turns); privleak
+can pass 100%. "T x T MiB" is what Opacus's two Gram matrices hold. The Embedding rows (`--vocab`)
+compare ``embedding_ghost_norm_squared`` with Opacus's ``compute_embedding_norm_sample`` (unique +
+index_add) on random ids. ``--threads`` sets privleak's and torch's CPU threads alike (on a
+machine shared with other work, 1 gives the steadiest ratios). On a GPU the same runs on CUDA
+tensors (Opacus's einsum in float32: torch's default leaves TF32 off for matmul).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+# privleak's OpenMP threads and torch's would otherwise spin after their parallel regions and
+# take the cores from the side that runs next (see bench_nearest.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import privleak  # noqa: E402
+import torch  # noqa: E402
+from _measure import cpu_name, seconds_interleaved, table  # noqa: E402
+from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample  # noqa: E402
+from opacus.grad_sample.linear import compute_linear_norm_sample  # noqa: E402
+from privleak.dpsgd.ghost_norm import embedding_ghost_norm_squared, ghost_norm_squared  # noqa: E402
+
+# (B, T, d, p): short to long sequences at the widths of small to base-size transformers.
+SHAPES = [(64, 16, 256, 256), (64, 64, 256, 256), (32, 64, 512, 512), (32, 128, 512, 512), (16, 128, 768, 768),
+          (16, 256, 768, 768), (8, 256, 1024, 1024), (8, 512, 1024, 1024), (16, 128, 64, 64), (8, 512, 64, 256)]
+QUICK = [(16, 64, 256, 256), (8, 128, 512, 512)]
+SGEMM_SIDE = 2048
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 4 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"a shape is B,T,d,p with positive integers, got {text!r}")
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None, help="B,T,d,p ...")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--vocab", type=int, default=1000, help="ids for the Embedding rows are drawn from this many")
+    parser.add_argument("--quick", action="store_true", help="two small shapes: a smoke run")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of privleak and torch alike")
+    args = parser.parse_args()
+    if args.threads is not None:
+        privleak.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    shapes = args.shapes or (QUICK if args.quick else SHAPES)
+    device = args.device
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        where = (f"{cpu_name()}, privleak path {privleak.info()['cpu_capability']}, {privleak.num_threads()} "
+                 f"privleak threads, {torch.get_num_threads()} torch threads")
+    print(f"privleak {privleak.__version__}, torch {torch.__version__}, {where}\n")
+    gemm_a = torch.randn(SGEMM_SIDE, SGEMM_SIDE, device=device)
+    gemm_b = torch.randn(SGEMM_SIDE, SGEMM_SIDE, device=device)
+
+    rows, embedding_rows = [], []
+    for batch, length, d, p in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(batch, length, d, device=device, generator=gen)
+        g = torch.randn(batch, length, p, device=device, generator=gen)
+        ids = torch.randint(0, args.vocab, (batch, length), device=device, generator=gen)
+        linear = torch.nn.Linear(d, p, bias=False, device=device)
+        embedding = torch.nn.Embedding(args.vocab, p, device=device)
+        times = seconds_interleaved({
+            "privleak": lambda: ghost_norm_squared(a, g),
+            "opacus": lambda: compute_linear_norm_sample(linear, [a], g),
+            "privleak emb": lambda: embedding_ghost_norm_squared(ids, g),
+            "opacus emb": lambda: compute_embedding_norm_sample(embedding, [ids], g),
+            "sgemm": lambda: torch.mm(gemm_a, gemm_b),
+        }, sync=sync)
+        sgemm = 2 * SGEMM_SIDE**3 / times["sgemm"]
+        flops = 2 * batch * length**2 * (d + p)
+        ours, theirs = times["privleak"], times["opacus"]
+        rows.append({
+            "B": batch, "T": length, "d": d, "p": p, "privleak ms": f"{ours * 1e3:.2f}",
+            "opacus ms": f"{theirs * 1e3:.2f}", "opacus / privleak": f"{theirs / ours:.2f}x",
+            "GEMM-equiv GFLOP/s": f"{flops / ours / 1e9:.0f}", "of sgemm": f"{flops / ours / sgemm:.0%}",
+            "opacus of sgemm": f"{flops / theirs / sgemm:.0%}",
+            "T x T MiB": f"{2 * batch * length**2 * 4 / 2**20:.1f}",
+        })
+        ours, theirs = times["privleak emb"], times["opacus emb"]
+        embedding_rows.append({
+            "B": batch, "T": length, "p": p, "privleak ms": f"{ours * 1e3:.3f}", "opacus ms": f"{theirs * 1e3:.3f}",
+            "opacus / privleak": f"{theirs / ours:.2f}x",
+            "grads GB/s": f"{g.numel() * g.element_size() / ours / 1e9:.1f}",
+        })
+    print("Linear over sequences: sum_{t,s} (a_t . a_s)(g_t . g_s)")
+    print(table(rows, list(rows[0])))
+    print(f"\nEmbedding (ids from {args.vocab}): sum_v |sum_(t: id_t = v) g_t|^2")
+    print(table(embedding_rows, list(embedding_rows[0])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The ghost-norm kernels (privleak.dpsgd.ghost_norm) against float64 torch references: the two
+T x T Gram matrices, and the per-sample gradient sum_t g_t a_t^T formed outright."""
+import math
+
+import numpy as np
+import privleak
+import pytest
+import torch
+from conftest import requires_cuda
+from privleak import _backend
+from privleak.dpsgd.ghost_norm import (
+    embedding_ghost_norm_squared,
+    embedding_ghost_norm_squared_reference,
+    ghost_norm_squared,
+    ghost_norm_squared_reference,
+)
+
+HALF = (torch.bfloat16, torch.float16)
+CHUNK = 128  # coordinates per float32 chain (csrc/common/ghost_norm.h)
+
+
+def draw(batch, length, width, dtype=torch.float32, seed=0):
+    """Rows of varied scale, so that no single row dominates every sample."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
+    return (x * torch.rand(batch, length, 1, generator=gen, dtype=torch.float64) * 3).to(dtype)
+
+
+def error_bound(a, g):
+    """The module docstring's bound, (min(d, 128) + min(p, 128)) u (sum_t |a_t| |g_t|)^2 with
+    u = 2^-24 (2^-53 for float64), with room for second-order terms and the float64 reference's
+    own rounding."""
+    d, p = a.shape[-1], g.shape[-1]
+    unit = 2.0**-53 if a.dtype == torch.float64 else 2.0**-24
+    scale = (a.double().norm(dim=-1) * g.double().norm(dim=-1)).flatten(1).sum(1) ** 2
+    return ((min(d, CHUNK) + min(p, CHUNK) + 2) * unit + 2.0**-45) * scale
+
+
+def per_sample_gradient_norm(a, g):
+    """|sum_t g_t a_t^T|_F^2 from the per-sample weight gradient itself, in float64."""
+    return torch.einsum("btp,btd->bpd", g.double(), a.double()).square().sum(dim=(1, 2))
+
+
+def assert_within_bound(a, g):
+    got = ghost_norm_squared(a, g)
+    assert got.dtype == torch.float64 and got.shape == (a.shape[0],)
+    want = ghost_norm_squared_reference(a, g)
+    bound = error_bound(a, g)
+    assert torch.all((got - want).abs() <= bound), ((got - want).abs() / bound).max()
+    assert torch.all(got >= 0)
+    return got
+
+
+# T = 1, d = 1, p = 1, tile edges (rows: panels of 8 and 16, blocks of two, CUDA tiles of 64),
+# chunk edges (127, 128, 129, 257 coordinates) and long T.
+SHAPES = [(1, 1, 1, 1), (3, 1, 5, 7), (2, 17, 1, 1), (4, 1, 300, 200), (2, 15, 127, 129), (2, 16, 128, 128),
+          (3, 33, 129, 3), (2, 47, 16, 257), (1, 65, 257, 255), (2, 100, 70, 50), (1, 129, 64, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_equals_the_float64_gram_formula_within_the_documented_bound(shape):
+    batch, length, d, p = shape
+    a, g = draw(batch, length, d, seed=1), draw(batch, length, p, seed=2)
+    got = assert_within_bound(a, g)
+    # The same number from the per-sample gradient itself, a formula that shares nothing with the Gram form.
+    torch.testing.assert_close(got, per_sample_gradient_norm(a, g), rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("shape", [(2, 1100, 3, 4), (1, 1030, 130, 129)])
+def test_long_sequences(shape):
+    batch, length, d, p = shape
+    assert_within_bound(draw(batch, length, d, seed=3), draw(batch, length, p, seed=4))
+
+
+def test_random_shapes():
+    rng = np.random.default_rng(5)
+    for i in range(12):
+        batch, length = int(rng.integers(1, 5)), int(rng.integers(1, 90))
+        d, p = int(rng.integers(1, 300)), int(rng.integers(1, 300))
+        assert_within_bound(draw(batch, length, d, seed=10 + i), draw(batch, length, p, seed=30 + i))
+
+
+@pytest.mark.parametrize("dtype", HALF + (torch.float64,))
+@pytest.mark.parametrize("shape", [(3, 40, 200, 70), (2, 1, 9, 300), (1, 70, 129, 1)])
+def test_half_and_double_inputs(dtype, shape):
+    # The reference reads the same half values (widened exactly to float64).
+    batch, length, d, p = shape
+    assert_within_bound(draw(batch, length, d, dtype, seed=6), draw(batch, length, p, dtype, seed=7))
+
+
+def test_the_bound_holds_where_the_exact_norm_is_zero():
+    # a_t the same for all t and g_t alternating in sign: sum_t g_t a_t^T = 0 exactly, while the
+    # terms (a_t . a_s)(g_t . g_s) are large. Rounding may not make the result negative.
+    a = draw(1, 1, 300, seed=8).expand(4, 64, 300)
+    g = draw(4, 1, 200, seed=9) * torch.tensor([1.0, -1.0]).repeat(32).reshape(1, 64, 1)
+    assert_within_bound(a, g)
+
+
+def test_b_zero_t_zero_and_d_zero():
+    assert ghost_norm_squared(torch.empty(0, 5, 3), torch.empty(0, 5, 2)).shape == (0,)
+    zeros = torch.zeros(2, dtype=torch.float64)
+    assert torch.equal(ghost_norm_squared(torch.empty(2, 0, 3), torch.empty(2, 0, 4)), zeros)
+    assert torch.equal(ghost_norm_squared(torch.empty(2, 3, 0), torch.randn(2, 3, 4)), zeros)
+    empty = embedding_ghost_norm_squared(torch.empty(0, 4, dtype=torch.int64), torch.empty(0, 4, 3))
+    assert empty.shape == (0,) and empty.dtype == torch.float64
+
+
+def test_layouts_and_mixed_dtypes():
+    a, g = draw(3, 6, 20, seed=11), draw(3, 6, 9, seed=12)
+    want = ghost_norm_squared(a, g)
+    # Non-contiguous views give the bits of contiguous copies.
+    a_view = a.transpose(1, 2).contiguous().transpose(1, 2)
+    g_view = torch.cat([g, g], dim=2)[:, :, :9]
+    assert not a_view.is_contiguous() and not g_view.is_contiguous()
+    assert torch.equal(ghost_norm_squared(a_view, g_view), want)
+    # (B, d) is T = 1; (B, T1, T2, d) lays the positions end to end.
+    assert torch.equal(ghost_norm_squared(a[:, 0], g[:, 0]), ghost_norm_squared(a[:, :1], g[:, :1]))
+    assert torch.equal(ghost_norm_squared(a.reshape(3, 2, 3, 20), g.reshape(3, 2, 3, 9)), want)
+    # Two dtypes: both widened to the wider, exactly.
+    a16 = a.to(torch.bfloat16)
+    assert torch.equal(ghost_norm_squared(a16, g), ghost_norm_squared(a16.float(), g))
+
+
+def test_threads_do_not_change_the_bits(threads):
+    a, g = draw(5, 70, 150, seed=13), draw(5, 70, 140, seed=14)
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        results.append(ghost_norm_squared(a, g))
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+CPU_PATHS = ["default", "avx2", "avx512"]
+CPU_BEST = _backend.core.build_info()["cpu_best_capability"]
+
+
+def core_ghost_norm(a, g, capability=None):
+    out = torch.empty(a.shape[0], dtype=torch.float64)
+    _backend.core.ghost_norm(str(a.dtype).removeprefix("torch."), a.data_ptr(), g.data_ptr(), a.shape[0], a.shape[1],
+                             a.shape[2], g.shape[2], out.data_ptr(), capability)
+    return out
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 9, 15, 17), (2, 33, 129, 130), (1, 70, 300, 40), (3, 48, 8, 257)])
+def test_simd_paths_give_the_portable_bits(shape, dtype, path):
+    if CPU_PATHS.index(path) > CPU_PATHS.index(CPU_BEST):
+        pytest.skip(f"this CPU has no {path} (its best path is {CPU_BEST})")
+    batch, length, d, p = shape
+    a, g = draw(batch, length, d, dtype, seed=15), draw(batch, length, p, dtype, seed=16)
+    assert core_ghost_norm(a, g, path).numpy().tobytes() == core_ghost_norm(a, g, "default").numpy().tobytes()
+
+
+def test_an_unknown_path_or_one_the_cpu_lacks_is_refused():
+    a = torch.ones(1, 2, 3)
+    with pytest.raises(ValueError, match="capability must be 'default', 'avx2' or 'avx512'"):
+        core_ghost_norm(a, a, "sse9")
+    if CPU_BEST != "avx512":
+        with pytest.raises(ValueError, match="cannot run the avx512 path"):
+            core_ghost_norm(a, a, "avx512")
+
+
+def test_non_finite_inputs():
+    a, g = draw(4, 20, 30, seed=17), draw(4, 20, 10, seed=18)
+    a[1, 3, 5] = math.nan
+    g[2, 7, 1] = math.inf
+    got = ghost_norm_squared(a, g)
+    assert math.isnan(got[1]) and got[2] == math.inf
+    keep = [0, 3]
+    torch.testing.assert_close(got[keep], ghost_norm_squared(a[keep], g[keep]), rtol=0, atol=0)
+    # Finite inputs whose float32 Gram entries overflow give +inf, never NaN, also against zero
+    # output gradients (inf * 0) and with signs that would make inf - inf.
+    big = torch.full((3, 4, 8), 1e20)
+    big[:, 1] *= -1
+    zeros_and_normal = torch.stack([torch.zeros(4, 5), torch.randn(4, 5), -torch.ones(4, 5)])
+    out = ghost_norm_squared(big, zeros_and_normal)
+    assert torch.all(out == math.inf)
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    eg = torch.randn(2, 3, 4)
+    eg[0, 1, 2] = math.nan
+    e_out = embedding_ghost_norm_squared(ids, eg)
+    assert math.isnan(e_out[0]) and math.isfinite(e_out[1])
+
+
+# ------------------------------------------------------------------------------------ Embedding
+
+
+def draw_ids(batch, length, vocab, seed):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def embedding_gradient_norm(ids, g):
+    """|G|_F^2 of the per-sample Embedding weight gradient G[v] = sum_{t: id_t = v} g_t, formed outright."""
+    out = []
+    for sample_ids, sample_g in zip(ids, g.double()):
+        _, group = torch.unique(sample_ids, return_inverse=True)
+        rows = torch.zeros(len(sample_ids), g.shape[-1], dtype=torch.float64).index_add_(0, group, sample_g)
+        out.append(rows.square().sum())
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
+@pytest.mark.parametrize("shape, vocab", [((3, 1, 5), 10), ((4, 50, 33), 7), ((2, 64, 1), 3), ((3, 40, 100), 1000),
+                                          ((2, 2000, 70), 50), ((2, 17, 300), 1)])
+def test_embedding_equals_the_references(shape, vocab, dtype):
+    batch, length, p = shape
+    ids, g = draw_ids(batch, length, vocab, seed=19), draw(batch, length, p, dtype, seed=20)
+    got = embedding_ghost_norm_squared(ids, g)
+    scale = (g.double().norm(dim=-1).sum(1)) ** 2
+    for want in (embedding_ghost_norm_squared_reference(ids, g), embedding_gradient_norm(ids, g)):
+        assert torch.all((got - want).abs() <= 1e-12 * scale)
+
+
+def test_embedding_ids_of_any_integer_dtype_and_range():
+    g = draw(3, 30, 8, seed=21)
+    ids = draw_ids(3, 30, 5, seed=22)
+    want = embedding_ghost_norm_squared(ids, g)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        assert torch.equal(embedding_ghost_norm_squared(ids.to(dtype), g), want)
+    # Only equality counts: ids far outside any vocabulary, negative ones included.
+    assert torch.equal(embedding_ghost_norm_squared(ids * (2**40) - 7, g), want)
+    # Non-contiguous ids and output gradients.
+    assert torch.equal(embedding_ghost_norm_squared(ids.t().contiguous().t(), torch.cat([g, g], 2)[:, :, :8]), want)
+
+
+def test_embedding_threads_do_not_change_the_bits(threads):
+    g, ids = draw(6, 300, 40, seed=23), draw_ids(6, 300, 20, seed=24)
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        results.append(embedding_ghost_norm_squared(ids, g))
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+# --------------------------------------------------------------------------------- ops and errors
+
+
+def test_opcheck():
+    a, g = draw(3, 7, 5, seed=25), draw(3, 7, 4, seed=26)
+    torch.library.opcheck(torch.ops.privleak.ghost_norm.default, (a, g))
+    torch.library.opcheck(torch.ops.privleak.ghost_norm.default, (a.to(torch.bfloat16), g.to(torch.bfloat16)))
+    torch.library.opcheck(torch.ops.privleak.embedding_ghost_norm.default, (draw_ids(3, 7, 4, seed=27), g))
+
+
+def test_gradients_are_not_needed_for_norms():
+    a = draw(2, 3, 4, seed=28).requires_grad_()
+    g = draw(2, 3, 5, seed=29)
+    got = ghost_norm_squared(a, g)
+    assert not got.requires_grad
+    assert torch.equal(got, ghost_norm_squared(a.detach(), g))
+
+
+def test_bad_input_names_the_argument():
+    a, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    with pytest.raises(TypeError, match="activations must be a torch tensor"):
+        ghost_norm_squared(a.tolist(), g)
+    with pytest.raises(TypeError, match="activations must have dtype"):
+        ghost_norm_squared(a.long(), g)
+    with pytest.raises(TypeError, match="output_grads must have dtype"):
+        ghost_norm_squared(a, g.to(torch.complex64))
+    with pytest.raises(ValueError, match=r"output_grads must be \(B, T, p\)"):
+        ghost_norm_squared(a, torch.randn(5))
+    with pytest.raises(ValueError, match="activations has shape .* and output_grads"):
+        ghost_norm_squared(torch.randn(3, 3, 4), g)
+    with pytest.raises(ValueError, match="activations has shape .* and output_grads"):
+        ghost_norm_squared(torch.randn(2, 4, 4), g)
+    with pytest.raises(ValueError, match="activations has shape .* and output_grads"):
+        ghost_norm_squared(torch.randn(2), torch.randn(2, 5))
+    with pytest.raises(TypeError, match="activations has layout"):
+        ghost_norm_squared(a.to_sparse(), g)
+    with pytest.raises(TypeError, match="activations is on device meta"):
+        ghost_norm_squared(a.to("meta"), g)
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(TypeError, match="ids must have dtype"):
+        embedding_ghost_norm_squared(ids.float(), g)
+    with pytest.raises(TypeError, match="ids must have dtype"):
+        embedding_ghost_norm_squared(ids.bool(), g)
+    with pytest.raises(TypeError, match="ids must be a torch tensor"):
+        embedding_ghost_norm_squared([[0, 1, 2], [0, 1, 2]], g)
+    with pytest.raises(ValueError, match="ids has shape"):
+        embedding_ghost_norm_squared(torch.zeros(2, 4, dtype=torch.int64), g)
+    with pytest.raises(TypeError, match="output_grads must have dtype"):
+        embedding_ghost_norm_squared(ids, g.long())
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+
+
+CUDA_CASES = [(1, 1, 1, 1), (3, 33, 129, 3), (2, 65, 257, 255), (2, 130, 64, 300), (1, 1100, 9, 5)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
+@pytest.mark.parametrize("shape", CUDA_CASES)
+def test_cuda_gives_the_cpu_bits(shape, dtype):
+    batch, length, d, p = shape
+    a, g = draw(batch, length, d, dtype, seed=31), draw(batch, length, p, dtype, seed=32)
+    cpu = ghost_norm_squared(a, g)
+    gpu = ghost_norm_squared(a.cuda(), g.cuda())
+    assert gpu.device.type == "cuda" and cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
+    ids = draw_ids(batch, length, max(2, length // 3), seed=33)
+    cpu = embedding_ghost_norm_squared(ids, g)
+    gpu = embedding_ghost_norm_squared(ids.cuda(), g.cuda())
+    assert cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
+
+
+@requires_cuda
+def test_cuda_non_finite_and_empty_inputs_match_the_cpu():
+    a, g = draw(4, 20, 30, seed=34), draw(4, 20, 10, seed=35)
+    a[1, 3, 5], g[2, 7, 1] = math.nan, math.inf
+    a[3] = 1e20
+    cpu, gpu = ghost_norm_squared(a, g), ghost_norm_squared(a.cuda(), g.cuda()).cpu()
+    assert torch.equal(cpu.isnan(), gpu.isnan()) and torch.equal(cpu[~cpu.isnan()], gpu[~gpu.isnan()])
+    assert ghost_norm_squared(torch.empty(0, 3, 2).cuda(), torch.empty(0, 3, 2).cuda()).shape == (0,)
+    assert torch.equal(ghost_norm_squared(torch.empty(2, 0, 2).cuda(), torch.empty(2, 0, 3).cuda()).cpu(),
+                       torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(embedding_ghost_norm_squared(torch.empty(2, 0, dtype=torch.int64).cuda(),
+                                                    torch.empty(2, 0, 3).cuda()).cpu(),
+                       torch.zeros(2, dtype=torch.float64))
+
+
+@requires_cuda
+def test_cuda_opcheck():
+    a, g = draw(3, 7, 5, seed=36).cuda(), draw(3, 7, 4, seed=37).cuda()
+    torch.library.opcheck(torch.ops.privleak.ghost_norm.default, (a, g))
+    torch.library.opcheck(torch.ops.privleak.embedding_ghost_norm.default, (draw_ids(3, 7, 4, seed=38).cuda(), g))
+
+
+def test_info_reports_the_kernels_run():
+    # The CPU path the kernel takes is the one privleak reports.
+    a, g = draw(2, 20, 30, seed=39), draw(2, 20, 10, seed=40)
+    assert torch.equal(core_ghost_norm(a, g), core_ghost_norm(a, g, privleak.info()["cpu_capability"]))
