@@ -6,7 +6,9 @@ with VMF noise, :mod:`privleak.dpsgd`), and sends what it leaks: the sum of its 
 updates, which after one local step is exactly the noisy gradient g~_t of the algorithms. The
 server averages the clients' updates (weighted by their data sizes, FedAvg) and takes a step. It is
 honest (it runs the protocol) but curious: it keeps every update it receives, with the model it
-was computed at, and hands each one to the attack and metric hooks.
+was computed at and the :class:`Release` that says how it was privatised, and hands each one to
+the attack and metric hooks; :func:`client_privacy` turns the releases into each client's epsilon
+and Bayes capacity.
 
 This loop runs in one process; :mod:`privleak.flower` runs the same clients and noise on Flower.
 """
