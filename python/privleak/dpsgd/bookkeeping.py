@@ -74,8 +74,8 @@ class BookKeeping:
         self._dp = DPOptimizer(optimizer, config, expected_batch_size, generator, sampling)
         params = self._dp.params
         if {id(p) for p in params} != {id(p) for p in trainable} or len(params) != len(trainable):
-            raise ValueError(f"optimizer must hold exactly the model's {len(trainable)} trainable parameters, each "
-                             f"once; it holds {len(params)} tensors, not the same ones")
+            raise ValueError(f"optimizer must hold exactly the model's {len(trainable)} trainable parameters (those "
+                             f"with requires_grad), each once; it holds {len(params)} tensors, not the same ones")
         self.model = model
         self.layers = _layers_of(model)
         self._slots = {id(p): i for i, p in enumerate(params)}

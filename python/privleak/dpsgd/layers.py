@@ -494,6 +494,12 @@ class MultiheadAttentionLayer(FunctionalLayer):
 
     claims_children = True
 
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__(name, module)
+        if not module.batch_first:
+            raise ValueError(f"{self.describe()} must have batch_first=True: book-keeping splits every layer's "
+                             "inputs by sample along dim 0")
+
     def refuse_randomness(self) -> None:
         if self.module.training and self.module.dropout > 0:
             raise ValueError(f"{self.describe()} is recomputed per sample and has dropout={self.module.dropout} in "

@@ -1,0 +1,283 @@
+"""The whole DP-SGD training step: privleak's book-keeping against the non-private step, privleak's
+materialised path and Opacus, in one run.
+
+    python bench/bench_training_step.py [--quick] [--models paper-cnn cifar-cnn transformer large]
+                                        [--skip-large] [--device cpu|cuda] [--threads 1] [--max-gb 16]
+
+A step is forward, backward, clipping, noise and the optimizer step (SGD) on one batch, clip norm
+1, noise multiplier 1, flat clipping. Sides: "non-private" is plain torch (mean loss, backward,
+step: the floor); "materialised" is privleak's per-sample gradients (torch.func) and DPOptimizer;
+"book-keeping" is privleak.dpsgd.BookKeeping (ghost norms, one backward, no per-sample
+gradients); "opacus hooks" and "opacus ghost" are Opacus's PrivacyEngine.make_private with
+grad_sample_mode "hooks" (per-sample gradients from hooks) and "ghost" (ghost clipping, two
+backward passes). Every side gets its own copy of the same initial model and the same batch.
+
+Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-style CNN of about
+0.8M parameters (Conv2d + GroupNorm + Linear on 32x32x3), a 2-layer transformer of about 2.3M
+parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), and a 69M transformer
+(d 768, 8 layers, sequence 128; --skip-large leaves it out).
+
+Times: the sides run in turns (bench/_measure.seconds_interleaved), each reports its median,
+and its ratio to non-private. Peak memory: each side runs --memory-steps steps in a fresh
+process; on the CPU the growth of peak RSS (VmHWM, reset after building the model, data and
+wrappers) over the RSS then, on a GPU torch.cuda.max_memory_allocated over what was allocated
+before the steps. A side whose per-sample gradients (B x P floats, materialised and Opacus
+hooks) would pass --max-gb is not run. --quick runs the smallest settings with few repeats, as a
+smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from _measure import seconds_interleaved, table
+from privleak import dpsgd
+from privleak.models import PaperNetwork
+from torch import nn
+
+CLIP, SIGMA, LR = 1.0, 1.0, 0.05
+SIDES = ("non-private", "materialised", "book-keeping", "opacus hooks", "opacus ghost")
+MATERIALISING = ("materialised", "opacus hooks")  # sides that hold B x P per-sample gradients
+
+
+class CifarCNN(nn.Module):
+    """Three stages of two 3x3 convolutions with GroupNorm, average pooling, then two Linear layers."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        layers, channels = [], 3
+        for width in (32, 64, 128):
+            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.GroupNorm(8, width), nn.ReLU(),
+                       nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2)]
+            channels = width
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block, causal self-attention from nn.Linear projections."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        # Written out (no scaled_dot_product_attention): torch.func's vmap, which the materialised
+        # side needs, has no batching rule for the fused CPU kernel.
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+        attention = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, length, width))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(length, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()  # Opacus views it
+        return self.head(self.norm(self.blocks(self.tokens(ids) + self.positions(positions))))
+
+
+class SequenceLoss(nn.Module):
+    """Cross-entropy of next-token logits (B, T, V), per sample the mean over its tokens; ``reduction``
+    as torch's losses have it (Opacus's ghost clipping sets it to "none")."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, targets):
+        per_sample = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+        return {"none": per_sample, "sum": per_sample.sum(), "mean": per_sample.mean()}[self.reduction]
+
+
+def images(shape, classes):
+    def make(batch, generator):
+        return torch.randn(batch, *shape, generator=generator), torch.randint(0, classes, (batch,), generator=generator)
+    return make
+
+
+def tokens(vocab, length):
+    def make(batch, generator):
+        ids = torch.randint(0, vocab, (batch, length + 1), generator=generator)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    return make
+
+
+#: name: (builder, data, criterion class, batches, quick batches)
+MODELS = {
+    "paper-cnn": (lambda: PaperNetwork(), images((1, 28, 28), 10), nn.CrossEntropyLoss, (64, 256), (64,)),
+    "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
+    "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
+    "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 16), ()),
+}
+
+
+def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor):
+    """A function running one training step of ``side`` on ``model`` (which it owns) and the batch."""
+    criterion = criterion_class()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if side == "non-private":
+        def step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(x), y).backward()
+            optimizer.step()
+        return step
+    config = dpsgd.DPSGDConfig(CLIP, noise_multiplier=SIGMA)
+    if side == "materialised":
+        dp = dpsgd.DPOptimizer(optimizer, config, batch)
+        one = criterion_class(reduction="sum")
+        return lambda x, y: dp.step(dpsgd.per_sample_gradients(model, one, x, y))
+    if side == "book-keeping":
+        bk = dpsgd.BookKeeping(model, optimizer, config, expected_batch_size=batch)
+        per_sample = criterion_class(reduction="none")
+        return lambda x, y: bk.step(per_sample(model(x), y))
+    from opacus import PrivacyEngine
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1].expand(4 * batch, *x.shape[1:])),
+                                         batch_size=batch)
+    mode = side.split()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns about secure RNG and the accountant
+        made = PrivacyEngine().make_private(module=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
+                                            noise_multiplier=SIGMA, max_grad_norm=CLIP, poisson_sampling=False,
+                                            grad_sample_mode=mode)
+    wrapped, dp_optimizer = made[0], made[1]
+    loss_fn = made[2] if mode == "ghost" else criterion
+
+    def step(x, y):
+        dp_optimizer.zero_grad(set_to_none=True)
+        loss_fn(wrapped(x), y).backward()
+        dp_optimizer.step()
+    return step
+
+
+def setting(name: str, batch: int, device: str):
+    build, data, criterion_class, _, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = build().to(device)
+    x, y = data(batch, torch.Generator().manual_seed(1))
+    return model, x.to(device), y.to(device), criterion_class
+
+
+def needs_gb(model: nn.Module, batch: int) -> float:
+    return batch * sum(p.numel() for p in model.parameters()) * 4 / 2**30
+
+
+def status_bytes(field: str) -> int:
+    """A size from /proc/self/status (VmRSS: resident now, VmHWM: its peak), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Set VmHWM to the current RSS (Linux 4.0+), so the peak counts from here."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
+    """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON)."""
+    model, x, y, criterion_class = setting(name, batch, device)
+    step = make_side(side, model, criterion_class, batch, x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        reset_peak_rss()
+        base = status_bytes("VmRSS")
+    for _ in range(steps):
+        step(x, y)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = status_bytes("VmHWM") - base
+    print(json.dumps({"peak": peak}))
+
+
+def peak_memory(side: str, name: str, batch: int, args) -> float:
+    command = [sys.executable, __file__, "--child", side, name, str(batch), "--device", args.device,
+               "--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--skip-large", action="store_true", help="leave out the 69M-parameter transformer")
+    parser.add_argument("--quick", action="store_true", help="smoke run: the smallest settings, few repeats")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--max-gb", type=float, default=16.0, help="skip sides whose per-sample gradients pass this")
+    parser.add_argument("--memory-steps", type=int, default=4)
+    parser.add_argument("--no-memory", action="store_true", help="time only")
+    parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    # Opacus's hooks fire with no input requiring grad (the first layer's): torch says so every step.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    if args.child:
+        side, name, batch = args.child
+        child(side, name, int(batch), args.device, args.memory_steps)
+        return
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} torch threads"
+    print(f"torch {torch.__version__}, {where}; clip {CLIP}, noise multiplier {SIGMA}, flat clipping\n")
+    names = [n for n in args.models if not (n == "large" and (args.skip_large or args.quick))]
+    rows = []
+    for name in names:
+        batches = MODELS[name][4] if args.quick else MODELS[name][3]
+        for batch in batches:
+            model, x, y, criterion_class = setting(name, batch, args.device)
+            sides = [s for s in SIDES if s not in MATERIALISING or needs_gb(model, batch) <= args.max_gb]
+            steps = {side: make_side(side, copy.deepcopy(model), criterion_class, batch, x) for side in sides}
+            rounds, repeat = (2, 2) if args.quick else (3, 3)
+            times = seconds_interleaved({s: (lambda step=steps[s]: step(x, y)) for s in sides}, rounds=rounds,
+                                        repeat=repeat, sync=sync)
+            del steps
+            memory = {} if args.no_memory else {s: peak_memory(s, name, batch, args) for s in sides}
+            params = sum(p.numel() for p in model.parameters())
+            for side in SIDES:
+                row = {"model": name, "params": f"{params / 1e6:.2f}M", "batch": batch, "side": side}
+                if side not in times:
+                    row["ms"] = f"skipped: B x P = {needs_gb(model, batch):.1f} GB"
+                else:
+                    row["ms"] = f"{times[side] * 1e3:.1f}"
+                    row["x non-private"] = f"{times[side] / times['non-private']:.2f}x"
+                    if side in memory:
+                        row["peak MiB"] = f"{memory[side] / 2**20:.0f}"
+                        row["mem x non-private"] = f"{memory[side] / max(memory['non-private'], 1):.2f}x"
+                rows.append(row)
+            print(table(rows[-len(SIDES):], ["model", "params", "batch", "side", "ms", "x non-private", "peak MiB",
+                                             "mem x non-private"]), flush=True)
+            print()
+
+
+if __name__ == "__main__":
+    main()

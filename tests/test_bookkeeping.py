@@ -1,0 +1,472 @@
+"""dpsgd.BookKeeping (ghost norms + book-keeping, one backward pass) against the materialised path:
+torch.func per-sample gradients through dpsgd.privatize / DPOptimizer, same config, same noise
+stream. The clip norms are set between the samples' norms, so some samples are clipped and some not."""
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from privleak import dpsgd
+from privleak import mechanisms as M
+from privleak.dpsgd import layers
+from torch import nn
+
+pytestmark = [
+    # torch.func has no batching rule for the fused CPU attention kernel that nn.MultiheadAttention calls
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    # torch's note on padding="same" with an even kernel, which the conv cases test on purpose
+    pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
+]
+
+
+def regression(out, target):
+    """Per-sample losses (B,): mean squared error over everything but the batch dim."""
+    return (out - target).pow(2).flatten(1).mean(1)
+
+
+def materialised_grads(model, x, target, loss=regression):
+    return dpsgd.per_sample_gradients(model, lambda out, t: loss(out, t).sum(), x, target)
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def book_kept(model, x, target, config, batch_size, generator, loss=regression):
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config,
+                           expected_batch_size=batch_size, generator=generator)
+    return bk.step(loss(model(x), target))
+
+
+def assert_same_update(got, want):
+    assert len(got) == len(want)
+    scale = max(float(w.abs().max()) for w in want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-6 * scale)
+
+
+def clip_between(grads, per_layer):
+    """Clip norms at the median sample norm (flat) or each tensor's median (per layer)."""
+    flat = torch.stack([g.reshape(g.shape[0], -1).double().norm(dim=1) for g in grads], 1)
+    if per_layer:
+        return [max(float(c), 1e-3) for c in flat.median(0).values]
+    return float(flat.norm(dim=1).median())
+
+
+class Scale(nn.Module):
+    """A layer with no book-keeping rule, using its parameter twice: y = x w + x^2 w / 4."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return x * self.weight + x.pow(2) * self.weight / 4
+
+
+class DroppedScale(Scale):
+    """Scale with dropout inside: the fallback's recomputation could not replay its mask."""
+
+    def __init__(self, width):
+        super().__init__(width)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+class Twice(nn.Module):
+    """The same Linear applied at two places of one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention (the fallback) between Linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attention, self.out = nn.Linear(3, 4), nn.MultiheadAttention(4, 2, batch_first=True), \
+            nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.attention(h, h, h, need_weights=False)[0])
+
+
+def frozen_first():
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+def batchnorm_eval():
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    model[1].eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model
+
+
+def ids(shape, vocab=9):
+    def make(generator):
+        return torch.randint(0, vocab, shape, generator=generator)
+    return make
+
+
+def normal(*shape):
+    def make(generator):
+        return torch.randn(*shape, generator=generator)
+    return make
+
+
+# name: (model builder, input maker (per batch of 6), the layer kinds that must be hooked)
+LAYER_CASES = {
+    "linear": (lambda: nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), normal(6, 5)),
+    "linear-sequence": (lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3, bias=False)),
+                        normal(6, 2, 7, 5)),
+    "linear-frozen-weight": (frozen_first, normal(6, 5)),
+    "linear-twice": (Twice, normal(6, 3, 4)),
+    "conv1d": (lambda: nn.Sequential(nn.Conv1d(3, 4, 3, stride=2, padding=1), nn.Tanh(),
+                                     nn.Conv1d(4, 2, 2, dilation=2, groups=2, padding="same")), normal(6, 3, 11)),
+    "conv2d": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.Tanh(),
+                                     nn.Conv2d(4, 4, (2, 3), padding="same", dilation=(1, 2), groups=2, bias=False),
+                                     nn.Tanh(), nn.Conv2d(4, 3, 3, padding=1, padding_mode="reflect")),
+               normal(6, 2, 9, 8)),
+    "embedding": (lambda: nn.Sequential(nn.Embedding(9, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 3)), ids((6, 8))),
+    "layernorm": (lambda: nn.Sequential(nn.Linear(4, 5), nn.LayerNorm((3, 5)), nn.Tanh(), nn.Linear(5, 2)),
+                  normal(6, 3, 4)),
+    "groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
+                                        nn.Linear(36, 2)), normal(6, 2, 5, 5)),
+    "multihead-attention": (Attention, normal(6, 5, 3)),
+    "fallback": (lambda: nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Linear(4, 2)), normal(6, 5)),
+    "batchnorm-eval": (batchnorm_eval, normal(6, 5)),
+}
+
+CONFIGS = {
+    "gaussian": lambda c, per_layer: dpsgd.DPSGDConfig(c, noise_multiplier=0.7, per_layer=per_layer),
+    "vmf": lambda c, per_layer: dpsgd.DPSGDConfig(c, "vmf", kappa=20.0, per_layer=per_layer),
+    "laplace": lambda c, per_layer: dpsgd.DPSGDConfig(c, "laplace", noise_multiplier=0.7, per_layer=per_layer),
+}
+
+
+def setting(case, seed=0):
+    build, make_input = LAYER_CASES[case]
+    torch.manual_seed(seed)
+    model = build()
+    generator = torch.Generator().manual_seed(seed + 1)
+    x = make_input(generator)
+    with torch.no_grad():
+        target = torch.randn(model(x).shape, generator=generator)
+    return model, x, target
+
+
+def compare(case, mechanism, per_layer, batch_size=4.5, seed=0):
+    model, x, target = setting(case, seed)
+    grads = materialised_grads(model, x, target)
+    config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, batch_size, M.NoiseGenerator(7))
+    got = book_kept(model, x, target, config, batch_size, M.NoiseGenerator(7))
+    assert_same_update(got, want)
+    return model
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+@pytest.mark.parametrize("mechanism", list(CONFIGS))
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_every_layer_matches_the_materialised_update(case, mechanism, per_layer):
+    compare(case, mechanism, per_layer)
+
+
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])
+@pytest.mark.parametrize("case", ["linear-sequence", "linear-twice", "conv1d", "conv2d", "groupnorm"])
+def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
+    """Force every Linear-like layer onto one side of the mixed rule: both give the same update."""
+    calls = []
+
+    def rule(positions, inputs, outputs):
+        calls.append((positions, inputs, outputs))
+        return ghost
+
+    monkeypatch.setattr(layers, "use_ghost_norm", rule)
+    for per_layer in (False, True):
+        compare(case, "gaussian", per_layer)
+    assert calls
+
+
+def test_the_mixed_rule_is_bu_et_al():
+    assert layers.use_ghost_norm(1, 2, 3)  # 2 < 6
+    assert not layers.use_ghost_norm(4, 4, 8)  # 32 = 32: not cheaper
+    assert layers.use_ghost_norm(4, 4, 9)
+    assert not layers.use_ghost_norm(64, 27, 32)  # a first conv layer over 8x8 outputs
+
+
+@pytest.mark.parametrize("case, kind", [
+    ("linear", layers.LinearLayer), ("conv2d", layers.ConvLayer), ("embedding", layers.EmbeddingLayer),
+    ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer),
+    ("multihead-attention", layers.MultiheadAttentionLayer), ("fallback", layers.FunctionalLayer),
+    ("batchnorm-eval", layers.BatchNormLayer)])
+def test_each_module_gets_its_rule(case, kind):
+    model, _, _ = setting(case)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=2)
+    assert any(type(layer) is kind for layer in bk.layers)
+    owned = [id(p) for layer in bk.layers for p in layer.parameters]
+    assert sorted(owned) == sorted(id(p) for p in trainable(model))
+
+
+def test_secure_gaussian_noise_matches_on_the_same_key():
+    model, x, target = setting("conv2d")
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.7)
+    first, second = M.SecureNoiseGenerator(), M.SecureNoiseGenerator()
+    second._key_words = list(first._key_words)  # the same ChaCha20 key: replay one stream on both paths
+    want = dpsgd.privatize(grads, config, 3.0, first)  # 3: not a power of two, so the sum's grid matters
+    got = book_kept(model, x, target, config, 3.0, second)
+    assert_same_update(got, want)
+    assert second._offset == first._offset
+
+
+class TinyTransformer(nn.Module):
+    """Token + position embeddings, nn.MultiheadAttention and hand-written causal attention from
+    nn.Linear projections, LayerNorm, a Linear head."""
+
+    def __init__(self, vocab=11, width=8, length=6):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width, padding_idx=0), nn.Embedding(length, width)
+        self.mha = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        h = self.tokens(ids) + self.positions(positions)
+        h = h + self.mha(h, h, h, need_weights=False)[0]
+        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2)) / q.shape[-1] ** 0.5
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
+        h = h + self.proj(scores.masked_fill(causal, float("-inf")).softmax(-1) @ v)
+        return self.head(self.norm2(h))
+
+
+def next_token(logits, targets):
+    return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+
+
+def small_cnn():
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(36, 3))
+
+
+def data(kind, n, generator):
+    if kind == "transformer":
+        tokens = torch.randint(0, 11, (n, 7), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:], next_token
+    images, labels = torch.randn(n, 1, 8, 8, generator=generator), torch.randint(0, 3, (n,), generator=generator)
+    return images, labels, lambda out, y: F.cross_entropy(out, y, reduction="none")
+
+
+@pytest.mark.parametrize("kind, mechanism, per_layer", [
+    ("transformer", "gaussian", False), ("transformer", "vmf", True), ("cnn", "gaussian", True), ("cnn", "vmf", False)])
+def test_training_with_poisson_batches_matches_the_materialised_path(kind, mechanism, per_layer):
+    """Four steps of SGD with momentum on Poisson batches, one of them empty (once with a forward pass
+    of zero samples, once without any): the same updates and the same parameters after every step."""
+    torch.manual_seed(3)
+    model = TinyTransformer() if kind == "transformer" else small_cnn()
+    reference = copy.deepcopy(model)
+    inputs, targets, loss = data(kind, 24, torch.Generator().manual_seed(4))
+    clip = [0.3] * len(list(model.parameters())) if per_layer else 0.5
+    config = CONFIGS[mechanism](clip, per_layer)
+    expected = 4.0
+    dp = dpsgd.DPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.5), config, expected,
+                           M.NoiseGenerator(11))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), config,
+                           expected_batch_size=expected, generator=M.NoiseGenerator(11))
+    sampler = torch.Generator().manual_seed(5)
+    batches = [dpsgd.sample_batch(24, 4, "poisson", sampler), torch.arange(0), dpsgd.sample_batch(24, 4, "poisson",
+                                                                                                   sampler), None]
+    for batch in batches:
+        if batch is None:  # an empty batch whose loop skips the forward pass
+            batch, losses = torch.arange(0), torch.zeros(0)
+        else:
+            losses = loss(model(inputs[batch]), targets[batch])
+        if len(batch):
+            grads = dpsgd.per_sample_gradients(reference, lambda out, y: loss(out, y).sum(), inputs[batch],
+                                               targets[batch])
+        else:  # torch.func cannot vmap nn.MultiheadAttention over zero samples
+            grads = [torch.zeros(0, *p.shape) for p in reference.parameters()]
+        want = dp.step(grads)
+        got = bk.step(losses)
+        assert_same_update(got, want)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    assert bk.steps == dp.steps == 4
+    assert bk.privacy_report(24, 1e-5) == dp.privacy_report(24, 1e-5)
+
+
+def test_an_empty_batch_releases_the_noise_alone():
+    model, _, _ = setting("linear")
+    config = dpsgd.DPSGDConfig(1.0, noise_multiplier=2.0)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=5.0,
+                           generator=M.NoiseGenerator(2))
+    got = bk.step(regression(model(torch.zeros(0, 5)), torch.zeros(0, 3)))
+    noise = M.gaussian_noise(sum(p.numel() for p in model.parameters()), std=2.0, generator=M.NoiseGenerator(2))
+    torch.testing.assert_close(torch.cat([g.flatten() for g in got]), noise / 5.0)
+
+
+def test_the_optimizer_steps_with_the_update():
+    model, x, target = setting("linear")
+    before = [p.detach().clone() for p in model.parameters()]
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.3), dpsgd.DPSGDConfig(0.5),
+                           expected_batch_size=6)
+    update = bk.step(regression(model(x), target))
+    for p, p0, u in zip(model.parameters(), before, update):
+        torch.testing.assert_close(p.detach(), p0 - 0.3 * u)
+        assert p.grad is not None and torch.equal(p.grad, u)
+
+
+@pytest.mark.parametrize("non_finite", ["raise", "drop"])
+def test_non_finite_samples_follow_the_config(non_finite):
+    model, x, target = setting("conv2d")
+    x[2, 0, 3, 3] = float("nan")
+    x[4, 1, 0, 0] = float("inf")
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.3, non_finite=non_finite)
+    grads = materialised_grads(model, x, target)
+    if non_finite == "raise":
+        for run in (lambda: dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(1)),
+                    lambda: book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))):
+            with pytest.raises(ValueError, match=re.escape("samples [2, 4]")):
+                run()
+        return
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(1))
+    got = book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    assert_same_update(got, want)
+
+
+def make(model, config=None, **kwargs):
+    kwargs.setdefault("expected_batch_size", 4)
+    return dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             config or dpsgd.DPSGDConfig(1.0), **kwargs)
+
+
+def test_losses_that_are_not_per_sample_are_refused():
+    model, x, target = setting("linear")
+    bk = make(model)
+    with pytest.raises(ValueError, match=r"per_sample_losses must be a 1-D tensor .*reduction='none'.*shape \(\)"):
+        bk.step(regression(model(x), target).mean())
+    with pytest.raises(ValueError, match=r"per_sample_losses must be a 1-D .*shape \(6, 1\)"):
+        bk.step(regression(model(x), target).unsqueeze(1))
+    with pytest.raises(TypeError, match="per_sample_losses must be a torch tensor, got list"):
+        bk.step([1.0, 2.0])
+    with pytest.raises(ValueError, match="per_sample_losses must come from the model's forward with grad"):
+        bk.step(regression(model(x), target).detach())
+    with pytest.raises(ValueError, match="per_sample_losses has 3 samples, but module '0' .* saw a batch of 6"):
+        bk.step(regression(model(x), target)[:3])
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    with pytest.raises(ValueError, match="model has no trainable parameters"):
+        dpsgd.BookKeeping(nn.ReLU(), torch.optim.SGD([nn.Parameter(torch.zeros(1))]), dpsgd.DPSGDConfig(1.0),
+                          expected_batch_size=2)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="model has no trainable parameters"):
+        dpsgd.BookKeeping(frozen, torch.optim.SGD([nn.Parameter(torch.zeros(1))]), dpsgd.DPSGDConfig(1.0),
+                          expected_batch_size=2)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        dpsgd.BookKeeping(lambda x: x, torch.optim.SGD([nn.Parameter(torch.zeros(1))]), dpsgd.DPSGDConfig(1.0),
+                          expected_batch_size=2)
+
+
+def test_the_other_arguments_are_checked_as_dpoptimizer_checks_them():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="optimizer must hold exactly the model's 2 trainable parameters"):
+        dpsgd.BookKeeping(model, torch.optim.SGD([model.weight], lr=0.1), dpsgd.DPSGDConfig(1.0),
+                          expected_batch_size=2)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        dpsgd.BookKeeping(model, None, dpsgd.DPSGDConfig(1.0), expected_batch_size=2)
+    with pytest.raises(TypeError, match="config must be a DPSGDConfig"):
+        make(model, config="gaussian")
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        make(model, expected_batch_size=0)
+    with pytest.raises(ValueError, match="sampling"):
+        make(model, sampling="shuffle")
+    with pytest.raises(ValueError, match="generator"):
+        make(model, dpsgd.DPSGDConfig(1.0, "vmf", kappa=1.0), generator=M.SecureNoiseGenerator())
+
+
+class Functional(nn.Module):
+    """Uses its Linear's weight once more outside the Linear's forward, where no hook sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + F.linear(x, self.lin.weight)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_a_parameter_the_hooks_cannot_see_is_refused():
+    model = Functional()
+    bk = make(model)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"parameter 'lin.weight' is used 2 time\(s\) .* recorded 1: .*cannot see"):
+        bk.step(model(x).pow(2).sum(1))
+    # The same parameter used only functionally, its module never called:
+    unused = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    bk = make(unused)
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is used 1 time\(s\) .* recorded 0"):
+        bk.step(F.linear(unused[0](x), unused[1].weight, unused[1].bias).sum(1))
+    with pytest.raises(ValueError, match="parameter 'embed.weight' belongs to modules 'embed' and 'head'.*tied"):
+        make(Tied())
+
+
+def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
+    x = torch.randn(4, 3)
+    batchnorm = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, affine=False))
+    make(batchnorm)
+    with pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\) is in training mode"):
+        batchnorm(x)
+    attention = Attention()
+    attention.attention.dropout = 0.1
+    make(attention)
+    with pytest.raises(ValueError, match=r"module 'attention' \(MultiheadAttention\) .* dropout=0.1"):
+        attention(torch.randn(4, 5, 3))
+    dropped = nn.Sequential(nn.Linear(3, 4), DroppedScale(4))
+    make(dropped)
+    with pytest.raises(ValueError, match=r"module '1' \(DroppedScale\) is recomputed .* dropout '1.drop' in training"):
+        dropped(x)
+    dropped.eval()
+    dropped(x)  # dropout is off in eval mode
+    with pytest.raises(ValueError, match="scale_grad_by_freq"):
+        make(nn.Embedding(5, 2, scale_grad_by_freq=True))
+    with pytest.raises(ValueError, match="batch_first"):
+        make(nn.MultiheadAttention(4, 2))
+
+
+def test_remove_takes_the_hooks_off():
+    model, x, target = setting("linear")
+    bk = make(model)
+    bk.remove()
+    model(x)
+    assert all(not layer.calls for layer in bk.layers)
+    assert not any(m._forward_hooks for m in model.modules())
