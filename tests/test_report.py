@@ -104,3 +104,18 @@ def test_figure_writes_a_png_with_one_curve_per_mechanism(tmp_path):
         lines = axes.get_legend_handles_labels()[1]
     assert lines == [report.legend_label(n) for n in dpsgd.mechanism.names()]
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_standard_error_is_scipys_sem():
+    from scipy.stats import sem
+
+    generator = np.random.default_rng(3)
+    for n in (2, 3, 8, 100):
+        values = generator.normal(0.3, 0.1, n)
+        assert report.standard_error(values) == pytest.approx(float(sem(values)), rel=1e-12)
+        assert report.standard_error(list(values)) == pytest.approx(np.std(values, ddof=1) / math.sqrt(n), rel=1e-12)
+    assert report.standard_error([0.25] * 5) == 0.0
+    assert math.isnan(report.standard_error([0.5])) and math.isnan(report.standard_error([]))
+    assert report.standard_error_caption([8]) == \
+        "error bars: standard error of the mean over the 8 attacked images of each setting"
+    assert "standard error" in report.STANDARD_ERROR_LEGEND

@@ -114,7 +114,7 @@ class PrivleakConvention(Convention):
         return dpsgd.mechanism.get(mechanism).calibrate(epsilon, delta)
 
     def epsilon_axis(self) -> str:
-        return "epsilon of one update (privleak: any two clipped gradients; Gaussian sensitivity 2c, kappa = eps/2)"
+        return "epsilon of one update (privleak: Gaussian sensitivity 2c, kappa = eps/2)"
 
     def describe(self, mechanisms: Sequence[str], tensors: int) -> list:
         return ["convention privleak: epsilon of one update as local DP, any two clipped gradients as neighbours; "
@@ -172,8 +172,7 @@ class PaperConvention(Convention):
         return kind(noise_multiplier=self.sigma(epsilon, delta) * clipping.norms[0] / clipping.total(2))
 
     def epsilon_axis(self) -> str:
-        sigma = "analytic sigma" if self.calibration == "analytic" else "classic sigma = sqrt(2 ln(1.25/delta))/eps"
-        return f"epsilon of one update (paper 004: Gaussian sensitivity c, {sigma}; kappa = eps)"
+        return f"epsilon of one update (paper 004: Gaussian sensitivity c, {self.calibration} sigma, kappa = eps)"
 
     def describe(self, mechanisms: Sequence[str], tensors: int) -> list:
         sigma = {"analytic": "the analytic Gaussian calibration (Balle and Wang 2018)",
