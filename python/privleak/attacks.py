@@ -35,13 +35,16 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from privleak import validation
+
+if TYPE_CHECKING:
+    from privleak.dpsgd import DPSGDConfig
 
 # ----------------------------------------------------------------------------- label inference
 
@@ -152,7 +155,8 @@ class GradientAttack(ABC):
     @abstractmethod
     def reconstruct(self, model: nn.Module, leaked: Sequence[torch.Tensor], image_shape: Sequence[int], *,
                     labels: Optional[torch.Tensor] = None, parameters: Optional[Sequence[torch.Tensor]] = None,
-                    batch_size: int = 1, config=None, generator: Optional[torch.Generator] = None,
+                    batch_size: int = 1, config: Optional["DPSGDConfig"] = None,
+                    generator: Optional[torch.Generator] = None,
                     progress: Optional[Callable[[int], None]] = None) -> Reconstruction:
         """``batch_size`` images per leaked update: ``leaked`` holds one (A, *p.shape) tensor per
         trainable parameter of ``model``; ``labels`` (A B,) if known, ``parameters`` per-attack
@@ -191,7 +195,8 @@ class InvertingGradients(GradientAttack):
 
     def reconstruct(self, model: nn.Module, leaked: Sequence[torch.Tensor], image_shape: Sequence[int], *,
                     labels: Optional[torch.Tensor] = None, parameters: Optional[Sequence[torch.Tensor]] = None,
-                    batch_size: int = 1, config=None, generator: Optional[torch.Generator] = None,
+                    batch_size: int = 1, config: Optional["DPSGDConfig"] = None,
+                    generator: Optional[torch.Generator] = None,
                     progress: Optional[Callable[[int], None]] = None) -> Reconstruction:
         return invert_gradients(model, leaked, image_shape, labels=labels, parameters=parameters,
                                 batch_size=batch_size, config=config, settings=self, generator=generator,
@@ -245,7 +250,7 @@ def invert_gradients(
     labels: Optional[torch.Tensor] = None,
     parameters: Optional[Sequence[torch.Tensor]] = None,
     batch_size: int = 1,
-    config=None,
+    config: Optional["DPSGDConfig"] = None,
     settings: InvertingGradients = InvertingGradients(),
     loss_fn: Callable = F.cross_entropy,
     generator: Optional[torch.Generator] = None,

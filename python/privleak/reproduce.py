@@ -423,7 +423,7 @@ class Results(NamedTuple):
     originals: torch.Tensor  #: (settings, clients B, C, H, W): the attacked clients' true images
     dim: int
     seconds: float
-    attacked: list = []  #: one :class:`Attacked` per setting
+    attacked: list  #: one :class:`Attacked` per setting
 
 
 def csv_fields(mechanisms: tuple = MECHANISMS) -> tuple:
