@@ -446,21 +446,22 @@ void ghost_norm_path(const In* a, const In* g, int64_t batch, int64_t length, in
 
 // ------------------------------------------------------------------------------------ Embedding
 
-// An Embedding group's row: members[0 .. count) are its positions, in order.
+// An Embedding group's row: members[0 .. count) are its positions, in order; v holds p doubles.
 template <class In>
-PRIVLEAK_FMA_CLONES double embedding_group(const In* g, int64_t p, const int64_t* members, int64_t count) {
-  constexpr int kLanes = kEmbeddingLanes;
-  double lanes[kLanes] = {}, v[kLanes];
-  for (int64_t j0 = 0; j0 < p; j0 += kLanes) {
-    const int width = static_cast<int>(std::min<int64_t>(kLanes, p - j0));
-    const In* first = g + members[0] * p + j0;
-    for (int l = 0; l < width; ++l) v[l] = static_cast<double>(Element<In>::load(first[l]));
-    for (int64_t m = 1; m < count; ++m) {
-      const In* row = g + members[m] * p + j0;
-      for (int l = 0; l < width; ++l) v[l] += static_cast<double>(Element<In>::load(row[l]));
-    }
-    for (int l = 0; l < width; ++l) lanes[l] = ghost_fma(v[l], v[l], lanes[l]);
+PRIVLEAK_FMA_CLONES double embedding_group(const In* g, int64_t p, const int64_t* members, int64_t count,
+                                           double* v) {
+  const In* first = g + members[0] * p;
+  for (int64_t j = 0; j < p; ++j) v[j] = static_cast<double>(Element<In>::load(first[j]));
+  for (int64_t m = 1; m < count; ++m) {
+    const In* row = g + members[m] * p;
+    for (int64_t j = 0; j < p; ++j) v[j] += static_cast<double>(Element<In>::load(row[j]));
   }
+  constexpr int kLanes = kEmbeddingLanes;
+  double lanes[kLanes] = {};
+  int64_t j0 = 0;
+  for (; j0 + kLanes <= p; j0 += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = ghost_fma(v[j0 + l], v[j0 + l], lanes[l]);
+  for (int l = 0; j0 + l < p; ++l) lanes[l] = ghost_fma(v[j0 + l], v[j0 + l], lanes[l]);
   return embedding_lanes_total(lanes);
 }
 
@@ -470,7 +471,7 @@ void embedding_typed(const int64_t* ids, const In* g, int64_t batch, int64_t len
   {
     std::vector<std::pair<int64_t, int64_t>> order(static_cast<size_t>(length));  // (id, position)
     std::vector<int64_t> members(static_cast<size_t>(length));
-    std::vector<double> rows(static_cast<size_t>(length));
+    std::vector<double> rows(static_cast<size_t>(length)), v(static_cast<size_t>(p));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t* sample_ids = ids + b * length;
@@ -481,7 +482,7 @@ void embedding_typed(const int64_t* ids, const In* g, int64_t batch, int64_t len
       for (int64_t begin = 0; begin < length;) {
         int64_t end = begin;
         for (; end < length && order[end].first == order[begin].first; ++end) members[end - begin] = order[end].second;
-        rows[order[begin].second] = embedding_group(sample_g, p, members.data(), end - begin);
+        rows[order[begin].second] = embedding_group(sample_g, p, members.data(), end - begin, v.data());
         begin = end;
       }
       out[b] = ghost_sample_total(rows.data(), length);
