@@ -282,6 +282,13 @@ def test_bad_input_names_the_argument():
         embedding_ghost_norm_squared(torch.zeros(2, 4, dtype=torch.int64), g)
     with pytest.raises(TypeError, match="output_grads must have dtype"):
         embedding_ghost_norm_squared(ids, g.long())
+    # The ops themselves refuse what their kernels cannot read.
+    with pytest.raises(ValueError, match="privleak::ghost_norm takes"):
+        torch.ops.privleak.ghost_norm(a, g.double())
+    with pytest.raises(ValueError, match="privleak::ghost_norm takes"):
+        torch.ops.privleak.ghost_norm(a[0], g[0])
+    with pytest.raises(ValueError, match="privleak::embedding_ghost_norm takes"):
+        torch.ops.privleak.embedding_ghost_norm(ids.int(), g)
 
 
 # ------------------------------------------------------------------------------------------ CUDA

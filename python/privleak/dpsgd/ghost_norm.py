@@ -60,6 +60,10 @@ def _ghost_norm_op(activations: torch.Tensor, output_grads: torch.Tensor) -> tor
     """The dense kernel: (B,) float64 sum_{t,s} (a_t . a_s)(g_t . g_s) for activations (B, T, d)
     and output gradients (B, T, p) of one dtype and device."""
     a, g = activations.contiguous(), output_grads.contiguous()
+    if (a.ndim != 3 or g.ndim != 3 or a.shape[:2] != g.shape[:2] or a.dtype != g.dtype or a.device != g.device
+            or _dtype_name(a) not in INPUT_DTYPES):
+        raise ValueError("privleak::ghost_norm takes activations (B, T, d) and output_grads (B, T, p) of one float "
+                         "dtype and device; ghost_norm_squared checks and converts any other input")
     batch, length, d = a.shape
     out = torch.empty(batch, dtype=torch.float64, device=a.device)
     if batch:
@@ -78,6 +82,10 @@ def _embedding_ghost_norm_op(ids: torch.Tensor, output_grads: torch.Tensor) -> t
     """The Embedding kernel: (B,) float64 sum_{t,s} [id_t == id_s](g_t . g_s) for int64 ids (B, T)
     and output gradients (B, T, p) on one device."""
     ids, g = ids.contiguous(), output_grads.contiguous()
+    if (g.ndim != 3 or ids.shape != g.shape[:2] or ids.dtype != torch.int64 or ids.device != g.device
+            or _dtype_name(g) not in INPUT_DTYPES):
+        raise ValueError("privleak::embedding_ghost_norm takes int64 ids (B, T) and output_grads (B, T, p) of a float "
+                         "dtype on one device; embedding_ghost_norm_squared checks and converts any other input")
     batch, length, p = g.shape
     out = torch.empty(batch, dtype=torch.float64, device=g.device)
     if batch:
