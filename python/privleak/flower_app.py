@@ -242,7 +242,7 @@ def _main(grid: Grid, context: Context) -> None:
         federation, settings.clients, settings.config(), batch_size=settings.batch_size,
         local_steps=settings.local_steps, secure_noise=settings.secure_noise, learning_rate=settings.learning_rate,
         server_learning_rate=settings.server_learning_rate, record=bool(settings.record),
-        on_round=lambda _, network: models.append(copy.deepcopy(network.state_dict())))
+        on_round=(lambda _, network: models.append(copy.deepcopy(network.state_dict()))) if settings.record else None)
     initial = copy.deepcopy(federation.model.state_dict())
     strategy.start(grid=grid, initial_arrays=ArrayRecord(federation.model.state_dict()), num_rounds=settings.rounds,
                    timeout=settings.round_timeout)
