@@ -167,7 +167,10 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
 def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tensor:
     """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
     ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
-    the gradient)."""
+    the gradient). At T = 1 the gradient g a^T has rank one and both norms factor:
+    |g a^T|_F^2 = |g|_2^2 |a|_2^2 and |g a^T|_1 = |g|_1 |a|_1."""
+    if a.shape[1] == 1:
+        return row_norms(a, norm_type) * row_norms(g, norm_type)
     if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
         return ghost_norm.ghost_norm_squared(a, g)
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
