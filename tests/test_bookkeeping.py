@@ -446,6 +446,8 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
     make(batchnorm)
     with pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\) is in training mode"):
         batchnorm(x)
+    with torch.no_grad():
+        batchnorm(x)  # evaluation in training mode trains nothing
     attention = Attention()
     attention.attention.dropout = 0.1
     make(attention)
@@ -461,6 +463,15 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         make(nn.Embedding(5, 2, scale_grad_by_freq=True))
     with pytest.raises(ValueError, match="batch_first"):
         make(nn.MultiheadAttention(4, 2))
+
+
+def test_a_layer_called_with_its_input_as_a_keyword_is_recorded():
+    model, x, target = setting("linear")
+    config = dpsgd.DPSGDConfig(0.3)
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 6.0, M.NoiseGenerator(0))
+    bk = make(model, config, expected_batch_size=6.0, generator=M.NoiseGenerator(0))
+    out = model[2](input=torch.tanh(model[0](input=x)))
+    assert_same_update(bk.step(regression(out, target)), want)
 
 
 def test_remove_takes_the_hooks_off():

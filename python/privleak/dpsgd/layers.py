@@ -98,7 +98,7 @@ class Layer:
         """Keep the input of one forward call and the gradient edge of its output."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return  # run without grad (evaluation): nothing to train
-        self.calls.append(args[0].detach())
+        self.calls.append((args[0] if args else next(iter(kwargs.values()))).detach())
         self.edges.append(get_gradient_edge(output))
         self.edge_counts.append(1)
         self.uses.append([self.uses_per_call] * len(self.parameters))
@@ -520,7 +520,7 @@ class BatchNormLayer(FunctionalLayer):
     hook_without_parameters = True
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.module.training:
+        if self.module.training and torch.is_grad_enabled():  # a training forward; evaluation under no_grad is fine
             raise ValueError(f"{self.describe()} is in training mode: it normalises with statistics of the whole "
                              "batch, so per-sample gradients (and their clipping) are undefined; use GroupNorm or "
                              "LayerNorm, or call .eval() on it")
