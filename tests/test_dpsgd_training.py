@@ -10,7 +10,6 @@ from privleak.opacus_interop import (  # Opacus is a test dependency: no skip wi
     PrivleakGhostClippingDPOptimizer,
     PrivleakPerLayerDPOptimizer,
 )
-# Opacus is a test dependency: no skip without it
 from torch.nn.functional import cross_entropy
 
 
