@@ -1,15 +1,16 @@
 // CPU ghost norms, blocked like a GEMM (Goto and van de Geijn 2008) with the T x T reduction fused
-// in, so neither Gram matrix is ever stored: at most one L x 2L tile of each, in doubles.
+// in, so neither Gram matrix is ever stored: a work item holds its rows' stripe of each (2L x T
+// doubles), never the whole.
 //
 // A sample's rows are packed, for a and g alike, into panels of L rows: for each coordinate, the
 // panel's L rows side by side (a transposition, with half types widened to float32). A work item
-// is a block of two panels, 2L rows t; it walks the panels J of rows s up to its own, in order, and
-// for each computes the a-Gram and g-Gram tiles (2L x L) chunk by chunk: one call of the tile
-// kernel per kGhostChunk coordinates and NR columns keeps 2 x NR vectors of float32 fma chains in
-// registers, the block's rows in the lanes and each column's value broadcast, and adds them to the
-// tile's doubles when the chunk ends. The tile's products w_ts then go into each row's `below` in
-// order of s. The lower triangle is all that is computed, bar the upper half of each block's
-// diagonal panel: about half of what the two batched GEMMs compute.
+// is a block of two panels, 2L rows t, against the panels of rows s up to its own. Chunk by chunk
+// (kGhostChunk coordinates, outermost, so the block's slice stays in L1), one call of the tile
+// kernel per panel and NR columns keeps 2 x NR vectors of float32 fma chains in registers, the
+// block's rows in the lanes and each column's value broadcast, and adds them to the stripe's
+// doubles when the chunk ends. The products w_ts then go into each row's `below` in order of s.
+// The lower triangle is all that is computed, bar the upper half of each block's diagonal panel:
+// about half of what the two batched GEMMs compute (and none of their T x T memory traffic).
 //
 // Paths: L = 8 rows and NR = 4 columns for the portable loops and AVX2 (two 8-float vectors by 4:
 // 8 chains, an FMA's latency times its two ports), L = 16 and NR = 8 for AVX-512 (two 16-float
