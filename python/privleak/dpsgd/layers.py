@@ -249,15 +249,17 @@ class ConvLayer(Layer):
         self._per_sample: Optional[torch.Tensor] = None
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
-        """(B G, L, d) patches of ``x`` as the convolution sees them."""
-        m = self.module
+        """(B G, L, d) patches of ``x`` as the convolution sees them, each patch's d values in the
+        order (kernel offsets, channels): any fixed order gives the same dot products, and this
+        one gathers contiguous runs of channels (F.unfold's order needs a slow transposed copy)."""
+        m, batch = self.module, x.shape[0]
         x, padding = _conv_padding(m, x)
-        if x.ndim == 3:  # Conv1d as a Conv2d of height 1
-            cols = F.unfold(x.unsqueeze(2), (1, *m.kernel_size), dilation=(1, *m.dilation), padding=(0, *padding),
-                            stride=(1, *m.stride))
-        else:
-            cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
-        return cols.view(x.shape[0] * m.groups, cols.shape[1] // m.groups, cols.shape[2]).transpose(1, 2)
+        patches = F.pad(x, [p for p in reversed(padding) for _ in range(2)]).movedim(1, -1)  # (B, *space, C)
+        for dim, (k, stride, dilation) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
+            patches = patches.unfold(1 + dim, dilation * (k - 1) + 1, stride)[..., ::dilation]
+        dims = len(m.kernel_size)  # patches: (B, *out, C, *kernel)
+        patches = patches.movedim(1 + dims, -1).unflatten(-1, (m.groups, -1)).movedim(-2, 1)
+        return patches.reshape(batch * m.groups, math.prod(patches.shape[2:2 + dims]), -1)
 
     def _per_sample_weight_grads(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """(B, *weight.shape): sample i's weight gradient is that of a convolution of input i alone,
