@@ -37,7 +37,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from _measure import seconds_interleaved, table
+from _measure import cpu_name, seconds_interleaved, table
 from privleak import dpsgd
 from privleak.models import PaperNetwork
 from torch import nn
@@ -247,7 +247,8 @@ def main() -> None:
         child(side, name, int(batch), args.device, args.memory_steps)
         return
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} torch threads"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"{cpu_name()}, {torch.get_num_threads()} torch threads"
     print(f"torch {torch.__version__}, {where}; clip {CLIP}, noise multiplier {SIGMA}, flat clipping\n")
     names = [n for n in args.models if not (n == "large" and (args.skip_large or args.quick))]
     rows = []

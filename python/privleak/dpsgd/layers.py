@@ -134,9 +134,12 @@ class Layer:
         return [by_id[id(p)].float() for p in self.parameters]
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        """:meth:`norms` of the recorded calls (at least one) by ``id`` of the parameter."""
         raise NotImplementedError
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        """:meth:`clipped_sums` of the recorded calls by ``id`` of the parameter, ``factors`` keyed
+        the same way; runs after :meth:`norms_by_parameter`."""
         raise NotImplementedError
 
 
@@ -240,9 +243,9 @@ class ConvLayer(Layer):
     into patches (L positions of d = C/G k values) is a Linear layer's input: the ghost norm of
     patches and output gradients when 2 L^2 < d p; else the per-sample weight gradients, all in
     one convolution backward with the batch folded into the groups. Those are kept for the
-    clipped sum (a matrix-vector product) when they take no more memory than the layer's inputs
-    and output gradients; else the clipped sum is the convolution's own weight gradient of the
-    scaled output gradients."""
+    clipped sum (a matrix-vector product) when they take at most twice the memory of the layer's
+    inputs and output gradients; else the clipped sum is the convolution's own weight gradient of
+    the scaled output gradients."""
 
     def clear(self) -> None:
         super().clear()
