@@ -35,6 +35,7 @@ import subprocess
 import sys
 import warnings
 
+import privleak
 import torch
 import torch.nn.functional as F
 from _measure import cpu_name, seconds_interleaved, table
@@ -233,13 +234,14 @@ def main() -> None:
     parser.add_argument("--skip-large", action="store_true", help="leave out the 69M-parameter transformer")
     parser.add_argument("--quick", action="store_true", help="smoke run: the smallest settings, few repeats")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch's and privleak's CPU threads")
     parser.add_argument("--max-gb", type=float, default=16.0, help="skip sides whose per-sample gradients pass this")
     parser.add_argument("--memory-steps", type=int, default=4)
     parser.add_argument("--no-memory", action="store_true", help="time only")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    privleak.set_num_threads(args.threads)  # privleak's kernels (ghost norms, noise) get the same cores
     # Opacus's hooks fire with no input requiring grad (the first layer's): torch says so every step.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     if args.child:
