@@ -206,9 +206,13 @@ class LinearLayer(Layer):
         a, g = _zero_dropped(a, keep), _zero_dropped(g, keep)
         weight, bias = self.module.weight, self.module.bias
         out, scaled = {}, None
-        if self.trains(weight):
-            scaled = _scaled(g, factors[id(weight)])
-            out[id(weight)] = scaled.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+        if self.trains(weight):  # the factors scale the narrower of a and g
+            f = factors[id(weight)]
+            if a.shape[-1] < g.shape[-1]:
+                out[id(weight)] = g.reshape(-1, g.shape[-1]).T @ _scaled(a, f).reshape(-1, a.shape[-1])
+            else:
+                scaled = _scaled(g, f)
+                out[id(weight)] = scaled.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
         if self.trains(bias):
             if scaled is not None and factors[id(bias)] is factors[id(weight)]:  # flat clipping: one factor
                 out[id(bias)] = scaled.sum((0, 1))
