@@ -97,9 +97,9 @@ def info() -> dict[str, Any]:
     ``openmp``, ``openmp_threads``, ``cpu_capability`` (which of privleak's hand-written CPU paths
     run, chosen at load time: "avx512" where the CPU has AVX-512 F/BW/DQ/VL (nearest's and
     ghost_norm's AVX-512 tiles; the other kernels' AVX2 paths), "avx2" where it has AVX2, FMA and
-    F16C (nearest's and ghost_norm's AVX2 tiles, the noise's Philox and interleave, the DP-SGD kernel's fp16 widening), else
-    "default" (portable loops); PRIVLEAK_CPU_CAPABILITY=default, avx2 or avx512 lowers it, never
-    above what the CPU has; every path gives the same bits),
+    F16C (nearest's and ghost_norm's AVX2 tiles, the noise's Philox and interleave, the DP-SGD
+    kernel's fp16 widening), else "default" (portable loops); PRIVLEAK_CPU_CAPABILITY=default,
+    avx2 or avx512 lowers it, never above what the CPU has; every path gives the same bits),
     ``sanitizers``, ``cuda_compiled``, ``cuda_architectures``, ``cuda_version``, ``cuda_usable``,
     ``cuda_devices``, ``gpu_name`` and ``cuda_error`` (why CUDA is not usable, or None).
     """

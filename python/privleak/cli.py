@@ -205,9 +205,28 @@ def _prepare_reproduce(args: argparse.Namespace):
     if changes.get("batch_size", 1) > experiment.examples_per_client:
         raise _BadOption("--batch-size", f"must be at most the {experiment.examples_per_client} examples per client, "
                                          f"got {changes['batch_size']}")
-    experiment = dataclasses.replace(experiment, attack=attack, convention=rules, **changes)
+    experiment = dataclasses.replace(experiment, attack=attack, convention=rules, engine=_engine(args), **changes)
     _check_images_suffice(experiment.dataset, "--clients", experiment.clients, experiment.examples_per_client)
     return experiment
+
+
+def _engine(args: argparse.Namespace):
+    """The reproduce.Engine of --engine, --superlink and --insecure."""
+    from privleak import reproduce
+
+    if args.engine == reproduce.InProcess.name:
+        for option, given in (("--superlink", args.superlink is not None), ("--insecure", args.insecure)):
+            if given:
+                raise _BadOption(option, "applies to --engine flower only")
+        return reproduce.InProcess()
+    if args.superlink is None:
+        if args.insecure:
+            raise _BadOption("--insecure", "applies to --superlink only")
+        return reproduce.FlowerSimulation()
+    host, _, port = args.superlink.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _BadOption("--superlink", f"must be HOST:PORT with a port in 1..65535, got {args.superlink!r}")
+    return reproduce.FlowerDeployment(args.superlink, insecure=args.insecure)
 
 
 def _prepare_estimate(args: argparse.Namespace):
@@ -526,6 +545,16 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--batch-size", type=_COUNT,
                            help="images behind each client's update, >= 1 and at most the examples per client (16; "
                                 "32 with --paper-scale); the attack reconstructs all of them (default 1)")
+    reproduce.add_argument("--engine", choices=["local", "flower"], default="local",
+                           help="where the federated training runs: local (default; privleak.fl in this process) or "
+                                "flower (privleak.flower's ClientApp and ServerApp on Flower's simulation, or on "
+                                "Flower's Deployment Runtime with --superlink); the same updates either way")
+    reproduce.add_argument("--superlink", metavar="HOST:PORT",
+                           help="with --engine flower: run each setting on the SuperLink at HOST:PORT (its Control "
+                                "API), with --clients SuperNodes started with --node-config 'partition-id=K "
+                                "num-partitions=N' (docs/federated.md)")
+    reproduce.add_argument("--insecure", action="store_true",
+                           help="with --superlink: connect without TLS (a SuperLink started with --insecure)")
     reproduce.set_defaults(run=_reproduce, prepare=_prepare_reproduce, parser=reproduce)
 
     estimate = commands.add_parser(

@@ -212,6 +212,90 @@ def convention(label: str) -> Convention:
     return CONVENTIONS[name](calibration) if calibration else CONVENTIONS[name]()
 
 
+# ----------------------------------------------------------------------------- engines
+
+
+class Engine(ABC):
+    """Where a setting's federated training runs; every engine leaks the same updates for the same
+    seed, so the attack and the report do not depend on it (``--engine``)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def train(self, experiment: "Experiment", model: torch.nn.Module, clients: list,
+              config: dpsgd.DPSGDConfig) -> fl.Federation:
+        """Train ``model`` on ``clients`` (the experiment's shards, in order) for the experiment's
+        rounds, and return what the server saw."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+class InProcess(Engine):
+    """:func:`privleak.fl.run`: clients and server in this process (the default)."""
+
+    name = "local"
+
+    def train(self, experiment, model, clients, config):
+        return fl.run(model, clients, config, rounds=experiment.rounds, batch_size=experiment.batch_size,
+                      learning_rate=experiment.learning_rate, seed=experiment.seed)
+
+
+class FlowerSimulation(Engine):
+    """:func:`privleak.flower.run`: every client a Flower ClientApp that takes its DP-SGD step
+    (noise included) itself, an honest-but-curious Flower ServerApp, on Flower's simulation."""
+
+    name = "flower"
+
+    def train(self, experiment, model, clients, config):
+        from privleak import flower
+
+        return flower.run(model, clients, config, rounds=experiment.rounds, batch_size=experiment.batch_size,
+                          learning_rate=experiment.learning_rate, seed=experiment.seed)
+
+
+@dataclass(frozen=True)
+class FlowerDeployment(Engine):
+    """Flower's Deployment Runtime: the sweep's settings run one after the other as
+    :mod:`privleak.flower_app` runs on the SuperLink at ``superlink`` (``HOST:PORT``), which needs
+    ``experiment.clients`` SuperNodes started with ``--node-config "partition-id=K
+    num-partitions=N"`` and the data set on every node. The App draws the same shards and the same
+    starting network as the other engines (``data-seed`` = ``model-seed`` = the experiment's seed);
+    the ServerApp's record is read back here, so the SuperLink must share this file system."""
+
+    superlink: str
+    insecure: bool = False
+    root_certificates: Optional[str] = None
+    timeout: float = 3600.0
+    name: ClassVar[str] = "flower-deployment"
+
+    def train(self, experiment, model, clients, config):
+        import tempfile
+
+        from privleak import flower_app
+
+        with tempfile.TemporaryDirectory(prefix="privleak-reproduce-") as directory:
+            settings = self.settings(experiment, config, os.path.join(directory, "record.pt"))
+            flower_app.write_app(directory, settings)
+            return flower_app.submit(directory, self.superlink, insecure=self.insecure,
+                                     root_certificates=self.root_certificates, network=model, timeout=self.timeout)
+
+    @staticmethod
+    def settings(experiment: "Experiment", config: dpsgd.DPSGDConfig, record: str):
+        """The App's settings for one setting of the sweep (:class:`privleak.flower_app.Settings`)."""
+        from privleak import flower_app
+
+        return flower_app.Settings(
+            rounds=experiment.rounds, clients=experiment.clients, examples_per_client=experiment.examples_per_client,
+            mechanism=config.mechanism.name, mechanism_parameters=tuple(config.mechanism.parameters().items()),
+            clip_norm=config.clip_norm, per_layer=config.per_layer, batch_size=experiment.batch_size,
+            learning_rate=experiment.learning_rate, seed=experiment.seed, dataset=experiment.dataset,
+            data_seed=experiment.seed, model_seed=experiment.seed, share_batches=True, record=record)
+
+    def describe(self) -> str:
+        return f"{self.name} at {self.superlink}"
+
+
 # ----------------------------------------------------------------------------- the experiment
 
 
@@ -235,6 +319,7 @@ class Experiment:
     seed: int = 0
     batch_size: int = 1  #: images behind each client's update
     convention: Convention = PrivleakConvention()
+    engine: Engine = InProcess()  #: where the federated training runs
 
     def __post_init__(self):
         if not self.epsilons or any(not (e > 0 and math.isfinite(e)) for e in self.epsilons):
@@ -259,6 +344,8 @@ class Experiment:
             raise ValueError(f"convention must be a privleak.reproduce.Convention, got "
                              f"{type(self.convention).__name__}")
         self.convention.check(self.mechanisms)
+        if not isinstance(self.engine, Engine):
+            raise ValueError(f"engine must be a privleak.reproduce.Engine, got {type(self.engine).__name__}")
         # torch.Generator.manual_seed takes seed and seed + 1; NoiseGenerator takes it modulo 2^64.
         validation.integer(self.seed, "seed", low=0, high=SEED_LIMIT - 1)
 
@@ -378,14 +465,14 @@ def train_and_collect(experiment: Experiment, data: datasets.ImageDataset, setti
         raise ValueError(f"clients x examples_per_client = {experiment.clients} x {experiment.examples_per_client} "
                          f"= {needed} images, but data set {data.name} has {len(data.labels)}")
     generator = torch.Generator().manual_seed(experiment.seed)
+    # the shards of fl.split_among_clients (and of the Flower App's nodes) for this generator
     order = torch.randperm(len(data.labels), generator=generator)[: experiment.clients * experiment.examples_per_client]
     shards = order.reshape(experiment.clients, experiment.examples_per_client)
     clients = [fl.Client(data.images[rows], data.labels[rows]) for rows in shards]
     torch.manual_seed(experiment.seed)  # the same starting network for every setting
     model = PaperNetwork(data.image_shape, data.num_classes)
     config = setting.config(experiment.clip_norm)
-    federation = fl.run(model, clients, config, rounds=experiment.rounds, batch_size=experiment.batch_size,
-                        learning_rate=experiment.learning_rate, seed=experiment.seed)
+    federation = experiment.engine.train(experiment, model, clients, config)
     last = federation.updates_of_round(experiment.rounds - 1)
     picked = torch.cat([shards[u.client][u.private_batches[0]] for u in last])
     stack = [torch.stack(tensors) for tensors in zip(*(u.parameters for u in last))]
@@ -671,7 +758,8 @@ def report_markdown(experiment: Experiment, results: Results, summaries: list) -
         "(privleak.models.PaperNetwork)",
         f"- federated DP-SGD: {experiment.clients} clients x {experiment.examples_per_client} examples, "
         f"{experiment.rounds} rounds, {batches}, clip norm c = {experiment.clip_norm:g}, "
-        f"learning rate {experiment.learning_rate:g}; the last round's {experiment.clients} updates are attacked",
+        f"learning rate {experiment.learning_rate:g}; the last round's {experiment.clients} updates are attacked; "
+        f"engine {experiment.engine.describe()}",
         f"- epsilon: of one update, delta = {experiment.delta:g}",
         *(f"- {line}" for line in rules.describe(mechanisms, tensors)),
         f"- attack: {experiment.attack.describe()}; "
