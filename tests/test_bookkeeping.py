@@ -223,6 +223,25 @@ def test_each_module_gets_its_rule(case, kind):
     assert sorted(owned) == sorted(id(p) for p in trainable(model))
 
 
+@pytest.mark.parametrize("case", ["linear-sequence", "conv1d", "conv2d", "embedding", "layernorm", "groupnorm",
+                                  "multihead-attention", "fallback"])
+def test_autocast_to_bfloat16_gives_the_float32_update_to_bfloat16_precision(case):
+    """Under autocast a layer's input and output gradient can have different dtypes, and the
+    fallback recomputes under the autocast of its call: the update is float32 and within bfloat16
+    rounding (2^-8 per operation) of the float32 materialised one."""
+    model, x, target = setting(case)
+    config = dpsgd.DPSGDConfig(clip_between(materialised_grads(model, x, target), False), noise_multiplier=0.0)
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 6.0)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=6.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    got = bk.step(regression(out.float(), target))
+    scale = max(float(w.abs().max()) for w in want)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0.0, atol=0.08 * scale)
+
+
 def test_secure_gaussian_noise_matches_on_the_same_key():
     model, x, target = setting("conv2d")
     grads = materialised_grads(model, x, target)

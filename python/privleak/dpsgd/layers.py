@@ -59,6 +59,13 @@ def _zero_dropped(x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor
     return torch.where(keep.view(-1, *[1] * (x.ndim - 1)), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def _common(*tensors: torch.Tensor) -> tuple:
+    """The tensors in one dtype, the widest of theirs: under autocast a layer's input and its output
+    gradient can differ (float32 and bfloat16)."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def _scaled(g: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return g * factors.to(g.dtype).view(-1, *[1] * (g.ndim - 1))
 
@@ -190,7 +197,7 @@ class LinearLayer(Layer):
         batch = self.calls[0].shape[0]
         a = [x.reshape(batch, -1, x.shape[-1]) for x in self.calls]
         g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
-        return (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+        return _common(a[0], g[0]) if len(a) == 1 else _common(torch.cat(a, 1), torch.cat(g, 1))
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         a, g = self._sites()
@@ -273,6 +280,7 @@ class ConvLayer(Layer):
         so the batch folded into the channels with B G groups gives all of them in one call."""
         m, batch = self.module, x.shape[0]
         x, padding = _conv_padding(m, x)
+        x, g = _common(x, g)
         # Only the weight's shape matters: its values enter the input gradient, which is not asked for.
         weight = x.new_empty(batch * m.out_channels, *m.weight.shape[1:])
         grads = torch.ops.aten.convolution_backward(
@@ -284,7 +292,8 @@ class ConvLayer(Layer):
         """The convolution's weight gradient for input x and output gradient g."""
         m = self.module
         x, padding = _conv_padding(m, x)
-        return torch.ops.aten.convolution_backward(g, x, m.weight, None, list(m.stride), padding, list(m.dilation),
+        x, g, weight = _common(x, g, m.weight)
+        return torch.ops.aten.convolution_backward(g, x, weight, None, list(m.stride), padding, list(m.dilation),
                                                    False, [0] * (x.ndim - 2), m.groups, [False, True, False])[1]
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
@@ -356,8 +365,8 @@ class EmbeddingLayer(Layer):
         weight = self.module.weight
         ids, g = self._sites()
         scaled = _scaled(_zero_dropped(g, keep), factors[id(weight)])
-        total = torch.zeros(weight.shape, dtype=scaled.dtype, device=weight.device)
-        return {id(weight): total.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]))}
+        out = torch.zeros(weight.shape, dtype=torch.promote_types(scaled.dtype, weight.dtype), device=weight.device)
+        return {id(weight): out.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]).to(out.dtype))}
 
 
 class _PerSampleLayer(Layer):
@@ -447,7 +456,9 @@ class FunctionalLayer(_PerSampleLayer):
         leaves, spec = tree_flatten((args, kwargs))
         inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
         self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs))
-        self.calls.append(([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, live))
+        device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self.calls.append(([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast))
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.edge_counts.append(len(live))
 
@@ -460,7 +471,7 @@ class FunctionalLayer(_PerSampleLayer):
 
     def batch_sizes(self) -> list[int]:
         sizes = []
-        for leaves, _, _ in self.calls:
+        for leaves, *_ in self.calls:
             tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.ndim]
             sizes.append(tensors[0].shape[0] if tensors else 0)
         return sizes
@@ -475,7 +486,7 @@ class FunctionalLayer(_PerSampleLayer):
         names = {id(p): n for n, p in self.module.named_parameters(recurse=self.claims_children)}
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
-        for (leaves, spec, live), output_grads in zip(self.calls, self.grads):
+        for (leaves, spec, live, (device, autocast, dtype)), output_grads in zip(self.calls, self.grads):
             split = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
             pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
 
@@ -488,7 +499,8 @@ class FunctionalLayer(_PerSampleLayer):
                            if isinstance(x, torch.Tensor)]
                 return sum((outputs[i] * g.unsqueeze(0)).sum() for (i, _), g in zip(pairs, cotangents))
 
-            with warnings.catch_warnings():  # torch's note that an op has no batching rule: the docstring's cost
+            with warnings.catch_warnings(), torch.autocast(device, dtype=dtype, enabled=autocast):
+                # torch's note that an op has no batching rule: the cost the docstring states
                 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
                 grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(
                     params, [leaves[i] for i in split], [g for _, g in pairs])
