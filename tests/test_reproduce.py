@@ -512,9 +512,14 @@ def test_the_command_line_takes_conventions_and_batch_sizes(monkeypatch, tmp_pat
                          (["--convention", "paper", "--calibration", "exact"], "--calibration"),
                          (["--batch-size", "17"], "--batch-size"), (["--batch-size", "0"], "--batch-size"),
                          (["--batch-size", "2.5"], "--batch-size")):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["reproduce", "--out", out, *argv])
-        assert exit_info.value.code == 2
-        lines = capsys.readouterr().err.splitlines()
-        assert len(lines) == 1 and f"argument {option}" in lines[0], lines
+        assert_refused(capsys, ["reproduce", "--out", out, *argv], option)
     assert not (tmp_path / "out").exists()
+
+
+def assert_refused(capsys, argv, option):
+    """The command line ``argv`` ends with exit code 2 and one line naming ``option``."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"argument {option}" in lines[0], lines

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 from privleak import attacks, cli, flower_app, reproduce
+from test_reproduce import assert_refused
 
 #: Two settings (noiseless, VMF) and three clients with two local images each: small enough for
 #: Flower's simulation, which starts its Ray workers once per setting.
@@ -80,11 +81,7 @@ def test_the_command_line_picks_the_engine(monkeypatch, tmp_path, capsys):
                          (["--engine", "flower", "--superlink", "nohost"], "--superlink"),
                          (["--engine", "flower", "--superlink", "h:0"], "--superlink"),
                          (["--engine", "ray"], "--engine")):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["reproduce", "--out", out, *argv])
-        assert exit_info.value.code == 2
-        lines = capsys.readouterr().err.splitlines()
-        assert len(lines) == 1 and f"argument {option}" in lines[0], lines
+        assert_refused(capsys, ["reproduce", "--out", out, *argv], option)
     assert not (tmp_path / "out").exists()
 
 
