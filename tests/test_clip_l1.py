@@ -11,7 +11,8 @@ import torch
 from conftest import requires_cuda
 from privleak import mechanisms as M
 from privleak.dpsgd.clip import clip_and_accumulate
-from test_dpsgd import SHAPES, assert_close, per_sample
+from test_dpsgd import CUDA_CASES, SHAPES, assert_close, per_sample
+from test_dpsgd import cuda_case as l2_cuda_case
 
 
 def l1_reference(grads, clip_norms, per_layer, noise=None, batch_size=None):
@@ -280,20 +281,12 @@ def test_l1_op_passes_opcheck():
                               (grads, clip_norms, per_layer, 0.5, [1, 2], 0, 0.25, 1))
 
 
-# The CUDA comparison's cases, those of test_dpsgd's L2 comparison. Their CPU half runs on every
-# machine (test_l1_cuda_cases_are_valid_on_the_cpu). The shape lists with 48 empty tensors fill a
-# whole launch group of the CUDA kernel, which must launch nothing.
-CUDA_SHAPES = {"mixed": SHAPES[2], "empty_group": [(0,)] * 48 + [(3, 0), (5,)], "all_empty": [(0,), (2, 0)] * 25}
-CUDA_CASES = [pytest.param(shapes, per_layer, dtype, batch, id=f"{shapes}-{per_layer}-{str(dtype)[6:]}-{batch}")
-              for shapes in CUDA_SHAPES for per_layer in (False, True)
-              for dtype in (torch.float32, torch.bfloat16, torch.float16) for batch in (64, 0)]
-
-
+# The CUDA comparison's cases are those of test_dpsgd's L2 comparison, in the L1 norm. Their CPU
+# half runs on every machine (test_l1_cuda_cases_are_valid_on_the_cpu).
 def cuda_case(shapes, per_layer, dtype, batch):
     """(per-sample gradients on the CPU, clip_and_accumulate's other arguments) for one case."""
-    grads = per_sample(CUDA_SHAPES[shapes], batch=batch, dtype=dtype)
-    kwargs = dict(per_layer=per_layer, noise_std=0.4, key=2, batch_size=3.3 if batch == 0 else None, norm_type=1)
-    return grads, kwargs
+    grads, kwargs = l2_cuda_case(shapes, per_layer, dtype, batch)
+    return grads, {**kwargs, "norm_type": 1}
 
 
 @pytest.mark.parametrize("shapes, per_layer, dtype, batch", CUDA_CASES)
