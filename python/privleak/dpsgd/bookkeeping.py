@@ -125,9 +125,10 @@ class BookKeeping:
             layer.clear()
 
     def step(self, per_sample_losses: torch.Tensor) -> list:
-        """Privatise the batch whose per-sample losses (B,) are given, write the update into the
-        parameters' ``.grad``, step the optimizer; returns the update (what the server sees), one
-        float32 tensor per parameter in the optimizer's order."""
+        """Privatise the batch whose per-sample losses (B,) are given and step the optimizer with
+        the update as the parameters' ``.grad`` (reset to None after the step, so the next forward
+        pass does not hold it); returns the update (what the server sees), one float32 tensor per
+        parameter in the optimizer's order."""
         losses = _check_losses(per_sample_losses)
         self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
         try:
@@ -138,13 +139,15 @@ class BookKeeping:
         config = self.config
         clipping = config.clipping(len(self.params))
         mechanism = config.mechanism
-        update = mechanism.noise(sums, clipping, 1.0, self._dp.generator)
+        update = mechanism.noise(sums, clipping, 1.0, self._dp.generator, inplace=True)
         if not mechanism.releases_direction:
             update = [u.mul_(1.0 / self._dp.expected_batch_size) for u in update]
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()
         self._dp.steps += 1
+        for p in self.params:  # as zero_grad(set_to_none=True): the update is as large as the model
+            p.grad = None
         return update
 
     def _clipped_sums(self, losses: torch.Tensor) -> list:
@@ -183,6 +186,7 @@ class BookKeeping:
                 slots = [self._slots[id(p)] for p in layer.parameters]
                 for slot, total in zip(slots, layer.clipped_sums([factors[s] for s in slots], keep)):
                     sums[slot] = total
+                layer.clear()  # its inputs and output gradients: the next layer's sum takes their place
         return sums
 
     def _factors(self, sums: torch.Tensor, norm_type: int) -> tuple[list, Optional[torch.Tensor]]:

@@ -45,11 +45,13 @@ class Gaussian(DPSGDMechanism):
                                    noise_std=self.noise_std(clipping), batch_size=batch_size, generator=generator,
                                    non_finite=non_finite).grads
 
-    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator) -> list:
+    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
+              inplace: bool = False) -> list:
         std = self.noise_std(clipping) / batch_size
         if std == 0:
-            return [a.clone() for a in average]
-        return [_noise.add_gaussian_noise(a, std, generator=generator) for a in average]
+            return list(average) if inplace else [a.clone() for a in average]
+        add = _noise.add_gaussian_noise_ if inplace else _noise.add_gaussian_noise
+        return [add(a, std, generator=generator) for a in average]
 
     @classmethod
     def calibrate(cls, epsilon: float, delta: float) -> "Gaussian":

@@ -44,9 +44,11 @@ class Laplace(DPSGDMechanism):
         """b, the Laplace scale on the clipped sum: noise_multiplier times the L1 clip norm c_1."""
         return self.noise_multiplier * clipping.total(1)
 
-    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator) -> list:
+    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
+              inplace: bool = False) -> list:
         scale = self.scale(clipping) / batch_size
-        return [_noise.add_laplace_noise(a, scale, generator=generator) for a in average]
+        add = _noise.add_laplace_noise_ if inplace else _noise.add_laplace_noise
+        return [add(a, scale, generator=generator) for a in average]
 
     @classmethod
     def calibrate(cls, epsilon: float, delta: float) -> "Laplace":

@@ -75,11 +75,15 @@ class DPSGDMechanism(ABC):
         average = clip_and_accumulate(per_sample_grads, list(clipping.norms), per_layer=clipping.per_layer,
                                       batch_size=batch_size, non_finite=non_finite,
                                       norm_type=self.clip_norm_type).grads
-        return self.noise(average, clipping, batch_size, generator)
+        return self.noise(average, clipping, batch_size, generator, inplace=True)  # the average is ours
 
     @abstractmethod
-    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator) -> list:
-        """Privatise a clipped average of ``batch_size`` samples (one tensor per parameter)."""
+    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
+              inplace: bool = False) -> list:
+        """Privatise a clipped average of ``batch_size`` samples (one tensor per parameter). With
+        ``inplace`` the caller gives up ``average``: additive noise goes into its tensors, which
+        are returned (a release that is not additive, such as VMF's direction, may be new
+        tensors); a step over a large model then holds one copy of the gradient, not two."""
 
     @classmethod
     @abstractmethod
@@ -182,7 +186,8 @@ class ClipOnly(DPSGDMechanism):
     def clip_norm_type(self) -> int:  # type: ignore[override]
         return self.norm_type
 
-    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator) -> list:
+    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
+              inplace: bool = False) -> list:
         return list(average)
 
     @classmethod

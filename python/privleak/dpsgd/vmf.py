@@ -28,7 +28,8 @@ class VMF(DPSGDMechanism):
     def __post_init__(self) -> None:
         object.__setattr__(self, "kappa", validation.positive(self.kappa, "kappa"))
 
-    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator) -> list:
+    def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
+              inplace: bool = False) -> list:
         return vmf_release(average, self.kappa, generator)
 
     @classmethod
