@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import layers
+from privleak.dpsgd import bookkeeping, layers
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 pytestmark = [
     # torch.func has no batching rule for the fused CPU attention kernel that nn.MultiheadAttention calls
@@ -500,3 +501,39 @@ def test_remove_takes_the_hooks_off():
     model(x)
     assert all(not layer.calls for layer in bk.layers)
     assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["per-sample-gradients-kept", "inputs-kept"])
+@pytest.mark.parametrize("case", ["conv1d", "conv2d", "groupnorm"])
+def test_both_ways_of_holding_a_convolution_match(case, keep, monkeypatch):
+    """On the per-sample side of the mixed rule a convolution forms its per-sample gradients in the
+    backward pass and drops its inputs, or keeps its inputs and output gradients for a
+    weight-gradient convolution of the clipped sum: both give the materialised update."""
+    asked = []
+
+    def keep_per_sample(per_sample, held):
+        asked.append((per_sample, held))
+        return keep
+
+    monkeypatch.setattr(layers, "use_ghost_norm", lambda *sizes: False)
+    monkeypatch.setattr(layers, "keep_per_sample", keep_per_sample)
+    for mechanism in ("gaussian", "laplace"):
+        for per_layer in (False, True):
+            compare(case, mechanism, per_layer)
+    assert asked
+
+
+def test_the_backward_asks_autograd_only_for_the_lowest_layer_outputs():
+    """bookkeeping.lowest: an edge is left out when another is reached below its node; every
+    layer's tensor hook still fires, on a chain and on a branch beside it."""
+    x = torch.randn(3, requires_grad=True)
+    chain_low = x * 2.0
+    chain_high = chain_low.exp()
+    branch = x.sin()
+    edges = [get_gradient_edge(t) for t in (chain_high, chain_low, branch)]
+    assert bookkeeping.lowest(edges) == [edges[1], edges[2]]
+    seen = []
+    for name, t in [("chain_high", chain_high), ("chain_low", chain_low), ("branch", branch)]:
+        t.register_hook(lambda g, name=name: seen.append(name))
+    torch.autograd.grad((chain_high + branch).sum(), bookkeeping.lowest(edges))
+    assert sorted(seen) == ["branch", "chain_high", "chain_low"]

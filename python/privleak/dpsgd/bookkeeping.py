@@ -6,6 +6,11 @@ input a; :meth:`BookKeeping.step` takes the per-sample losses, runs one backward
 layers' outputs only (the ordinary parameter gradients are never computed), and per layer
 (:mod:`privleak.dpsgd.layers`):
 
+0. the layer takes its output gradient g from a tensor hook as the backward reaches it. Where
+   its per-sample gradients are no larger than a and g (GroupNorm, LayerNorm, convolutions with
+   few weights) it forms them there, so a and g are freed as the backward goes on, as an
+   ordinary backward frees its activations; the others keep a and g to the end;
+
 1. each sample's norm of the layer's gradient: for a Linear-like layer over T positions
    |sum_t g_t a_t^T|_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s), the ghost norm, when 2 T^2 < d p,
    else from that layer's per-sample gradient (the mixed rule);
@@ -21,6 +26,7 @@ and the same noise stream, up to float32 rounding.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -80,6 +86,7 @@ class BookKeeping:
         self.layers = _layers_of(model)
         self._slots = {id(p): i for i, p in enumerate(params)}
         self._recording = True
+        self._collecting = False
         self._hooks = [layer.module.register_forward_hook(self._hook(layer), with_kwargs=True)
                        for layer in self.layers]
 
@@ -116,9 +123,19 @@ class BookKeeping:
 
     def _hook(self, layer: Layer):
         def record(module, args, kwargs, output):
-            if self._recording:
-                layer.record(args, kwargs, output)
+            if not self._recording:
+                return
+            outputs = layer.record(args, kwargs, output)
+            call = len(layer.calls) - 1
+            for index, y in enumerate(outputs):
+                y.register_hook(functools.partial(self._take_grad, layer, call, index))
         return record
+
+    def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:
+        """A tensor hook on a recorded output: hand its gradient to the layer, in step()'s backward
+        only (a backward the user runs is none of ours)."""
+        if self._collecting:
+            layer.take_grad(call, output, grad, self.config.mechanism.clip_norm_type)
 
     def _clear(self) -> None:
         for layer in self.layers:
@@ -169,11 +186,16 @@ class BookKeeping:
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
-        grads = torch.autograd.grad(losses, edges, grad_outputs=torch.ones_like(losses), allow_unused=True)
-        start = 0
+        # The layers take their gradients from tensor hooks, as the backward reaches them, and may
+        # reduce them there. Asking autograd only for the lowest layers' gradients keeps it from
+        # holding every layer's until the end; the backward still runs through all the others.
+        self._collecting = True
+        try:
+            torch.autograd.grad(losses, lowest(edges), grad_outputs=torch.ones_like(losses), allow_unused=True)
+        finally:
+            self._collecting = False
         for layer in self.layers:
-            layer.take_grads(grads[start:start + len(layer.edges)])
-            start += len(layer.edges)
+            layer.finish()
         norm_type = self.config.mechanism.clip_norm_type
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
             columns: list = [None] * len(self.params)
@@ -236,6 +258,27 @@ class BookKeeping:
     def _owners(self) -> list[str]:
         names = {id(p): name for name, p in self.model.named_parameters()}
         return [names[id(p)] for p in self.params]
+
+
+def lowest(edges: list) -> list:
+    """The gradient edges (of the layers' outputs) with no other of them below: none is reached
+    from their node in the autograd graph. A backward to these passes through every node with an
+    edge on the way down, so the tensor hooks of every one of them fire."""
+    targets = {edge.node for edge in edges}
+    below: dict = {}  # node: whether a target is reached from it, itself not counted
+    for root in targets:
+        stack = [(root, False)]
+        while stack:
+            node, children_done = stack.pop()
+            if node in below:
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            if children_done:
+                below[node] = any(child in targets or below[child] for child in children)
+            else:
+                stack.append((node, True))
+                stack.extend((child, False) for child in children if child not in below)
+    return [edge for edge in edges if not below[edge.node]]
 
 
 def _layers_of(model: nn.Module) -> list[Layer]:

@@ -36,6 +36,14 @@ def use_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
     return 2 * positions * positions < inputs * outputs
 
 
+def keep_per_sample(per_sample: int, held: int) -> bool:
+    """Whether a layer forms its per-sample gradients (``per_sample`` values) during the backward
+    pass in place of its inputs and output gradients (``held`` values): when they are no larger.
+    (Keeping them up to twice that size would save a convolution's weight-gradient pass in the
+    clipped sum, but measured no faster on the bench's CNNs and held more memory.)"""
+    return per_sample <= held
+
+
 def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
     """(N,) float64: squared L2 (norm_type 2) or L1 norm of each row of an (N, ...) tensor."""
     flat = rows.reshape(rows.shape[0], -1)
@@ -71,9 +79,13 @@ def _scaled(g: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
 
 
 class Layer:
-    """One hooked module's share of a step. ``record`` runs in the module's forward hook;
-    ``take_grads`` gets the gradients by the recorded outputs (their gradient edges, in order);
-    ``norms`` and ``clipped_sums`` give per parameter the per-sample norms and the f-weighted sum.
+    """One hooked module's share of a step. ``record`` runs in the module's forward hook and names
+    the outputs whose gradients the layer needs; ``take_grad`` gets each of them during the
+    backward pass, and once a call's are all in, ``reduce`` may replace that call's input and
+    output gradients by its per-sample gradients, where those are smaller, so they are freed as
+    the backward goes on (as an ordinary backward frees its activations); ``finish`` ends the
+    backward; ``norms`` and ``clipped_sums`` give per parameter the per-sample norms and the
+    f-weighted sum (by default from the per-sample gradients ``reduce`` formed).
 
     ``uses_per_call``: how often one forward call uses each parameter in the autograd graph, for
     the check that no parameter is used where the hooks cannot see; None: counted per call.
@@ -92,42 +104,58 @@ class Layer:
         return f"module '{self.name}' ({type(self.module).__name__})"
 
     def clear(self) -> None:
-        self.calls: list = []  # what record() keeps per forward call
+        self.calls: list = []  # what record() keeps per forward call; None once reduced
         self.edges: list = []  # gradient edges of the recorded outputs, in call order
-        self.edge_counts: list[int] = []  # edges per call
         self.uses: list[list[int]] = []  # per call, the uses of each parameter in its graph
-        self.grads: list = []
+        self.grads: list = []  # per call, the gradients of its recorded outputs (None until they come)
+        self.reduced = 0  # calls that reduce() replaced by per-sample gradients
+        self.per_sample: dict = {}  # per parameter id, the (B, *shape) per-sample gradients formed
 
     def trains(self, parameter: Optional[torch.Tensor]) -> bool:
         return parameter is not None and parameter.requires_grad
 
-    def record(self, args: tuple, kwargs: dict, output: Any) -> None:
-        """Keep the input of one forward call and the gradient edge of its output."""
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        """Keep the input of one forward call and the gradient edge of its output; returns the
+        outputs whose gradients :meth:`take_grad` wants, in order."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return  # run without grad (evaluation): nothing to train
+            return []  # run without grad (evaluation): nothing to train
         self.calls.append((args[0] if args else next(iter(kwargs.values()))).detach())
         self.edges.append(get_gradient_edge(output))
-        self.edge_counts.append(1)
+        self.grads.append([None])
         self.uses.append([self.uses_per_call] * len(self.parameters))
+        return [output]
 
     def batch_sizes(self) -> list[int]:
         return [x.shape[0] if x.ndim else 0 for x in self.calls]
 
-    def take_grads(self, grads: list) -> None:
-        """The output gradients of the recorded calls, one list per call; a call whose outputs the
-        loss does not use drops out."""
-        grads, start, kept = list(grads), 0, []
-        for call, count in zip(self.calls, self.edge_counts):
-            part = grads[start:start + count]
-            start += count
-            if any(g is not None for g in part):
-                kept.append((call, part if count > 1 else part[0]))
+    def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
+        """The gradient of recorded output ``output`` of call ``call``, during the backward pass."""
+        grads = self.grads[call]
+        grads[output] = grad
+        rows = self.reduce(call, norm_type) if all(g is not None for g in grads) else None
+        if rows is not None:
+            for key, r in rows.items():
+                self.per_sample[key] = r if key not in self.per_sample else self.per_sample[key] + r
+            self.calls[call] = self.grads[call] = None
+            self.reduced += 1
+
+    def reduce(self, call: int, norm_type: int) -> Optional[dict]:
+        """During the backward pass, once call ``call``'s output gradients are all in: its
+        per-sample gradients per parameter id if the layer keeps those instead of the call's
+        input and output gradients, else None."""
+        return None
+
+    def finish(self) -> None:
+        """After the backward pass: keep the calls not reduced whose outputs the loss uses, each
+        with its output gradient (a list for a call of several outputs)."""
+        kept = [(call, grads if len(grads) > 1 else grads[0]) for call, grads in zip(self.calls, self.grads)
+                if call is not None and any(g is not None for g in grads)]
         self.calls = [call for call, _ in kept]
         self.grads = [g for _, g in kept]
 
     def norms(self, batch: int, norm_type: int) -> list[torch.Tensor]:
         """Per parameter, (B,) float64: each sample's squared L2 norm (norm_type 2) or L1 norm."""
-        if not self.calls:
+        if not self.calls and not self.reduced:
             return [torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters]
         by_id = self.norms_by_parameter(batch, norm_type)
         return [by_id[id(p)] for p in self.parameters]
@@ -135,19 +163,19 @@ class Layer:
     def clipped_sums(self, factors: list[torch.Tensor], keep: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, the float32 sum_i f_i G_i for ``factors`` (B,) float32, one per parameter;
         ``keep`` (B,) bool marks the samples kept (None: all)."""
-        if not self.calls:
+        if not self.calls and not self.reduced:
             return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.parameters]
         by_id = self.sums_by_parameter({id(p): f for p, f in zip(self.parameters, factors)}, keep)
         return [by_id[id(p)].float() for p in self.parameters]
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         """:meth:`norms` of the recorded calls (at least one) by ``id`` of the parameter."""
-        raise NotImplementedError
+        return {key: row_norms(rows, norm_type) for key, rows in self.per_sample.items()}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         """:meth:`clipped_sums` of the recorded calls by ``id`` of the parameter, ``factors`` keyed
         the same way; runs after :meth:`norms_by_parameter`."""
-        raise NotImplementedError
+        return {key: weighted_sum(_zero_dropped(rows, keep), factors[key]) for key, rows in self.per_sample.items()}
 
 
 _LAYERS: dict[type, type] = {}
@@ -253,14 +281,44 @@ class ConvLayer(Layer):
     """nn.Conv1d / nn.Conv2d (any padding, stride, dilation, groups). Per group, the input unfolded
     into patches (L positions of d = C/G k values) is a Linear layer's input: the ghost norm of
     patches and output gradients when 2 L^2 < d p; else the per-sample weight gradients, all in
-    one convolution backward with the batch folded into the groups. Those are kept for the
-    clipped sum (a matrix-vector product) when they take at most twice the memory of the layer's
-    inputs and output gradients; else the clipped sum is the convolution's own weight gradient of
-    the scaled output gradients."""
+    one convolution backward with the batch folded into the groups.
+
+    On the per-sample side, gradients no larger than the layer's inputs and output gradients
+    (:func:`keep_per_sample`) are formed during the backward pass in their place, which are freed,
+    and the clipped sum is a matrix-vector product. Otherwise the layer keeps its inputs and output
+    gradients, and the clipped sum is the convolution's own weight gradient of the scaled output
+    gradients."""
 
     def clear(self) -> None:
         super().clear()
-        self._per_sample: Optional[torch.Tensor] = None
+        self._output_sizes: list = []  # per call, the output's shape
+        self._reduces: Optional[bool] = None  # this step's choice, made at the first reduce()
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        outputs = super().record(args, kwargs, output)
+        self._output_sizes += [y.shape for y in outputs]
+        return outputs
+
+    def _ghost(self, norm_type: int) -> bool:
+        m = self.module
+        positions = sum(math.prod(shape[2:]) for shape in self._output_sizes)
+        return norm_type == 2 and use_ghost_norm(positions, m.weight[0].numel(), m.out_channels // m.groups)
+
+    def reduce(self, call: int, norm_type: int) -> Optional[dict]:
+        m = self.module
+        if self._reduces is None:
+            held = sum(x.numel() + math.prod(shape) for x, shape in zip(self.calls, self._output_sizes))
+            self._reduces = not self.trains(m.weight) or (
+                not self._ghost(norm_type) and keep_per_sample(self.calls[call].shape[0] * m.weight.numel(), held))
+        if not self._reduces:
+            return None
+        x, (g,) = self.calls[call], self.grads[call]
+        rows = {}
+        if self.trains(m.weight):
+            rows[id(m.weight)] = self._per_sample_weight_grads(x, g)
+        if self.trains(m.bias):
+            rows[id(m.bias)] = g.flatten(2).sum(2)
+        return rows
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
         """(B G, L, d) patches of ``x`` as the convolution sees them, each patch's d values in the
@@ -297,29 +355,27 @@ class ConvLayer(Layer):
                                                    False, [0] * (x.ndim - 2), m.groups, [False, True, False])[1]
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        if self.reduced:
+            return super().norms_by_parameter(batch, norm_type)
         m, out = self.module, {}
-        if self.trains(m.weight):
-            positions = sum(y[0, 0].numel() for y in self.grads)
-            inputs, outputs = m.weight[0].numel(), m.out_channels // m.groups
-            if norm_type == 2 and use_ghost_norm(positions, inputs, outputs):
-                a = [self._patches(x) for x in self.calls]
-                g = [y.reshape(batch * m.groups, outputs, -1).transpose(1, 2) for y in self.grads]
-                a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
-                out[id(m.weight)] = ghost_norm.ghost_norm_squared(a, g).view(batch, m.groups).sum(1)
-            else:
-                per_sample = total(self._per_sample_weight_grads(x, y) for x, y in zip(self.calls, self.grads))
-                out[id(m.weight)] = row_norms(per_sample, norm_type)
-                if per_sample.numel() <= 2 * sum(x.numel() + y.numel() for x, y in zip(self.calls, self.grads)):
-                    self._per_sample = per_sample
+        if self.trains(m.weight) and self._ghost(norm_type):
+            outputs = m.out_channels // m.groups
+            a = [self._patches(x) for x in self.calls]
+            g = [y.reshape(batch * m.groups, outputs, -1).transpose(1, 2) for y in self.grads]
+            a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+            out[id(m.weight)] = ghost_norm.ghost_norm_squared(a, g).view(batch, m.groups).sum(1)
+        elif self.trains(m.weight):  # per-sample gradients too large to keep
+            out[id(m.weight)] = row_norms(total(self._per_sample_weight_grads(x, y)
+                                                for x, y in zip(self.calls, self.grads)), norm_type)
         if self.trains(m.bias):
             out[id(m.bias)] = row_norms(total(y.flatten(2).sum(2) for y in self.grads), norm_type)
         return out
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        if self.reduced:
+            return super().sums_by_parameter(factors, keep)
         m, out = self.module, {}
-        if self.trains(m.weight) and self._per_sample is not None:
-            out[id(m.weight)] = weighted_sum(_zero_dropped(self._per_sample, keep), factors[id(m.weight)])
-        elif self.trains(m.weight):
+        if self.trains(m.weight):
             f = factors[id(m.weight)]
             out[id(m.weight)] = total(self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
                                       for x, y in zip(self.calls, self.grads))
@@ -369,29 +425,10 @@ class EmbeddingLayer(Layer):
         return {id(weight): out.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]).to(out.dtype))}
 
 
-class _PerSampleLayer(Layer):
-    """Layers whose norms and weighted sum come from their per-sample gradients, which are small
-    (one value per channel) or the only form there is (the fallback)."""
-
-    def clear(self) -> None:
-        super().clear()
-        self._per_sample: dict = {}
-
-    def per_sample_grads(self, batch: int) -> dict:
-        """Per parameter id, the (B, *shape) per-sample gradients of the recorded calls."""
-        raise NotImplementedError
-
-    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
-        self._per_sample = self.per_sample_grads(batch)
-        return {key: row_norms(g, norm_type) for key, g in self._per_sample.items()}
-
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        return {key: weighted_sum(_zero_dropped(g, keep), factors[key]) for key, g in self._per_sample.items()}
-
-
-class _AffineNorm(_PerSampleLayer):
+class _AffineNorm(Layer):
     """A normalisation y = x_hat w + b: per-sample gradients are the sums over positions of x_hat g
-    (weight) and g (bias), x_hat recomputed from the recorded input without the affine part."""
+    (weight) and g (bias), x_hat recomputed from the recorded input without the affine part; they
+    are one value per channel, formed during the backward pass."""
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -400,16 +437,15 @@ class _AffineNorm(_PerSampleLayer):
         """y (B, ...) as (B, positions, channels), channels in the parameters' layout."""
         raise NotImplementedError
 
-    def per_sample_grads(self, batch: int) -> dict:
+    def reduce(self, call: int, norm_type: int) -> Optional[dict]:
         m = self.module
-        calls = list(zip(self.calls, self.grads))
-        out = {}
+        x, (g,) = self.calls[call], self.grads[call]
+        rows = {}
         if self.trains(m.weight):
-            weight = total(self.channels(self.normalized(x) * g).sum(1) for x, g in calls)
-            out[id(m.weight)] = weight.reshape(batch, *m.weight.shape)
+            rows[id(m.weight)] = self.channels(self.normalized(x) * g).sum(1).reshape(x.shape[0], *m.weight.shape)
         if self.trains(m.bias):
-            out[id(m.bias)] = total(self.channels(g).sum(1) for _, g in calls).reshape(batch, *m.bias.shape)
-        return out
+            rows[id(m.bias)] = self.channels(g).sum(1).reshape(x.shape[0], *m.bias.shape)
+        return rows
 
 
 @layer_kind(nn.LayerNorm)
@@ -434,7 +470,7 @@ class GroupNormLayer(_AffineNorm):
         return y.reshape(y.shape[0], y.shape[1], -1).transpose(1, 2)
 
 
-class FunctionalLayer(_PerSampleLayer):
+class FunctionalLayer(Layer):
     """The fallback for a module with trainable parameters and no rule: per-sample gradients of its
     own parameters by ``torch.func`` (vmap over samples of the gradient of its forward, recomputed
     on each sample's recorded input, weighted by the recorded output gradients). It costs another
@@ -447,11 +483,11 @@ class FunctionalLayer(_PerSampleLayer):
 
     uses_per_call = None
 
-    def record(self, args: tuple, kwargs: dict, output: Any) -> None:
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
-            return
+            return []
         self.refuse_randomness()
         leaves, spec = tree_flatten((args, kwargs))
         inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
@@ -460,7 +496,8 @@ class FunctionalLayer(_PerSampleLayer):
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         self.calls.append(([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast))
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
-        self.edge_counts.append(len(live))
+        self.grads.append([None] * len(live))
+        return [outputs[i] for i in live]
 
     def refuse_randomness(self) -> None:
         for name, sub in self.module.named_modules(prefix=self.name):
@@ -476,9 +513,13 @@ class FunctionalLayer(_PerSampleLayer):
             sizes.append(tensors[0].shape[0] if tensors else 0)
         return sizes
 
-    def take_grads(self, grads: list) -> None:
-        super().take_grads(grads)
+    def finish(self) -> None:
+        super().finish()
         self.grads = [g if isinstance(g, list) else [g] for g in self.grads]
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        self.per_sample = self.per_sample_grads(batch)
+        return super().norms_by_parameter(batch, norm_type)
 
     def per_sample_grads(self, batch: int) -> dict:
         from torch.func import functional_call, grad, vmap
@@ -540,13 +581,12 @@ class BatchNormLayer(FunctionalLayer):
 
     hook_without_parameters = True
 
-    def record(self, args: tuple, kwargs: dict, output: Any) -> None:
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         if self.module.training and torch.is_grad_enabled():  # a training forward; evaluation under no_grad is fine
             raise ValueError(f"{self.describe()} is in training mode: it normalises with statistics of the whole "
                              "batch, so per-sample gradients (and their clipping) are undefined; use GroupNorm or "
                              "LayerNorm, or call .eval() on it")
-        if self.parameters:
-            super().record(args, kwargs, output)
+        return super().record(args, kwargs, output) if self.parameters else []
 
 
 def count_uses(roots: list, parameters: list, stop: frozenset = frozenset()) -> list[int]:
