@@ -72,7 +72,7 @@ def vmf_release(average: Sequence[torch.Tensor], kappa: float, generator=None) -
     if not average or not all(isinstance(a, torch.Tensor) for a in average):
         raise validation.ArgumentTypeError("average must be a non-empty sequence of torch tensors")
     _noise._check_generator(generator)
-    flat = torch.cat([a.reshape(-1) for a in average])
+    flat = average[0].reshape(-1) if len(average) == 1 else torch.cat([a.reshape(-1) for a in average])
     if bool(flat.any()):
         direction = _noise.vmf_sample(flat, kappa, 1, generator=generator)[0]
     else:
