@@ -130,7 +130,7 @@ MODELS = {
     "paper-cnn": (lambda: PaperNetwork(), images((1, 28, 28), 10), nn.CrossEntropyLoss, (64, 256), (64,)),
     "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
     "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
-    "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 16), ()),
+    "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
 }
 
 

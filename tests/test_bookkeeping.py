@@ -407,14 +407,6 @@ def test_a_model_without_trainable_parameters_is_refused():
                           expected_batch_size=2)
 
 
-def test_a_model_across_devices_is_refused():
-    """The update is one vector on one device; the meta device stands in for a second one."""
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
-    with pytest.raises(ValueError, match=r"model: .* one device, got \['cpu', 'meta'\]"):
-        dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
-                          expected_batch_size=2)
-
-
 def test_the_other_arguments_are_checked_as_dpoptimizer_checks_them():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="optimizer must hold exactly the model's 2 trainable parameters"):

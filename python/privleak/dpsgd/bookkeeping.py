@@ -82,10 +82,6 @@ class BookKeeping:
         if {id(p) for p in params} != {id(p) for p in trainable} or len(params) != len(trainable):
             raise ValueError(f"optimizer must hold exactly the model's {len(trainable)} trainable parameters (those "
                              f"with requires_grad), each once; it holds {len(params)} tensors, not the same ones")
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(f"model: book-keeping needs every trainable parameter on one device, got "
-                             f"{sorted(str(d) for d in devices)}")
         self.model = model
         self.layers = _layers_of(model)
         self._slots = {id(p): i for i, p in enumerate(params)}
@@ -153,19 +149,16 @@ class BookKeeping:
         losses = _check_losses(per_sample_losses)
         self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
         try:
-            flat = self._clipped_sum(losses)
+            sums = self._clipped_sums(losses)
         finally:
             self._recording = True
             self._clear()
         config = self.config
         clipping = config.clipping(len(self.params))
         mechanism = config.mechanism
-        # One noise call over the whole vector (the mechanisms treat the tensors as one): the same
-        # stream as tensor by tensor, without a call's fixed cost per parameter.
-        (flat,) = mechanism.noise([flat], clipping, 1.0, self._dp.generator, inplace=True)
+        update = mechanism.noise(sums, clipping, 1.0, self._dp.generator, inplace=True)
         if not mechanism.releases_direction:
-            flat.mul_(1.0 / self._dp.expected_batch_size)
-        update = [part.view(p.shape) for part, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
+            update = [u.mul_(1.0 / self._dp.expected_batch_size) for u in update]
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()
@@ -174,12 +167,11 @@ class BookKeeping:
             p.grad = None
         return update
 
-    def _clipped_sum(self, losses: torch.Tensor) -> torch.Tensor:
-        """sum_i f_i g_i, float32, the parameters' laid end to end in the optimizer's order."""
+    def _clipped_sums(self, losses: torch.Tensor) -> list:
+        """sum_i f_i g_i per parameter, float32, in the optimizer's order."""
         batch = losses.shape[0]
-        flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=self.params[0].device)
         if batch == 0:  # an empty Poisson batch: the update is the noise alone
-            return flat
+            return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         for layer in self.layers:
             for size in layer.batch_sizes():
                 if size != batch:
@@ -211,13 +203,16 @@ class BookKeeping:
                 for p, norm in zip(layer.parameters, layer.norms(batch, norm_type)):
                     columns[self._slots[id(p)]] = norm
             factors, keep = self._factors(torch.stack(columns, 1), norm_type)
-            sums = flat.split([p.numel() for p in self.params])
+            # Each sum is allocated as the layer before frees its inputs and output gradients, which
+            # it can reuse: one buffer for the whole update, allocated up front, would add a model's
+            # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).
+            sums: list = [None] * len(self.params)
             for layer in self.layers:
                 slots = [self._slots[id(p)] for p in layer.parameters]
                 for slot, total in zip(slots, layer.clipped_sums([factors[s] for s in slots], keep)):
-                    sums[slot].copy_(total.reshape(-1))
-                layer.clear()  # its inputs and output gradients: the next layer's sum takes their place
-        return flat
+                    sums[slot] = total
+                layer.clear()
+        return sums
 
     def _factors(self, sums: torch.Tensor, norm_type: int) -> tuple[list, Optional[torch.Tensor]]:
         """Clip factors per parameter (a list of (B,) float32; the same tensor for every parameter

@@ -80,8 +80,7 @@ class DPSGDMechanism(ABC):
     @abstractmethod
     def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
               inplace: bool = False) -> list:
-        """Privatise a clipped average of ``batch_size`` samples (one tensor per parameter, or
-        their concatenation: every mechanism privatises the gradient as one vector). With
+        """Privatise a clipped average of ``batch_size`` samples (one tensor per parameter). With
         ``inplace`` the caller gives up ``average``: additive noise goes into its tensors, which
         are returned (a release that is not additive, such as VMF's direction, may be new
         tensors); a step over a large model then holds one copy of the gradient, not two."""
