@@ -11,6 +11,7 @@
 #include "common/chacha20.h"
 #include "cpu/clip.h"
 #include "cpu/column_stats.h"
+#include "cpu/conv_grads.h"
 #include "cpu/ghost_norm.h"
 #include "cpu/nearest.h"
 #include "cpu/noise.h"
@@ -147,6 +148,19 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("dtype"), py::arg("ids"), py::arg("output_grads"), py::arg("batch"), py::arg("length"), py::arg("p"),
       py::arg("out"));
+
+  m.def(
+      "conv_weight_grads",
+      [](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads, const std::array<int64_t, 15>& geometry,
+         std::uintptr_t out, const std::optional<std::string>& capability) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
+        const privleak::cpu::CpuCapability path = cpu_path(capability);
+        py::gil_scoped_release release;
+        privleak::cpu::conv_weight_grads(t, as_pointer(x), as_pointer(output_grads), g, as_pointer(out), path);
+      },
+      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"),
+      py::arg("capability") = py::none());
 
   m.def(
       "chacha20_block",

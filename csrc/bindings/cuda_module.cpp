@@ -1,9 +1,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
+
 #include "bindings/marshal.h"
 #include "cuda/clip.h"
 #include "cuda/column_stats.h"
+#include "cuda/conv_grads.h"
 #include "cuda/ghost_norm.h"
 #include "cuda/nearest.h"
 #include "cuda/noise.h"
@@ -160,6 +163,19 @@ PYBIND11_MODULE(_cuda, m) {
       },
       py::arg("dtype"), py::arg("ids"), py::arg("output_grads"), py::arg("batch"), py::arg("length"), py::arg("p"),
       py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
+  m.def(
+      "conv_weight_grads",
+      [](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads, const std::array<int64_t, 15>& geometry,
+         std::uintptr_t out, int device, std::uintptr_t stream) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
+        py::gil_scoped_release release;
+        privleak::cuda::conv_weight_grads(t, as_pointer(x), as_pointer(output_grads), g, as_pointer(out), device,
+                                          as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"), py::arg("device"),
+      py::arg("stream"));
 
   m.def("device_count", [] {
     std::string error;

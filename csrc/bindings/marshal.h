@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/clip.h"
+#include "common/conv_grads.h"
 #include "common/nearest.h"
 #include "common/noise.h"
 #include "common/secure_noise.h"
@@ -26,6 +27,11 @@ inline Distribution parse_distribution(const std::string& name) {
   if (name == "gaussian") return Distribution::gaussian;
   if (name == "laplace") return Distribution::laplace;
   throw std::invalid_argument("unknown noise distribution '" + name + "' (expected gaussian or laplace)");
+}
+
+// A ConvGeometry from its fields in declaration order, as the Python layer lists them.
+inline ConvGeometry conv_geometry(const std::array<int64_t, 15>& f) {
+  return ConvGeometry{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
 }
 
 inline NoiseDType parse_noise_dtype(const std::string& name) {

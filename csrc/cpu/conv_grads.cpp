@@ -1,0 +1,277 @@
+// CPU per-sample convolution weight gradients as an implicit GEMM, one sample per work item.
+//
+// A sample's input goes into a padded channels-last copy xp (H_pad, W_pad, C), its output
+// gradient into a transposed copy gt (T, O_pad) with O_pad a multiple of the vector width (zeros
+// past O), both widened to the accumulation type. Row r = (c, u, v) of the sample's gradient, as
+// a (C K) x O_pad matrix, is then sum_t xp[base(t) + offset(r)] gt[t, :], base(t) the top-left
+// corner of position t's window: a GEMM whose rows of xp are gathered by offset, with no im2col
+// buffer. The tile kernel keeps MR rows by NV vectors of outputs in registers for the whole chain
+// over t, each row's x value broadcast and each vector of gt loaded once per t. The tile is then
+// transposed into the weight's layout (O, C, k_h, k_w).
+//
+// Paths: vectors of 16 floats (AVX-512, up to 6 rows by 4 vectors), 8 floats (AVX2, up to 6 by
+// 2), and portable loops over 8 lanes (any CPU, and float64 inputs). Every path computes each
+// element by the same fma chain over t, so all give the same bits.
+#include "cpu/conv_grads.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/element.h"
+#include "common/ghost_norm.h"
+
+#if defined(PRIVLEAK_X86_AVX2)
+#define PRIVLEAK_CONV_AVX2 __attribute__((target("avx2,fma")))
+#define PRIVLEAK_CONV_AVX512 __attribute__((target("avx2,fma,avx512f")))
+#endif
+
+namespace privleak::cpu {
+namespace {
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// A row stride for rows of n >= 16 floats: whole lines, an odd number of them. Rows a power of
+// two of lines apart share a few cache sets, and a tile's walk down gt and xp thrashed them
+// (C = O = 128 ran at half the speed of C = 112).
+int64_t spread_stride(int64_t n) {
+  if (n < 16) return n;
+  const int64_t lines = (n + 15) / 16;
+  return (lines % 2 ? lines : lines + 1) * 16;
+}
+
+constexpr int kMaxRows = 12;  // the tallest tile of any path
+
+// The tile kernel's view of one sample: xp, gt and the row offsets into xp.
+template <class Acc>
+struct Sample {
+  const Acc* xp;
+  const Acc* gt;
+  const int64_t* offsets;  // per gradient row (c, u, v): its element's offset from a window's corner
+  int64_t row;             // elements from one row of gt, and of the tile, to the next
+  int64_t base_h, base_w;  // xp steps from one output row and column to the next: s_h W_pad C, s_w C
+  int64_t out_height, out_width;
+};
+
+// ------------------------------------------------------------------------------------- portable
+
+constexpr int kPortableLanes = 8;
+
+// rows x (NV vectors of 8 lanes) of the gradient from row r0 and output o0 into tile[r][o].
+template <class Acc, int MR, int NV>
+PRIVLEAK_FMA_CLONES void tile_portable(const Sample<Acc>& s, int64_t r0, int64_t o0, Acc* tile) {
+  constexpr int W = NV * kPortableLanes;
+  Acc acc[MR][W] = {};
+  const Acc* gt = s.gt + o0;
+  for (int64_t h = 0; h < s.out_height; ++h) {
+    for (int64_t w = 0; w < s.out_width; ++w, gt += s.row) {
+      const Acc* corner = s.xp + h * s.base_h + w * s.base_w;
+      PRIVLEAK_UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const Acc xv = corner[s.offsets[r0 + i]];
+        PRIVLEAK_UNROLL
+        for (int j = 0; j < W; ++j) acc[i][j] = ghost_fma(xv, gt[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < W; ++j) tile[(r0 + i) * s.row + o0 + j] = acc[i][j];
+}
+
+template <class AccType>
+struct Portable {
+  using Acc = AccType;
+  static constexpr int lanes = kPortableLanes, max_vectors = 1;
+  static void tile(const Sample<Acc>& s, int64_t r0, int64_t o0, int vectors, Acc* out) {
+    (void)vectors;
+    tile_portable<Acc, 4, 1>(s, r0, o0, out);
+  }
+  static constexpr int rows(int vectors) { return (void)vectors, 4; }
+};
+
+#if defined(PRIVLEAK_X86_AVX2)
+// ----------------------------------------------------------------------------------------- AVX2
+
+template <int MR, int NV>
+PRIVLEAK_CONV_AVX2 void tile_avx2(const Sample<float>& s, int64_t r0, int64_t o0, float* tile) {
+  __m256 acc[MR][NV];
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < MR; ++i)
+    PRIVLEAK_UNROLL
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t offsets[MR];
+  for (int i = 0; i < MR; ++i) offsets[i] = s.offsets[r0 + i];
+  const float* gt = s.gt + o0;
+  for (int64_t h = 0; h < s.out_height; ++h) {
+    for (int64_t w = 0; w < s.out_width; ++w, gt += s.row) {
+      const float* corner = s.xp + h * s.base_h + w * s.base_w;
+      __m256 gv[NV];
+      PRIVLEAK_UNROLL
+      for (int j = 0; j < NV; ++j) gv[j] = _mm256_loadu_ps(gt + 8 * j);
+      PRIVLEAK_UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(corner + offsets[i]);
+        PRIVLEAK_UNROLL
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(xv, gv[j], acc[i][j]);
+      }
+    }
+  }
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < MR; ++i)
+    PRIVLEAK_UNROLL
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(tile + (r0 + i) * s.row + o0 + 8 * j, acc[i][j]);
+}
+
+struct Avx2 {
+  using Acc = float;
+  static constexpr int lanes = 8, max_vectors = 2;
+  static constexpr int rows(int vectors) { return vectors == 1 ? 8 : 6; }
+  static void tile(const Sample<float>& s, int64_t r0, int64_t o0, int vectors, float* out) {
+    if (vectors == 1) tile_avx2<8, 1>(s, r0, o0, out);
+    else tile_avx2<6, 2>(s, r0, o0, out);
+  }
+};
+
+// -------------------------------------------------------------------------------------- AVX-512
+
+template <int MR, int NV>
+PRIVLEAK_CONV_AVX512 void tile_avx512(const Sample<float>& s, int64_t r0, int64_t o0, float* tile) {
+  __m512 acc[MR][NV];
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < MR; ++i)
+    PRIVLEAK_UNROLL
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t offsets[MR];
+  for (int i = 0; i < MR; ++i) offsets[i] = s.offsets[r0 + i];
+  const float* gt = s.gt + o0;
+  for (int64_t h = 0; h < s.out_height; ++h) {
+    for (int64_t w = 0; w < s.out_width; ++w, gt += s.row) {
+      const float* corner = s.xp + h * s.base_h + w * s.base_w;
+      __m512 gv[NV];
+      PRIVLEAK_UNROLL
+      for (int j = 0; j < NV; ++j) gv[j] = _mm512_loadu_ps(gt + 16 * j);
+      PRIVLEAK_UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_set1_ps(corner[offsets[i]]);
+        PRIVLEAK_UNROLL
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(xv, gv[j], acc[i][j]);
+      }
+    }
+  }
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < MR; ++i)
+    PRIVLEAK_UNROLL
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(tile + (r0 + i) * s.row + o0 + 16 * j, acc[i][j]);
+}
+
+struct Avx512 {
+  using Acc = float;
+  static constexpr int lanes = 16, max_vectors = 4;
+  static constexpr int rows(int vectors) { return vectors == 1 ? 12 : vectors == 2 ? 8 : 6; }
+  static void tile(const Sample<float>& s, int64_t r0, int64_t o0, int vectors, float* out) {
+    switch (vectors) {
+      case 1: return tile_avx512<12, 1>(s, r0, o0, out);
+      case 2: return tile_avx512<8, 2>(s, r0, o0, out);
+      case 3: return tile_avx512<6, 3>(s, r0, o0, out);
+      default: return tile_avx512<6, 4>(s, r0, o0, out);
+    }
+  }
+};
+#endif
+
+// ------------------------------------------------------------------------------------ one sample
+
+// Scratch of one thread: the sample's padded input, transposed output gradient, row offsets and
+// gradient tile.
+template <class Acc>
+struct Workspace {
+  std::vector<Acc> xp, gt, tile;
+  std::vector<int64_t> offsets;
+};
+
+template <class P, class In, class Out>
+void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typename P::Acc>& ws, Out* out) {
+  using Acc = typename P::Acc;
+  const int64_t hp = c.padded_height(), wp = c.padded_width(), positions = c.positions();
+  const int64_t out_pad = round_up(c.outputs, P::lanes), rows = c.kernel_size() * c.channels;
+  const int64_t row = spread_stride(out_pad), cs = spread_stride(c.channels);  // gt's and xp's strides
+  // Tiles of up to kMaxRows rows run past the last row: those repeat it, and are not read.
+  const int64_t rows_pad = rows + kMaxRows;
+
+  ws.xp.assign(static_cast<size_t>(hp * wp * cs), Acc(0));
+  for (int64_t ch = 0; ch < c.channels; ++ch)
+    for (int64_t i = 0; i < c.height; ++i) {
+      const In* src = x + (ch * c.height + i) * c.width;
+      Acc* dst = ws.xp.data() + ((i + c.pad_h) * wp + c.pad_w) * cs + ch;
+      for (int64_t j = 0; j < c.width; ++j) dst[j * cs] = static_cast<Acc>(Element<In>::load(src[j]));
+    }
+  ws.gt.assign(static_cast<size_t>(positions * row), Acc(0));
+  for (int64_t o = 0; o < c.outputs; ++o) {
+    const In* src = g + o * positions;
+    for (int64_t t = 0; t < positions; ++t) ws.gt[t * row + o] = static_cast<Acc>(Element<In>::load(src[t]));
+  }
+  ws.offsets.resize(static_cast<size_t>(rows_pad));
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    const int64_t entry = std::min(r, rows - 1), ch = entry / c.kernel_size(), k = entry % c.kernel_size();
+    ws.offsets[r] = ((k / c.kernel_w) * c.dilation_h * wp + (k % c.kernel_w) * c.dilation_w) * cs + ch;
+  }
+  ws.tile.resize(static_cast<size_t>(rows_pad * row));
+  const Sample<Acc> s{ws.xp.data(), ws.gt.data(), ws.offsets.data(), row, c.stride_h * wp * cs, c.stride_w * cs,
+                      c.out_height, c.out_width};
+  for (int64_t o0 = 0; o0 < out_pad; o0 += int64_t(P::max_vectors) * P::lanes) {
+    const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (out_pad - o0) / P::lanes));
+    for (int64_t r0 = 0; r0 < rows; r0 += P::rows(vectors)) P::tile(s, r0, o0, vectors, ws.tile.data());
+  }
+  // The tile's rows are the weight's (channel, kernel offset) entries: out is its transpose, in
+  // blocks of 16 rows, so that each output row's write is a whole line (a strided walk over all
+  // rows would cycle through O lines, which share a few cache sets at unlucky sizes: C = O = 128).
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t r1 = std::min(rows, r0 + 16);
+    for (int64_t o = 0; o < c.outputs; ++o)
+      for (int64_t r = r0; r < r1; ++r) out[o * rows + r] = static_cast<Out>(ws.tile[r * row + o]);
+  }
+}
+
+template <class P, class In, class Out>
+void conv_grads_path(const In* x, const In* g, const ConvGeometry& c, Out* out) {
+  const int64_t work = c.batch * c.positions() * c.grad_size() / 16;  // vector FMAs, about
+  const bool parallel = work >= kMinParallelWork;
+#pragma omp parallel if (parallel)
+  {
+    Workspace<typename P::Acc> ws;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < c.batch; ++n)
+      sample_grads<P>(x + n * c.channels * c.height * c.width, g + n * c.outputs * c.positions(), c, ws,
+                      out + n * c.grad_size());
+  }
+}
+
+}  // namespace
+
+void conv_weight_grads(NoiseDType dtype, const void* x, const void* g, const ConvGeometry& geometry, void* out,
+                       CpuCapability path) {
+  check_conv_geometry(geometry);
+  if (static_cast<int>(path) > static_cast<int>(cpu_best_capability()))
+    throw std::invalid_argument(std::string("conv_weight_grads: this CPU cannot run the ") + capability_name(path) +
+                                " path (it has " + capability_name(cpu_best_capability()) + ")");
+  dispatch_ghost_dtype(dtype, [&](auto tag) {
+    using In = decltype(tag);
+    const In* xs = static_cast<const In*>(x);
+    const In* gs = static_cast<const In*>(g);
+    if constexpr (std::is_same_v<In, double>) {
+      conv_grads_path<Portable<double>>(xs, gs, geometry, static_cast<double*>(out));
+    } else {
+      float* o = static_cast<float*>(out);
+#if defined(PRIVLEAK_X86_AVX2)
+      if (path == CpuCapability::avx512) return conv_grads_path<Avx512>(xs, gs, geometry, o);
+      if (path == CpuCapability::avx2) return conv_grads_path<Avx2>(xs, gs, geometry, o);
+#endif
+      conv_grads_path<Portable<float>>(xs, gs, geometry, o);
+    }
+  });
+}
+
+}  // namespace privleak::cpu
