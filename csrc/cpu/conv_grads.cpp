@@ -2,12 +2,13 @@
 //
 // A sample's input goes into a padded channels-last copy xp (H_pad, W_pad, C), its output
 // gradient into a transposed copy gt (T, O_pad) with O_pad a multiple of the vector width (zeros
-// past O), both widened to the accumulation type. Row r = (c, u, v) of the sample's gradient, as
-// a (C K) x O_pad matrix, is then sum_t xp[base(t) + offset(r)] gt[t, :], base(t) the top-left
+// past O), both widened to the accumulation type. Row r = (u, v, c) of the sample's gradient, as
+// a (K C) x O_pad matrix, is then sum_t xp[base(t) + offset(r)] gt[t, :], base(t) the top-left
 // corner of position t's window: a GEMM whose rows of xp are gathered by offset, with no im2col
 // buffer. The tile kernel keeps MR rows by NV vectors of outputs in registers for the whole chain
 // over t, each row's x value broadcast and each vector of gt loaded once per t. The tile is then
-// transposed into the weight's layout (O, C, k_h, k_w).
+// permuted into the weight's layout (O, C, k_h, k_w). Rows in (u, v, c) order put a tile's rows,
+// consecutive channels, in one line of xp: (c, u, v) order made C = O = 128 twice as slow.
 //
 // Paths: vectors of 16 floats (AVX-512, up to 6 rows by 4 vectors), 8 floats (AVX2, up to 6 by
 // 2), and portable loops over 8 lanes (any CPU, and float64 inputs). Every path computes each
@@ -50,7 +51,7 @@ template <class Acc>
 struct Sample {
   const Acc* xp;
   const Acc* gt;
-  const int64_t* offsets;  // per gradient row (c, u, v): its element's offset from a window's corner
+  const int64_t* offsets;  // per gradient row (u, v, c): its element's offset from a window's corner
   int64_t row;             // elements from one row of gt, and of the tile, to the next
   int64_t base_h, base_w;  // xp steps from one output row and column to the next: s_h W_pad C, s_w C
   int64_t out_height, out_width;
@@ -215,7 +216,7 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typ
   }
   ws.offsets.resize(static_cast<size_t>(rows_pad));
   for (int64_t r = 0; r < rows_pad; ++r) {
-    const int64_t entry = std::min(r, rows - 1), ch = entry / c.kernel_size(), k = entry % c.kernel_size();
+    const int64_t entry = std::min(r, rows - 1), ch = entry % c.channels, k = entry / c.channels;
     ws.offsets[r] = ((k / c.kernel_w) * c.dilation_h * wp + (k % c.kernel_w) * c.dilation_w) * cs + ch;
   }
   ws.tile.resize(static_cast<size_t>(rows_pad * row));
@@ -225,13 +226,16 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typ
     const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (out_pad - o0) / P::lanes));
     for (int64_t r0 = 0; r0 < rows; r0 += P::rows(vectors)) P::tile(s, r0, o0, vectors, ws.tile.data());
   }
-  // The tile's rows are the weight's (channel, kernel offset) entries: out is its transpose, in
-  // blocks of 16 rows, so that each output row's write is a whole line (a strided walk over all
-  // rows would cycle through O lines, which share a few cache sets at unlucky sizes: C = O = 128).
-  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    const int64_t r1 = std::min(rows, r0 + 16);
-    for (int64_t o = 0; o < c.outputs; ++o)
-      for (int64_t r = r0; r < r1; ++r) out[o * rows + r] = static_cast<Out>(ws.tile[r * row + o]);
+  // tile[(k C + ch), o] -> out[o, ch, k], in blocks of 16 outputs: each line of the tile is read
+  // once, and the block's 16 rows of out are written in order.
+  const int64_t kernel = c.kernel_size();
+  for (int64_t o0 = 0; o0 < c.outputs; o0 += 16) {
+    const int64_t o1 = std::min(c.outputs, o0 + 16);
+    for (int64_t ch = 0; ch < c.channels; ++ch)
+      for (int64_t k = 0; k < kernel; ++k) {
+        const Acc* src = ws.tile.data() + (k * c.channels + ch) * row;
+        for (int64_t o = o0; o < o1; ++o) out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(src[o]);
+      }
   }
 }
 
