@@ -19,11 +19,11 @@ parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), and 
 
 Times: the sides run in turns (bench/_measure.seconds_interleaved), each reports its median,
 and its ratio to non-private. Peak memory: each side runs --memory-steps steps in a fresh
-process; on the CPU the growth of peak RSS (VmHWM, reset after building the model, data and
-wrappers) over the RSS then, on a GPU torch.cuda.max_memory_allocated over what was allocated
-before the steps. A side whose per-sample gradients (B x P floats, materialised and Opacus
-hooks) would pass --max-gb is not run. --quick runs the smallest settings with few repeats, as a
-smoke test.
+process, the median of --memory-repeats such processes; on the CPU the growth of peak RSS
+(VmHWM, reset after building the model, data and wrappers) over the RSS then, on a GPU
+torch.cuda.max_memory_allocated over what was allocated before the steps. A side whose
+per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --max-gb is not
+run. --quick runs the smallest settings with few repeats, as a smoke test.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import argparse
 import copy
 import json
 import math
+import statistics
 import subprocess
 import sys
 import warnings
@@ -222,10 +223,15 @@ def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
 
 
 def peak_memory(side: str, name: str, batch: int, args) -> float:
+    """The median over --memory-repeats fresh processes: peak RSS moves by several MiB from run
+    to run (allocator and thread-pool state), as much as a small model's whole step."""
     command = [sys.executable, __file__, "--child", side, name, str(batch), "--device", args.device,
                "--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+    peaks = []
+    for _ in range(args.memory_repeats):
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        peaks.append(json.loads(done.stdout.strip().splitlines()[-1])["peak"])
+    return statistics.median(peaks)
 
 
 def main() -> None:
@@ -237,6 +243,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch's and privleak's CPU threads")
     parser.add_argument("--max-gb", type=float, default=16.0, help="skip sides whose per-sample gradients pass this")
     parser.add_argument("--memory-steps", type=int, default=4)
+    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per side; their median")
     parser.add_argument("--no-memory", action="store_true", help="time only")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -357,18 +357,34 @@ class ConvLayer(Layer):
         if self.reduced:
             return super().norms_by_parameter(batch, norm_type)
         m, out = self.module, {}
-        if self.trains(m.weight) and self._ghost(norm_type):
-            outputs = m.out_channels // m.groups
-            a = [self._patches(x) for x in self.calls]
-            g = [y.reshape(batch * m.groups, outputs, -1).transpose(1, 2) for y in self.grads]
-            a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
-            out[id(m.weight)] = ghost_norm.ghost_norm_squared(a, g).view(batch, m.groups).sum(1)
-        elif self.trains(m.weight):  # per-sample gradients too large to keep
-            out[id(m.weight)] = row_norms(total(self._per_sample_weight_grads(x, y)
-                                                for x, y in zip(self.calls, self.grads)), norm_type)
+        if self.trains(m.weight):
+            ghost = self._ghost(norm_type)
+            # Patches (G L d per sample) or per-sample gradients: formed a few samples at a time
+            # (8 or more, so that the calls stay few), so that what the norms add to memory stays
+            # near what the layer holds (CIFAR CNN, B 64: peak 1.34x -> 1.0x of non-private).
+            positions = sum(math.prod(shape[2:]) for shape in self._output_sizes)
+            transient = positions * (m.weight[0].numel() * m.groups + m.out_channels) if ghost else m.weight.numel()
+            held = sum(x[0].numel() + math.prod(shape[1:]) for x, shape in zip(self.calls, self._output_sizes))
+            step = max(8, held // transient)
+            norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
+            out[id(m.weight)] = torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])
         if self.trains(m.bias):
             out[id(m.bias)] = row_norms(total(y.flatten(2).sum(2) for y in self.grads), norm_type)
         return out
+
+    def _ghost_norms(self, samples: slice) -> torch.Tensor:
+        """Ghost norms of the weight for a slice of the batch."""
+        m = self.module
+        outputs = m.out_channels // m.groups
+        a = [self._patches(x[samples]) for x in self.calls]
+        g = [y[samples].reshape(-1, outputs, math.prod(y.shape[2:])).transpose(1, 2) for y in self.grads]
+        a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+        return ghost_norm.ghost_norm_squared(a, g).view(-1, m.groups).sum(1)
+
+    def _gradient_norms(self, samples: slice, norm_type: int) -> torch.Tensor:
+        """Norms of the weight's per-sample gradients for a slice of the batch."""
+        return row_norms(total(self._per_sample_weight_grads(x[samples], y[samples])
+                               for x, y in zip(self.calls, self.grads)), norm_type)
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         if self.reduced:
