@@ -93,7 +93,9 @@ CASES = [
      "either generator or key"),
     # ---- add_*: x
     ("x None", lambda: M.add_gaussian_noise(None, 1.0), TypeError, "x must be a torch tensor"),
-    ("x list", lambda: M.add_laplace_noise([1.0], 1.0), TypeError, "x must be a torch tensor"),
+    ("x list of floats", lambda: M.add_laplace_noise([1.0], 1.0), TypeError, "x\\[0\\] must be a torch tensor"),
+    ("x list with an int tensor", lambda: M.add_gaussian_noise_([torch.ones(2), torch.ones(2, dtype=torch.int64)], 1.0),
+     TypeError, "x\\[1\\] must have dtype"),
     ("x numpy", lambda: M.add_gaussian_noise_(np.ones(3), 1.0), TypeError, "x must be a torch tensor"),
     ("x int", lambda: M.add_gaussian_noise(torch.ones(3, dtype=torch.int64), 1.0), TypeError, "x must have dtype"),
     ("x bool", lambda: M.add_gaussian_noise(torch.ones(3, dtype=torch.bool), 1.0), TypeError, "x must have dtype"),

@@ -200,9 +200,33 @@ def test_in_place_noise_on_a_non_contiguous_tensor_follows_row_major_order():
     assert torch.equal(view, M.gaussian_noise((30, 40), key=3))
 
 
+@pytest.mark.parametrize("add", [M.add_gaussian_noise_, M.add_laplace_noise_, M.add_gaussian_noise,
+                                 M.add_laplace_noise])
+def test_a_list_of_tensors_gets_the_noise_of_their_concatenation(add):
+    # One stream over the tensors laid end to end: a non-contiguous one in row-major order, an
+    # empty one taking no elements, dtypes of their own; a generator advances past all of them.
+    tensors = [torch.randn(3, 4), torch.randn(5, 2).t(), torch.empty(0), torch.randn(7, dtype=torch.float64)]
+    noise = M.gaussian_noise if "gaussian" in add.__name__ else M.laplace_noise
+    inplace = add.__name__.endswith("_")
+    originals = [t.clone() for t in tensors]
+    out = add(tensors if inplace else tuple(tensors), 0.5, key=11, offset=9)
+    assert (out is tensors) if inplace else isinstance(out, tuple)
+    start = 0
+    for original, got in zip(originals, out):
+        want = noise(original.shape, 0.5, key=11, offset=9 + start, dtype=original.dtype) + original
+        assert torch.equal(got, want) and got.shape == original.shape
+        start += original.numel()
+    generator = M.NoiseGenerator(5)
+    add([torch.zeros(3), torch.zeros(4)], 1.0, generator=generator)
+    assert generator.offset == 7
+    assert add([], 1.0, generator=generator) == [] and generator.offset == 7
+
+
 @pytest.mark.parametrize(
     "op, args",
     [
+        (torch.ops.privleak.add_noise_many_.default,
+         ([torch.randn(5, 3), torch.randn(4)], "gaussian", 0.5, [5, 7], 3, 0)),
         (torch.ops.privleak.noise.default, ([4, 3], "gaussian", 1.0, [9, 0], 0, 0, torch.float32, torch.device("cpu"))),
         (torch.ops.privleak.add_noise.default, (torch.randn(5, 3, requires_grad=True), "gaussian", 0.5, [5, 7], 3, 0)),
         (torch.ops.privleak.add_noise_.default, (torch.randn(5, 3), "laplace", 0.5, [0, 2**30], 3, 0)),

@@ -334,9 +334,8 @@ def _(size, distribution, scale, key, offset, grid_exponent, dtype, device):
     return torch.empty(size, dtype=dtype, device=device)
 
 
-@torch.library.custom_op("privleak::add_noise_", mutates_args={"x"})
-def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
-                          grid_exponent: int) -> None:
+def _add_into(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
+              grid_exponent: int) -> None:
     if x.is_contiguous():
         _apply(x, distribution, scale, list(key), offset, grid_exponent, add=True)
     else:  # noise element i goes to x's i-th element in row-major order, as for contiguous x
@@ -345,8 +344,29 @@ def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key:
         x.copy_(dense)
 
 
+@torch.library.custom_op("privleak::add_noise_", mutates_args={"x"})
+def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
+                          grid_exponent: int) -> None:
+    _add_into(x, distribution, scale, key, offset, grid_exponent)
+
+
 @_add_noise_inplace_op.register_fake
 def _(x, distribution, scale, key, offset, grid_exponent):
+    return None
+
+
+@torch.library.custom_op("privleak::add_noise_many_", mutates_args={"xs"})
+def _add_noise_many_inplace_op(xs: list[torch.Tensor], distribution: str, scale: float, key: Sequence[int],
+                               offset: int, grid_exponent: int) -> None:
+    """add_noise_ on tensors laid end to end: one stream, one op call (a model's tensors are many
+    and often small, and each op call costs tens of microseconds)."""
+    for x in xs:
+        _add_into(x, distribution, scale, key, offset, grid_exponent)
+        offset += x.numel()
+
+
+@_add_noise_many_inplace_op.register_fake
+def _(xs, distribution, scale, key, offset, grid_exponent):
     return None
 
 
@@ -467,29 +487,46 @@ def _check_inplace_target(x: torch.Tensor) -> None:
                                "add_*_noise, or wrap the call in torch.no_grad()")
 
 
-def _add(distribution: str, x: torch.Tensor, scale: float, scale_name: str, generator, key, offset, inplace: bool):
-    view = validation.tensor(x, "x", dtypes=NOISE_DTYPES)
-    if view.is_cuda:
-        _check_cuda(x.device, "x's device")
-    if inplace:
-        _check_inplace_target(x)
+def _add(distribution: str, x, scale: float, scale_name: str, generator, key, offset, inplace: bool):
+    """x + noise for a tensor x, or for a list or tuple of tensors laid end to end (one stream:
+    tensor j's element i gets noise element offset + numel(x_0 .. x_{j-1}) + i)."""
+    many = isinstance(x, (list, tuple))
+    tensors = list(x) if many else [x]
+    names = [f"x[{j}]" for j in range(len(tensors))] if many else ["x"]
+    views = [validation.tensor(t, name, dtypes=NOISE_DTYPES) for t, name in zip(tensors, names)]
+    for view, t, name in zip(views, tensors, names):
+        _arrays.require_same_device(view, name, views[0], names[0])
+        if view.is_cuda:
+            _check_cuda(t.device, f"{name}'s device")
+        if inplace:
+            _check_inplace_target(t)
     scale = validation.non_negative(scale, scale_name)
     _check_generator(generator)
     secure = isinstance(generator, SecureNoiseGenerator)
     # The noise itself must fit x's dtype; x + noise may still overflow where x is near the max, as x + y does.
-    _check_noise_range(distribution, scale, scale_name, x.dtype, secure)
+    for dtype in {t.dtype for t in tensors}:
+        _check_noise_range(distribution, scale, scale_name, dtype, secure)
     op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
-    if grid and x.numel():  # secure mode computes round(x / 2^grid) in int64
-        largest = float(x.detach().abs().max())
-        if not math.isfinite(largest):
-            raise ValueError("x must be finite for secure noise")
-        if largest >= 2.0 ** (grid + 61):
-            raise ValueError(f"x is too large for secure noise of scale {scale}: |x| must stay below 2^61 grid steps")
-    words, offset = _resolve_stream(x.numel(), generator, key, offset)
+    for t in tensors:
+        if grid and t.numel():  # secure mode computes round(x / 2^grid) in int64
+            largest = float(t.detach().abs().max())
+            if not math.isfinite(largest):
+                raise ValueError("x must be finite for secure noise")
+            if largest >= 2.0 ** (grid + 61):
+                raise ValueError(f"x is too large for secure noise of scale {scale}: |x| must stay below 2^61 grid "
+                                 "steps")
+    words, offset = _resolve_stream(sum(t.numel() for t in tensors), generator, key, offset)
+    if inplace and many:
+        torch.ops.privleak.add_noise_many_(tensors, op_distribution, op_scale, words, offset, grid)
+        return x
     if inplace:
         torch.ops.privleak.add_noise_(x, op_distribution, op_scale, words, offset, grid)
         return x
-    return torch.ops.privleak.add_noise(x, op_distribution, op_scale, words, offset, grid)
+    out = []
+    for t in tensors:
+        out.append(torch.ops.privleak.add_noise(t, op_distribution, op_scale, words, offset, grid))
+        offset += t.numel()
+    return type(x)(out) if many else out[0]
 
 
 @torch.library.custom_op("privleak::vmf_sample", mutates_args=())
@@ -640,25 +677,31 @@ def laplace_noise(size, scale: float = 1.0, *, generator: Optional[NoiseGenerato
 
 def add_gaussian_noise(x: torch.Tensor, std: float, *, generator: Optional[NoiseGenerator] = None,
                        key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
-    """x + N(0, std^2 I), out of place; the gradient with respect to x passes through unchanged."""
+    """x + N(0, std^2 I), out of place; the gradient with respect to x passes through unchanged.
+    ``x`` may be a list or tuple of tensors on one device: one stream over them laid end to end,
+    as if concatenated."""
     return _add("gaussian", x, std, "std", generator, key, offset, inplace=False)
 
 
 def add_gaussian_noise_(x: torch.Tensor, std: float, *, generator: Optional[NoiseGenerator] = None,
                         key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
-    """x += std * z in place (in float32 for half types, rounded once); returns x."""
+    """x += std * z in place (in float32 for half types, rounded once); returns x. ``x`` may be a
+    list or tuple of tensors on one device: one stream over them laid end to end, as if
+    concatenated, in one op call (a model's tensors are many and often small)."""
     return _add("gaussian", x, std, "std", generator, key, offset, inplace=True)
 
 
 def add_laplace_noise(x: torch.Tensor, scale: float, *, generator: Optional[NoiseGenerator] = None,
                       key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
-    """x + Laplace(0, scale)^n, out of place; the gradient passes through unchanged."""
+    """x + Laplace(0, scale)^n, out of place; the gradient passes through unchanged. ``x`` may be
+    a list or tuple of tensors, as for :func:`add_gaussian_noise`."""
     return _add("laplace", x, scale, "scale", generator, key, offset, inplace=False)
 
 
 def add_laplace_noise_(x: torch.Tensor, scale: float, *, generator: Optional[NoiseGenerator] = None,
                        key: Optional[int] = None, offset: Optional[int] = None) -> torch.Tensor:
-    """x += Laplace(0, scale) noise in place; returns x."""
+    """x += Laplace(0, scale) noise in place; returns x. ``x`` may be a list or tuple of tensors,
+    as for :func:`add_gaussian_noise_`."""
     return _add("laplace", x, scale, "scale", generator, key, offset, inplace=True)
 
 

@@ -51,7 +51,7 @@ class Gaussian(DPSGDMechanism):
         if std == 0:
             return list(average) if inplace else [a.clone() for a in average]
         add = _noise.add_gaussian_noise_ if inplace else _noise.add_gaussian_noise
-        return [add(a, std, generator=generator) for a in average]
+        return list(add(list(average), std, generator=generator))
 
     @classmethod
     def calibrate(cls, epsilon: float, delta: float) -> "Gaussian":

@@ -48,7 +48,7 @@ class Laplace(DPSGDMechanism):
               inplace: bool = False) -> list:
         scale = self.scale(clipping) / batch_size
         add = _noise.add_laplace_noise_ if inplace else _noise.add_laplace_noise
-        return [add(a, scale, generator=generator) for a in average]
+        return list(add(list(average), scale, generator=generator))
 
     @classmethod
     def calibrate(cls, epsilon: float, delta: float) -> "Laplace":
