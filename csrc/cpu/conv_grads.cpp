@@ -94,37 +94,47 @@ struct Portable {
 };
 
 #if defined(PRIVLEAK_X86_AVX2)
-// ----------------------------------------------------------------------------------------- AVX2
+// ------------------------------------------------------------------------------- AVX2, AVX-512
 
-template <int MR, int NV>
-PRIVLEAK_CONV_AVX2 void tile_avx2(const Sample<float>& s, int64_t r0, int64_t o0, float* tile) {
-  __m256 acc[MR][NV];
-  PRIVLEAK_UNROLL
-  for (int i = 0; i < MR; ++i)
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
-  int64_t offsets[MR];
-  for (int i = 0; i < MR; ++i) offsets[i] = s.offsets[r0 + i];
-  const float* gt = s.gt + o0;
-  for (int64_t h = 0; h < s.out_height; ++h) {
-    for (int64_t w = 0; w < s.out_width; ++w, gt += s.row) {
-      const float* corner = s.xp + h * s.base_h + w * s.base_w;
-      __m256 gv[NV];
-      PRIVLEAK_UNROLL
-      for (int j = 0; j < NV; ++j) gv[j] = _mm256_loadu_ps(gt + 8 * j);
-      PRIVLEAK_UNROLL
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(corner + offsets[i]);
-        PRIVLEAK_UNROLL
-        for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(xv, gv[j], acc[i][j]);
-      }
-    }
+// The SIMD tile: tile_portable with MR x NV vectors of accumulators, each x value broadcast once
+// per position. One body for both widths, defined with each one's target and intrinsics (a
+// template cannot take a target attribute per instantiation).
+#define PRIVLEAK_CONV_TILE(NAME, TARGET, VEC, LANES, ZERO, LOAD, SET1, FMADD, STORE)                      \
+  template <int MR, int NV>                                                                              \
+  TARGET void NAME(const Sample<float>& s, int64_t r0, int64_t o0, float* tile) {                         \
+    VEC acc[MR][NV];                                                                                     \
+    PRIVLEAK_UNROLL                                                                                      \
+    for (int i = 0; i < MR; ++i)                                                                         \
+      PRIVLEAK_UNROLL                                                                                    \
+      for (int j = 0; j < NV; ++j) acc[i][j] = ZERO();                                                   \
+    int64_t offsets[MR];                                                                                 \
+    for (int i = 0; i < MR; ++i) offsets[i] = s.offsets[r0 + i];                                         \
+    const float* gt = s.gt + o0;                                                                         \
+    for (int64_t h = 0; h < s.out_height; ++h) {                                                         \
+      for (int64_t w = 0; w < s.out_width; ++w, gt += s.row) {                                           \
+        const float* corner = s.xp + h * s.base_h + w * s.base_w;                                        \
+        VEC gv[NV];                                                                                      \
+        PRIVLEAK_UNROLL                                                                                  \
+        for (int j = 0; j < NV; ++j) gv[j] = LOAD(gt + LANES * j);                                       \
+        PRIVLEAK_UNROLL                                                                                  \
+        for (int i = 0; i < MR; ++i) {                                                                   \
+          const VEC xv = SET1(corner[offsets[i]]);                                                       \
+          PRIVLEAK_UNROLL                                                                                \
+          for (int j = 0; j < NV; ++j) acc[i][j] = FMADD(xv, gv[j], acc[i][j]);                          \
+        }                                                                                                \
+      }                                                                                                  \
+    }                                                                                                    \
+    PRIVLEAK_UNROLL                                                                                      \
+    for (int i = 0; i < MR; ++i)                                                                         \
+      PRIVLEAK_UNROLL                                                                                    \
+      for (int j = 0; j < NV; ++j) STORE(tile + (r0 + i) * s.row + o0 + LANES * j, acc[i][j]);           \
   }
-  PRIVLEAK_UNROLL
-  for (int i = 0; i < MR; ++i)
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(tile + (r0 + i) * s.row + o0 + 8 * j, acc[i][j]);
-}
+
+PRIVLEAK_CONV_TILE(tile_avx2, PRIVLEAK_CONV_AVX2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_set1_ps,
+                   _mm256_fmadd_ps, _mm256_storeu_ps)
+PRIVLEAK_CONV_TILE(tile_avx512, PRIVLEAK_CONV_AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps,
+                   _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
+#undef PRIVLEAK_CONV_TILE
 
 struct Avx2 {
   using Acc = float;
@@ -135,38 +145,6 @@ struct Avx2 {
     else tile_avx2<6, 2>(s, r0, o0, out);
   }
 };
-
-// -------------------------------------------------------------------------------------- AVX-512
-
-template <int MR, int NV>
-PRIVLEAK_CONV_AVX512 void tile_avx512(const Sample<float>& s, int64_t r0, int64_t o0, float* tile) {
-  __m512 acc[MR][NV];
-  PRIVLEAK_UNROLL
-  for (int i = 0; i < MR; ++i)
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t offsets[MR];
-  for (int i = 0; i < MR; ++i) offsets[i] = s.offsets[r0 + i];
-  const float* gt = s.gt + o0;
-  for (int64_t h = 0; h < s.out_height; ++h) {
-    for (int64_t w = 0; w < s.out_width; ++w, gt += s.row) {
-      const float* corner = s.xp + h * s.base_h + w * s.base_w;
-      __m512 gv[NV];
-      PRIVLEAK_UNROLL
-      for (int j = 0; j < NV; ++j) gv[j] = _mm512_loadu_ps(gt + 16 * j);
-      PRIVLEAK_UNROLL
-      for (int i = 0; i < MR; ++i) {
-        const __m512 xv = _mm512_set1_ps(corner[offsets[i]]);
-        PRIVLEAK_UNROLL
-        for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(xv, gv[j], acc[i][j]);
-      }
-    }
-  }
-  PRIVLEAK_UNROLL
-  for (int i = 0; i < MR; ++i)
-    PRIVLEAK_UNROLL
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(tile + (r0 + i) * s.row + o0 + 16 * j, acc[i][j]);
-}
 
 struct Avx512 {
   using Acc = float;
