@@ -7,7 +7,7 @@ layers' outputs only (the ordinary parameter gradients are never computed), and 
 (:mod:`privleak.dpsgd.layers`):
 
 0. the layer takes its output gradient g from a tensor hook as the backward reaches it. Where
-   its per-sample gradients are no larger than a and g (GroupNorm, LayerNorm, convolutions with
+   its per-sample gradients are small beside a and g (GroupNorm, LayerNorm, convolutions with
    few weights) it forms them there, so a and g are freed as the backward goes on, as an
    ordinary backward frees its activations; the others keep a and g to the end;
 
