@@ -523,6 +523,18 @@ def test_both_ways_of_holding_a_convolution_match(case, keep, monkeypatch):
     assert asked
 
 
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])
+@pytest.mark.parametrize("case", ["conv1d", "conv2d"])
+def test_a_convolution_taken_a_few_samples_at_a_time_matches(case, ghost, monkeypatch):
+    """A convolution that keeps its inputs forms its patches (ghost norms) or per-sample gradients
+    (norms) a few samples at a time: chunks of 4, 2 and 1 of the batch of 6 give the same update."""
+    monkeypatch.setattr(layers, "use_ghost_norm", lambda *sizes: ghost)
+    monkeypatch.setattr(layers, "keep_per_sample", lambda per_sample, held: False)
+    for size in (4, 2, 1):
+        monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, size=size: size)
+        compare(case, "gaussian", False)
+
+
 def test_the_backward_asks_autograd_only_for_the_lowest_layer_outputs():
     """bookkeeping.lowest: an edge is left out when another is reached below its node; every
     layer's tensor hook still fires, on a chain and on a branch beside it."""
