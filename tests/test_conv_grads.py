@@ -190,6 +190,28 @@ def test_the_core_refuses_a_geometry_that_is_not_a_convolution():
         core_conv_grads(x, g, dict(args, stride=2), "default")
 
 
+def test_the_op_refuses_size_lists_that_are_not_pairs():
+    # The core reads two values of each: a list of another length would shift its fields.
+    x, g = torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 6, 5)
+    with pytest.raises(ValueError, match="takes 2 values of kernel_size"):
+        torch.ops.privleak.conv_weight_grads(x, g, [1], [2, 1], [1, 1, 1], [1, 1])
+
+
+def test_a_padding_too_large_for_the_scratch_is_refused_not_allocated():
+    with pytest.raises(ValueError, match="exceeds 2\\^34 elements"):
+        conv_weight_grads(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 3, 3), 1, stride=10**9, padding=10**9)
+
+
+def test_a_nan_result_is_the_canonical_quiet_nan():
+    # An infinite output gradient meets the padding's zeros: 0 * inf is NaN, whatever payload the
+    # FMA unit would pass on.
+    x, g = torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2)
+    g[0, 0, 0, 0] = float("inf")
+    grads = conv_weight_grads(x, g, 3, padding=1)
+    nan = grads.isnan()
+    assert nan.any() and (grads.view(torch.int32)[nan] == 0x7FC00000).all()
+
+
 def test_opcheck():
     x, g, args = conv_case(CONV2D[6], seed=16)
     x2, g2 = x[:, :2].contiguous(), g[:, :3].contiguous()  # one group's channels: the op has no groups
@@ -226,6 +248,15 @@ def test_cuda_gives_the_cpu_bits(case, dtype):
     cpu = conv_weight_grads(x, g, **args)
     gpu = conv_weight_grads(x.cuda(), g.cuda(), **args)
     assert gpu.device.type == "cuda" and torch.equal(cpu, gpu.cpu())
+
+
+@requires_cuda
+def test_cuda_gives_the_cpu_bits_for_nan_and_inf():
+    x, g, args = conv_case(CONV2D[3], seed=19)
+    g[0, 1, 0, 0], x[1, 2, 3, 3] = float("inf"), float("nan")
+    cpu = conv_weight_grads(x, g, **args)
+    gpu = conv_weight_grads(x.cuda(), g.cuda(), **args).cpu()
+    assert cpu.isnan().any() and torch.equal(cpu.view(torch.int32), gpu.view(torch.int32))
 
 
 @requires_cuda

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -208,7 +209,10 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typ
   }
   ws.gt.resize(static_cast<size_t>(positions * row));
   transpose_into(g, c.outputs, positions, positions, ws.gt.data(), row);
-  for (int64_t t = 0; t < positions; ++t) std::fill(&ws.gt[t * row + c.outputs], &ws.gt[t * row + out_pad], Acc(0));
+  for (int64_t t = 0; t < positions; ++t) {
+    Acc* line = ws.gt.data() + t * row;
+    std::fill(line + c.outputs, line + out_pad, Acc(0));
+  }
   ws.offsets.resize(static_cast<size_t>(rows_pad));
   for (int64_t r = 0; r < rows_pad; ++r) {
     const int64_t entry = std::min(r, rows - 1), ch = entry % c.channels, k = entry / c.channels;
@@ -229,7 +233,7 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typ
     for (int64_t ch = 0; ch < c.channels; ++ch)
       for (int64_t k = 0; k < kernel; ++k) {
         const Acc* src = ws.tile.data() + (k * c.channels + ch) * row;
-        for (int64_t o = o0; o < o1; ++o) out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(src[o]);
+        for (int64_t o = o0; o < o1; ++o) out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(conv_result(src[o]));
       }
   }
 }
@@ -238,14 +242,22 @@ template <class P, class In, class Out>
 void conv_grads_path(const In* x, const In* g, const ConvGeometry& c, Out* out) {
   const int64_t work = c.batch * c.positions() * c.grad_size() / 16;  // vector FMAs, about
   const bool parallel = work >= kMinParallelWork;
+  std::exception_ptr failure;  // an exception must not leave a parallel region (std::terminate)
 #pragma omp parallel if (parallel)
   {
     Workspace<typename P::Acc> ws;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < c.batch; ++n)
-      sample_grads<P>(x + n * c.channels * c.height * c.width, g + n * c.outputs * c.positions(), c, ws,
-                      out + n * c.grad_size());
+    for (int64_t n = 0; n < c.batch; ++n) {
+      try {
+        sample_grads<P>(x + n * c.channels * c.height * c.width, g + n * c.outputs * c.positions(), c, ws,
+                        out + n * c.grad_size());
+      } catch (...) {
+#pragma omp critical(privleak_conv_grads_failure)
+        if (!failure) failure = std::current_exception();
+      }
+    }
   }
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace

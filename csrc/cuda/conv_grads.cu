@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) conv_grads_kernel(const In* x, const
         acc = ghost_fma(xv, static_cast<Acc>(Element<In>::load(gs[h * c.out_width + w])), acc);
       }
     }
-    out[e] = acc;
+    out[e] = conv_result(acc);
   }
 }
 

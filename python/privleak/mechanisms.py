@@ -507,17 +507,18 @@ def _add(distribution: str, x, scale: float, scale_name: str, generator, key, of
     for dtype in {t.dtype for t in tensors}:
         _check_noise_range(distribution, scale, scale_name, dtype, secure)
     op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
-    for t in tensors:
+    for t, name in zip(tensors, names):
         if grid and t.numel():  # secure mode computes round(x / 2^grid) in int64
             largest = float(t.detach().abs().max())
             if not math.isfinite(largest):
-                raise ValueError("x must be finite for secure noise")
+                raise ValueError(f"{name} must be finite for secure noise")
             if largest >= 2.0 ** (grid + 61):
-                raise ValueError(f"x is too large for secure noise of scale {scale}: |x| must stay below 2^61 grid "
-                                 "steps")
+                raise ValueError(f"{name} is too large for secure noise of scale {scale}: |{name}| must stay below "
+                                 "2^61 grid steps")
     words, offset = _resolve_stream(sum(t.numel() for t in tensors), generator, key, offset)
     if inplace and many:
-        torch.ops.privleak.add_noise_many_(tensors, op_distribution, op_scale, words, offset, grid)
+        if tensors:  # the op needs a tensor to dispatch on
+            torch.ops.privleak.add_noise_many_(tensors, op_distribution, op_scale, words, offset, grid)
         return x
     if inplace:
         torch.ops.privleak.add_noise_(x, op_distribution, op_scale, words, offset, grid)
@@ -526,7 +527,7 @@ def _add(distribution: str, x, scale: float, scale_name: str, generator, key, of
     for t in tensors:
         out.append(torch.ops.privleak.add_noise(t, op_distribution, op_scale, words, offset, grid))
         offset += t.numel()
-    return type(x)(out) if many else out[0]
+    return (tuple(out) if isinstance(x, tuple) else out) if many else out[0]
 
 
 @torch.library.custom_op("privleak::vmf_sample", mutates_args=())

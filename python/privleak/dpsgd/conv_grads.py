@@ -51,9 +51,14 @@ def _conv_weight_grads_op(inputs: torch.Tensor, output_grads: torch.Tensor, kern
     and device."""
     x, g = inputs.contiguous(), output_grads.contiguous()
     if (x.ndim != 4 or g.ndim != 4 or x.shape[0] != g.shape[0] or x.dtype != g.dtype or x.device != g.device
-            or _dtype_name(x) not in INPUT_DTYPES):
+            or x.device.type not in ("cpu", "cuda") or _dtype_name(x) not in INPUT_DTYPES):
         raise ValueError("privleak::conv_weight_grads takes inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) "
-                         "of one float dtype and device; conv_weight_grads checks and converts any other input")
+                         "of one float dtype and device (cpu or cuda); conv_weight_grads checks and converts any "
+                         "other input")
+    for name, sizes in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding),
+                        ("dilation", dilation)):
+        if len(sizes) != 2:  # the core reads 2 of each: other lengths would shift its fields
+            raise ValueError(f"privleak::conv_weight_grads takes 2 values of {name}, got {list(sizes)}")
     (batch, channels, height, width), (outputs, out_height, out_width) = x.shape, g.shape[1:]
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.empty(batch, outputs, channels, *kernel_size, dtype=accumulate, device=x.device)
