@@ -44,7 +44,8 @@ def keep_per_sample(per_sample: int, held: int) -> bool:
     norms (paper CNN, B 64: the step 2.1x -> 1.6x of non-private). The bound spares the large
     convolutions, whose per-sample gradients dwarf their activations (a 128-channel 3 x 3
     convolution at 8 x 8 holds 9 times more); on the bench's CNNs, keeping up to 4 times moved
-    peak memory by less than its run-to-run spread."""
+    peak memory by less than its run-to-run spread. Values, not bytes: per-sample gradients are
+    float32, so beside bfloat16 activations the bound is 8 times in bytes."""
     return per_sample <= 4 * held
 
 
