@@ -37,9 +37,9 @@ def use_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
 
 
 def keep_per_sample(per_sample: int, held: int) -> bool:
-    """Whether a layer forms its per-sample gradients (``per_sample`` values) during the backward
-    pass in place of its inputs and output gradients (``held`` values): when they are at most 4
-    times as large. Keeping them makes the clipped sum a matrix-vector product; the other way,
+    """Whether a layer forms its per-sample gradients (``per_sample`` values a sample) during the
+    backward pass in place of its inputs and output gradients (``held`` values a sample): when
+    they are at most 4 times as large. Keeping them makes the clipped sum a matrix-vector product; the other way,
     it is a convolution's weight gradient as long as the one the kernel already computed for the
     norms (paper CNN, B 64: the step 2.1x -> 1.6x of non-private). The bound spares the large
     convolutions, whose per-sample gradients dwarf their activations (a 128-channel 3 x 3
@@ -315,17 +315,23 @@ class ConvLayer(Layer):
         self._output_sizes += [y.shape for y in outputs]
         return outputs
 
+    def _positions(self) -> int:
+        """Output positions of the recorded calls, laid end to end."""
+        return sum(math.prod(shape[2:]) for shape in self._output_sizes)
+
+    def _held_per_sample(self) -> int:
+        """Values of the recorded inputs and output gradients per sample."""
+        return sum(math.prod(x.shape[1:]) + math.prod(shape[1:]) for x, shape in zip(self.calls, self._output_sizes))
+
     def _ghost(self, norm_type: int) -> bool:
         m = self.module
-        positions = sum(math.prod(shape[2:]) for shape in self._output_sizes)
-        return norm_type == 2 and use_ghost_norm(positions, m.weight[0].numel(), m.out_channels // m.groups)
+        return norm_type == 2 and use_ghost_norm(self._positions(), m.weight[0].numel(), m.out_channels // m.groups)
 
     def reduce(self, call: int, norm_type: int) -> Optional[dict]:
         m = self.module
         if self._reduces is None:
-            held = sum(x.numel() + math.prod(shape) for x, shape in zip(self.calls, self._output_sizes))
             self._reduces = not self.trains(m.weight) or (
-                not self._ghost(norm_type) and keep_per_sample(self.calls[call].shape[0] * m.weight.numel(), held))
+                not self._ghost(norm_type) and keep_per_sample(m.weight.numel(), self._held_per_sample()))
         if not self._reduces:
             return None
         x, (g,) = self.calls[call], self.grads[call]
@@ -371,10 +377,9 @@ class ConvLayer(Layer):
         if self.trains(m.weight):
             ghost = self._ghost(norm_type)
             # Patches (G L d per sample, and g made contiguous) or per-sample gradients.
-            positions = sum(math.prod(shape[2:]) for shape in self._output_sizes)
-            transient = positions * (m.weight[0].numel() * m.groups + m.out_channels) if ghost else m.weight.numel()
-            held = sum(x[0].numel() + math.prod(shape[1:]) for x, shape in zip(self.calls, self._output_sizes))
-            step = samples_per_chunk(held, transient)
+            transient = (self._positions() * (m.weight[0].numel() * m.groups + m.out_channels) if ghost
+                         else m.weight.numel())
+            step = samples_per_chunk(self._held_per_sample(), transient)
             norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
             out[id(m.weight)] = torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])
         if self.trains(m.bias):
