@@ -233,7 +233,8 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typ
     for (int64_t ch = 0; ch < c.channels; ++ch)
       for (int64_t k = 0; k < kernel; ++k) {
         const Acc* src = ws.tile.data() + (k * c.channels + ch) * row;
-        for (int64_t o = o0; o < o1; ++o) out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(conv_result(src[o]));
+        for (int64_t o = o0; o < o1; ++o)
+          out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(conv_result(src[o]));
       }
   }
 }
