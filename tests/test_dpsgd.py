@@ -303,3 +303,82 @@ def test_cuda_matches_cpu(shapes, per_layer, dtype, batch):
     assert torch.equal(cpu.norms, gpu.norms.cpu())
     for a, b in zip(cpu.grads, gpu.grads):
         assert torch.equal(a, b.cpu())
+
+
+def _factors_reference(sums: np.ndarray, clip_norms, per_layer: bool, norm_type: int) -> np.ndarray:
+    """min(1, c / |g|) sample by sample in Python floats: the sums added left to right, the
+    correctly rounded square root, 0 for a sample with a non-finite sum."""
+    out = np.zeros(sums.shape, dtype=np.float32)
+    for i, row in enumerate(sums.tolist()):
+        if not all(math.isfinite(s) for s in row):
+            continue
+        total = 0.0
+        for s in row:
+            total += s
+        for t, s in enumerate(row):
+            value = s if per_layer else total
+            norm = math.sqrt(value) if norm_type == 2 else value
+            c = clip_norms[t if per_layer else 0]
+            out[i, t] = np.float32(c / norm) if norm > c else 1.0
+    return out
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("norm_type", [1, 2])
+def test_clip_factors_follow_the_clip_rule(per_layer, norm_type):
+    rng = np.random.default_rng(3)
+    sums = rng.exponential(2.0, size=(50, 4)) * rng.choice([0.0, 1e-3, 1.0, 1e3], size=(50, 4))
+    sums[3, 1], sums[7, 0], sums[9, 3] = np.nan, np.inf, 0.0
+    clip_norms = [0.5, 1.0, 2.0, 0.25] if per_layer else [1.5]
+    got = dpsgd.clip_factors(torch.from_numpy(sums), clip_norms, per_layer=per_layer, norm_type=norm_type)
+    assert got.dtype == torch.float32 and got.shape == (50, 4)
+    np.testing.assert_array_equal(got.numpy(), _factors_reference(sums, clip_norms, per_layer, norm_type))
+    assert (got[3] == 0).all() and (got[7] == 0).all()  # non-finite: dropped
+
+
+def test_clip_factors_are_those_of_the_fused_kernel():
+    """The factors applied to the per-sample gradients give clip_and_accumulate's sum."""
+    grads = per_sample(SHAPES[2], batch=9)
+    for per_layer in (False, True):
+        fused = dpsgd.clip_and_accumulate(grads, 0.7, per_layer=per_layer, batch_size=1.0)
+        sums = fused.norms.square() if per_layer else \
+            torch.stack([g.double().reshape(9, -1).square().sum(1) for g in grads], 1)
+        factors = dpsgd.clip_factors(sums, 0.7, per_layer=per_layer)
+        for t, (g, out) in enumerate(zip(grads, fused.grads)):
+            want = torch.einsum("b,b...->...", factors[:, t].double(), g.double())
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_factors_op_passes_opcheck():
+    sums = torch.rand(5, 3, dtype=torch.float64)
+    for per_layer, norms in ((False, [0.5]), (True, [0.5, 1.0, 2.0])):
+        torch.library.opcheck(torch.ops.privleak.clip_factors.default,
+                              (sums, torch.tensor(norms, dtype=torch.float64), per_layer, 2))
+
+
+@pytest.mark.parametrize(
+    "sums, kwargs, error, words",
+    [
+        (torch.ones(4, 2), {}, TypeError, "norm_sums must have dtype float64"),
+        (torch.ones(4, dtype=torch.float64), {}, ValueError, r"norm_sums must be \(B, T\)"),
+        (torch.ones(4, 0, dtype=torch.float64), {}, ValueError, "T >= 1"),
+        ([[1.0, 2.0]], {}, TypeError, "norm_sums must be a torch tensor"),
+        (torch.ones(4, 2, dtype=torch.float64), {"norm_type": 3}, ValueError, "norm_type must be 1"),
+        (torch.ones(4, 2, dtype=torch.float64), {"per_layer": True, "clip_norm": [1.0, 2.0, 3.0]}, ValueError,
+         "clip_norm must be one number"),
+        (torch.ones(4, 2, dtype=torch.float64), {"clip_norm": -1.0}, ValueError, "clip_norm must be > 0"),
+    ],
+)
+def test_clip_factors_refuse_bad_input(sums, kwargs, error, words):
+    kwargs = {"clip_norm": 1.0, **kwargs}
+    with pytest.raises(error, match=words):
+        dpsgd.clip_factors(sums, kwargs.pop("clip_norm"), **kwargs)
+
+
+@requires_cuda
+def test_clip_factors_on_cuda_match_the_cpu():
+    sums = torch.from_numpy(np.random.default_rng(4).exponential(2.0, size=(300, 5)))
+    sums[5, 2] = np.nan
+    for per_layer in (False, True):
+        cpu = dpsgd.clip_factors(sums, 1.2, per_layer=per_layer)
+        assert torch.equal(dpsgd.clip_factors(sums.cuda(), 1.2, per_layer=per_layer).cpu(), cpu)

@@ -125,6 +125,18 @@ PYBIND11_MODULE(_core, m) {
       py::arg("scale"), py::arg("sums"));
 
   m.def(
+      "clip_factors",
+      [](std::uintptr_t sums, std::uintptr_t clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,
+         int norm_type, std::uintptr_t factors) {
+        const privleak::ClipNorm norm = privleak::parse_clip_norm(norm_type);
+        py::gil_scoped_release release;
+        privleak::cpu::clip_factors(as_pointer<const double>(sums), as_pointer<const double>(clip_norms), batch,
+                                    num_tensors, per_layer, norm, as_pointer<float>(factors));
+      },
+      py::arg("sums"), py::arg("clip_norms"), py::arg("batch"), py::arg("num_tensors"), py::arg("per_layer"),
+      py::arg("norm_type"), py::arg("factors"));
+
+  m.def(
       "ghost_norm",
       [](const std::string& dtype, std::uintptr_t activations, std::uintptr_t output_grads, int64_t batch,
          int64_t length, int64_t d, int64_t p, std::uintptr_t out, const std::optional<std::string>& capability) {

@@ -132,6 +132,19 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("sums"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
+  m.def(
+      "clip_factors",
+      [](std::uintptr_t sums, std::uintptr_t clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,
+         int norm_type, std::uintptr_t factors, int device, std::uintptr_t stream) {
+        const privleak::ClipNorm norm = privleak::parse_clip_norm(norm_type);
+        py::gil_scoped_release release;
+        privleak::cuda::clip_factors(as_pointer<const double>(sums), as_pointer<const double>(clip_norms), batch,
+                                     num_tensors, per_layer, norm, as_pointer<float>(factors), device,
+                                     as_pointer(stream));
+      },
+      py::arg("sums"), py::arg("clip_norms"), py::arg("batch"), py::arg("num_tensors"), py::arg("per_layer"),
+      py::arg("norm_type"), py::arg("factors"), py::arg("device"), py::arg("stream"));
+
   m.def("ghost_norm_workspace_bytes", &privleak::cuda::ghost_norm_workspace_bytes, py::arg("batch"),
         py::arg("length"));
 

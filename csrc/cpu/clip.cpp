@@ -307,4 +307,11 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
   });
 }
 
+void clip_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,
+                  ClipNorm norm_type, float* factors) {
+  for (int64_t b = 0; b < batch; ++b)
+    privleak::clip_factors(sums + b * num_tensors, clip_norms, num_tensors, per_layer, norm_type,
+                           factors + b * num_tensors);
+}
+
 }  // namespace privleak::cpu

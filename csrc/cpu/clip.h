@@ -20,4 +20,10 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
                      int64_t batch, const double* clip_norms, bool per_layer, ClipNorm norm_type, double noise_std,
                      uint64_t key, uint64_t offset, double scale, double* sums);
 
+// factors[b * T + t] = clip_factors(sums + b * T, clip_norms, T, per_layer, norm_type) for b <
+// batch: the clip factors clip_accumulate forms, from norm sums computed elsewhere (book-keeping's
+// ghost norms).
+void clip_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,
+                  ClipNorm norm_type, float* factors);
+
 }  // namespace privleak::cpu

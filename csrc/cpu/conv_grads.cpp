@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -83,15 +84,23 @@ PRIVLEAK_FMA_CLONES void tile_portable(const Sample<Acc>& s, int64_t r0, int64_t
     for (int j = 0; j < W; ++j) tile[(r0 + i) * s.row + o0 + j] = acc[i][j];
 }
 
+// A path: the vector width, the widest tile, its height for a width, and the tile kernels. The
+// short tile (kShortRows rows) ends a column of tiles whose rows are not a multiple of the tall
+// one's: a 25-row gradient (5 x 5 kernel, one channel) in 12-row tiles computed 36 rows.
+constexpr int kShortRows = 4;
+
 template <class AccType>
 struct Portable {
   using Acc = AccType;
   static constexpr int lanes = kPortableLanes, max_vectors = 1;
   static void tile(const Sample<Acc>& s, int64_t r0, int64_t o0, int vectors, Acc* out) {
     (void)vectors;
-    tile_portable<Acc, 4, 1>(s, r0, o0, out);
+    tile_portable<Acc, kShortRows, 1>(s, r0, o0, out);
   }
-  static constexpr int rows(int vectors) { return (void)vectors, 4; }
+  static void short_tile(const Sample<Acc>& s, int64_t r0, int64_t o0, int vectors, Acc* out) {
+    tile(s, r0, o0, vectors, out);
+  }
+  static constexpr int rows(int vectors) { return (void)vectors, kShortRows; }
 };
 
 #if defined(PRIVLEAK_X86_AVX2)
@@ -145,6 +154,10 @@ struct Avx2 {
     if (vectors == 1) tile_avx2<8, 1>(s, r0, o0, out);
     else tile_avx2<6, 2>(s, r0, o0, out);
   }
+  static void short_tile(const Sample<float>& s, int64_t r0, int64_t o0, int vectors, float* out) {
+    if (vectors == 1) tile_avx2<kShortRows, 1>(s, r0, o0, out);
+    else tile_avx2<kShortRows, 2>(s, r0, o0, out);
+  }
 };
 
 struct Avx512 {
@@ -157,6 +170,14 @@ struct Avx512 {
       case 2: return tile_avx512<8, 2>(s, r0, o0, out);
       case 3: return tile_avx512<6, 3>(s, r0, o0, out);
       default: return tile_avx512<6, 4>(s, r0, o0, out);
+    }
+  }
+  static void short_tile(const Sample<float>& s, int64_t r0, int64_t o0, int vectors, float* out) {
+    switch (vectors) {
+      case 1: return tile_avx512<kShortRows, 1>(s, r0, o0, out);
+      case 2: return tile_avx512<kShortRows, 2>(s, r0, o0, out);
+      case 3: return tile_avx512<kShortRows, 3>(s, r0, o0, out);
+      default: return tile_avx512<kShortRows, 4>(s, r0, o0, out);
     }
   }
 };
@@ -178,52 +199,60 @@ void transpose_into(const In* src, int64_t rows, int64_t cols, int64_t src_strid
     }
 }
 
-// Scratch of one thread: the sample's padded input, transposed output gradient, row offsets and
-// gradient tile.
-template <class Acc>
-struct Workspace {
-  std::vector<Acc> xp, gt, tile;
+// What every sample of a call shares: the scratch sizes and each gradient row's offset into xp
+// (computed once a call: per sample, the divisions took as long as the paper CNN's 12-channel
+// layers' whole fma work).
+template <class P>
+struct Layout {
+  int64_t hp, wp, positions, out_pad, rows, row, cs, rows_pad;
   std::vector<int64_t> offsets;
+
+  explicit Layout(const ConvGeometry& c)
+      : hp(c.padded_height()),
+        wp(c.padded_width()),
+        positions(c.positions()),
+        out_pad(round_up(c.outputs, P::lanes)),
+        rows(c.kernel_size() * c.channels),
+        row(spread_stride(out_pad)),  // gt's and the tile's row stride
+        cs(spread_stride(c.channels)),  // xp's pixel stride
+        rows_pad(rows + kMaxRows),  // tiles run up to kMaxRows past the last row: those repeat it, unread
+        offsets(static_cast<size_t>(rows_pad)) {
+    for (int64_t r = 0; r < rows_pad; ++r) {
+      const int64_t entry = std::min(r, rows - 1), ch = entry % c.channels, k = entry / c.channels;
+      offsets[r] = ((k / c.kernel_w) * c.dilation_h * wp + (k % c.kernel_w) * c.dilation_w) * cs + ch;
+    }
+  }
+};
+
+// Scratch of one thread: the sample's padded input, transposed output gradient and gradient tile.
+// Allocated zeroed, and the samples rewrite only what they fill: xp's borders, its channels past
+// C and gt's outputs past O stay zero (the channels are never read, the outputs' lanes computed
+// and not read).
+template <class P>
+struct Workspace {
+  std::vector<typename P::Acc> xp, gt, tile;
+
+  explicit Workspace(const Layout<P>& l)
+      : xp(static_cast<size_t>(l.hp * l.wp * l.cs)),
+        gt(static_cast<size_t>(l.positions * l.row)),
+        tile(static_cast<size_t>(l.rows_pad * l.row)) {}
 };
 
 template <class P, class In, class Out>
-void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typename P::Acc>& ws, Out* out) {
+void sample_grads(const In* x, const In* g, const ConvGeometry& c, const Layout<P>& l, Workspace<P>& ws, Out* out) {
   using Acc = typename P::Acc;
-  const int64_t hp = c.padded_height(), wp = c.padded_width(), positions = c.positions();
-  const int64_t out_pad = round_up(c.outputs, P::lanes), rows = c.kernel_size() * c.channels;
-  const int64_t row = spread_stride(out_pad), cs = spread_stride(c.channels);  // gt's and xp's strides
-  // Tiles of up to kMaxRows rows run past the last row: those repeat it, and are not read.
-  const int64_t rows_pad = rows + kMaxRows;
-
-  // xp: zero borders (its interior is all written; channels past C are never read), the image
-  // transposed row by row. gt: outputs past O zeroed (their lanes are computed, not read).
-  ws.xp.resize(static_cast<size_t>(hp * wp * cs));
-  Acc* xp = ws.xp.data();
-  std::fill(xp, xp + c.pad_h * wp * cs, Acc(0));
-  std::fill(xp + (c.pad_h + c.height) * wp * cs, xp + hp * wp * cs, Acc(0));
-  for (int64_t i = 0; i < c.height; ++i) {
-    Acc* line = xp + (i + c.pad_h) * wp * cs;
-    std::fill(line, line + c.pad_w * cs, Acc(0));
-    std::fill(line + (c.pad_w + c.width) * cs, line + wp * cs, Acc(0));
-    transpose_into(x + i * c.width, c.channels, c.width, c.height * c.width, line + c.pad_w * cs, cs);
-  }
-  ws.gt.resize(static_cast<size_t>(positions * row));
-  transpose_into(g, c.outputs, positions, positions, ws.gt.data(), row);
-  for (int64_t t = 0; t < positions; ++t) {
-    Acc* line = ws.gt.data() + t * row;
-    std::fill(line + c.outputs, line + out_pad, Acc(0));
-  }
-  ws.offsets.resize(static_cast<size_t>(rows_pad));
-  for (int64_t r = 0; r < rows_pad; ++r) {
-    const int64_t entry = std::min(r, rows - 1), ch = entry % c.channels, k = entry / c.channels;
-    ws.offsets[r] = ((k / c.kernel_w) * c.dilation_h * wp + (k % c.kernel_w) * c.dilation_w) * cs + ch;
-  }
-  ws.tile.resize(static_cast<size_t>(rows_pad * row));
-  const Sample<Acc> s{ws.xp.data(), ws.gt.data(), ws.offsets.data(), row, c.stride_h * wp * cs, c.stride_w * cs,
-                      c.out_height, c.out_width};
-  for (int64_t o0 = 0; o0 < out_pad; o0 += int64_t(P::max_vectors) * P::lanes) {
-    const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (out_pad - o0) / P::lanes));
-    for (int64_t r0 = 0; r0 < rows; r0 += P::rows(vectors)) P::tile(s, r0, o0, vectors, ws.tile.data());
+  for (int64_t i = 0; i < c.height; ++i)  // the image into xp's interior, transposed row by row
+    transpose_into(x + i * c.width, c.channels, c.width, c.height * c.width,
+                   ws.xp.data() + ((i + c.pad_h) * l.wp + c.pad_w) * l.cs, l.cs);
+  transpose_into(g, c.outputs, l.positions, l.positions, ws.gt.data(), l.row);
+  const Sample<Acc> s{ws.xp.data(), ws.gt.data(), l.offsets.data(), l.row, c.stride_h * l.wp * l.cs,
+                      c.stride_w * l.cs, c.out_height, c.out_width};
+  for (int64_t o0 = 0; o0 < l.out_pad; o0 += int64_t(P::max_vectors) * P::lanes) {
+    const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (l.out_pad - o0) / P::lanes));
+    const int64_t tall = P::rows(vectors);
+    int64_t r0 = 0;
+    for (; l.rows - r0 > 2 * kShortRows; r0 += tall) P::tile(s, r0, o0, vectors, ws.tile.data());
+    for (; r0 < l.rows; r0 += kShortRows) P::short_tile(s, r0, o0, vectors, ws.tile.data());
   }
   // tile[(k C + ch), o] -> out[o, ch, k], in blocks of 16 outputs: each line of the tile is read
   // once, and the block's 16 rows of out are written in order.
@@ -232,7 +261,7 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, Workspace<typ
     const int64_t o1 = std::min(c.outputs, o0 + 16);
     for (int64_t ch = 0; ch < c.channels; ++ch)
       for (int64_t k = 0; k < kernel; ++k) {
-        const Acc* src = ws.tile.data() + (k * c.channels + ch) * row;
+        const Acc* src = ws.tile.data() + (k * c.channels + ch) * l.row;
         for (int64_t o = o0; o < o1; ++o)
           out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(conv_result(src[o]));
       }
@@ -243,14 +272,16 @@ template <class P, class In, class Out>
 void conv_grads_path(const In* x, const In* g, const ConvGeometry& c, Out* out) {
   const int64_t work = c.batch * c.positions() * c.grad_size() / 16;  // vector FMAs, about
   const bool parallel = work >= kMinParallelWork;
+  const Layout<P> layout(c);
   std::exception_ptr failure;  // an exception must not leave a parallel region (std::terminate)
 #pragma omp parallel if (parallel)
   {
-    Workspace<typename P::Acc> ws;
+    std::optional<Workspace<P>> ws;  // allocated in the try: bad_alloc is caught there
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < c.batch; ++n) {
       try {
-        sample_grads<P>(x + n * c.channels * c.height * c.width, g + n * c.outputs * c.positions(), c, ws,
+        if (!ws) ws.emplace(layout);
+        sample_grads<P>(x + n * c.channels * c.height * c.width, g + n * c.outputs * c.positions(), c, layout, *ws,
                         out + n * c.grad_size());
       } catch (...) {
 #pragma omp critical(privleak_conv_grads_failure)

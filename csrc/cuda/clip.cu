@@ -189,4 +189,13 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
   });
 }
 
+void clip_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,
+                  ClipNorm norm_type, float* factors, int device, void* stream) {
+  if (batch < 1) return;  // 0 blocks is an error
+  const DeviceGuard guard(device);
+  sample_factors<<<blocks_for(batch), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      sums, clip_norms, batch, num_tensors, per_layer, norm_type, factors);
+  check(cudaGetLastError(), "clip_factors: sample_factors launch");
+}
+
 }  // namespace privleak::cuda

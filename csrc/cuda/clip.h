@@ -18,4 +18,8 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
                      uint64_t key, uint64_t offset, double scale, double* sums, void* workspace, int device,
                      void* stream);
 
+// privleak::cpu::clip_factors on device memory, on `stream` of `device`; the same bits.
+void clip_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,
+                  ClipNorm norm_type, float* factors, int device, void* stream);
+
 }  // namespace privleak::cuda

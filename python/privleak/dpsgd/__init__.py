@@ -14,7 +14,7 @@ Layout:
 """
 from privleak.dpsgd import mechanism
 from privleak.dpsgd.bookkeeping import BookKeeping
-from privleak.dpsgd.clip import GRAD_DTYPES, ClippedSum, clip_and_accumulate
+from privleak.dpsgd.clip import GRAD_DTYPES, ClippedSum, clip_and_accumulate, clip_factors
 from privleak.dpsgd.config import DPSGDConfig
 from privleak.dpsgd.gaussian import Gaussian
 from privleak.dpsgd.laplace import Laplace
@@ -31,6 +31,6 @@ from privleak.dpsgd.vmf import VMF, vmf_release
 
 __all__ = [
     "GRAD_DTYPES", "VMF", "BookKeeping", "ClipOnly", "ClippedSum", "Clipping", "DPOptimizer", "DPSGDConfig",
-    "DPSGDMechanism", "Gaussian", "Laplace", "PrivacyReport", "Sampling", "clip_and_accumulate", "mechanism",
-    "per_sample_gradients", "privacy_report", "privatize", "sample_batch", "vmf_release",
+    "DPSGDMechanism", "Gaussian", "Laplace", "PrivacyReport", "Sampling", "clip_and_accumulate", "clip_factors",
+    "mechanism", "per_sample_gradients", "privacy_report", "privatize", "sample_batch", "vmf_release",
 ]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd.clip import _sqrt
+from privleak.dpsgd.clip import clip_factors
 from privleak.dpsgd.layers import Layer, count_uses, layer_for
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
@@ -215,31 +215,19 @@ class BookKeeping:
         return sums
 
     def _factors(self, sums: torch.Tensor, norm_type: int) -> tuple[list, Optional[torch.Tensor]]:
-        """Clip factors per parameter (a list of (B,) float32; the same tensor for every parameter
-        with flat clipping) from the (B, tensors) float64 norm sums, as the clip kernel forms them
-        (``csrc/common/clip.h``): the sums added left to right, f = c / |g| where |g| > c, else
-        1; a sample with a non-finite sum raises or gets f = 0 (``config.non_finite``)."""
+        """Clip factors per parameter (a list of (B,) float32; with flat clipping one tensor for
+        all) from the (B, tensors) float64 norm sums, by the clip kernel's own rule
+        (:func:`~privleak.dpsgd.clip.clip_factors`); a sample with a non-finite sum raises or gets
+        f = 0 (``config.non_finite``)."""
         config = self.config
         finite = torch.isfinite(sums).all(1)
-        dropped = ~finite
-        if bool(dropped.any()) and config.non_finite == "raise":
-            raise ValueError(f"per-sample gradients of samples {dropped.nonzero().flatten().tolist()} are not finite; "
-                             "pass non_finite='drop' to leave such samples out")
-        clipping = config.clipping(len(self.params))
-        if config.per_layer:
-            columns = [(sums[:, j], clipping.norms[j]) for j in range(sums.shape[1])]
-        else:
-            total = sums[:, 0].clone()
-            for j in range(1, sums.shape[1]):
-                total.add_(sums[:, j])
-            columns = [(total, clipping.norms[0])]
-        factors = []
-        for column, c in columns:
-            norm = _sqrt(column) if norm_type == 2 else column
-            f = torch.where(norm > c, c / norm, torch.ones_like(norm))
-            factors.append(torch.where(finite, f, torch.zeros_like(f)).float())
         keep = None if bool(finite.all()) else finite
-        return (factors if config.per_layer else factors * sums.shape[1]), keep
+        if keep is not None and config.non_finite == "raise":
+            raise ValueError(f"per-sample gradients of samples {(~finite).nonzero().flatten().tolist()} are not "
+                             "finite; pass non_finite='drop' to leave such samples out")
+        factors = clip_factors(sums, list(config.clipping(len(self.params)).norms), per_layer=config.per_layer,
+                               norm_type=norm_type)
+        return (list(factors.unbind(1)) if config.per_layer else [factors[:, 0]] * factors.shape[1]), keep
 
     def _check_uses(self, losses: torch.Tensor) -> None:
         """Every use of a trainable parameter in the loss's autograd graph must be one a hooked

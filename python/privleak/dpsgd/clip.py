@@ -63,6 +63,28 @@ def _(grads, clip_norms, per_layer, noise_std, key, offset, scale, norm_type=2):
     return outs + [grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)]
 
 
+@torch.library.custom_op("privleak::clip_factors", mutates_args=())
+def _clip_factors_op(sums: torch.Tensor, clip_norms: torch.Tensor, per_layer: bool, norm_type: int) -> torch.Tensor:
+    """The fused kernel's clip factors (csrc/common/clip.h): (B, T) float32 from (B, T) float64
+    norm sums and float64 clip norms (T with per_layer, else 1) on the sums' device."""
+    if (sums.ndim != 2 or sums.dtype != torch.float64 or clip_norms.dtype != torch.float64
+            or clip_norms.device != sums.device or sums.device.type not in ("cpu", "cuda")
+            or clip_norms.numel() != (sums.shape[1] if per_layer else 1) or norm_type not in NORM_TYPES):
+        raise ValueError("privleak::clip_factors takes (B, T) float64 sums, float64 clip norms on their device (T "
+                         "with per_layer, else 1) and norm_type 1 or 2; clip_factors checks any other input")
+    sums, clip_norms = sums.contiguous(), clip_norms.contiguous()
+    factors = torch.empty(sums.shape, dtype=torch.float32, device=sums.device)
+    if sums.numel():
+        _backend.call("clip_factors", sums, sums.data_ptr(), clip_norms.data_ptr(), sums.shape[0], sums.shape[1],
+                      per_layer, norm_type, factors.data_ptr())
+    return factors
+
+
+@_clip_factors_op.register_fake
+def _(sums, clip_norms, per_layer, norm_type):
+    return torch.empty_like(sums, dtype=torch.float32)
+
+
 class ClippedSum(NamedTuple):
     """Result of :func:`clip_and_accumulate`."""
 
@@ -182,6 +204,37 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
         return torch.from_numpy(np.sqrt(x.numpy()))
     return x.sqrt()
+
+
+def clip_factors(norm_sums: torch.Tensor, clip_norm: Union[float, Sequence[float]], *, per_layer: bool = False,
+                 norm_type: int = 2) -> torch.Tensor:
+    """Each sample's clip factors from its per-tensor norm sums, exactly as
+    :func:`clip_and_accumulate`'s kernel forms them (csrc/common/clip.h), for norms computed
+    another way (book-keeping's ghost norms):
+
+        f_{i,t} = min(1, c / |g_i|),  |g_i| = sqrt(sum_t s_{i,t}) (L2) or sum_t s_{i,t} (L1)
+
+    with flat clipping, f_{i,t} = min(1, c_t / |g_{i,t}|) per layer; the sums add left to right
+    in float64, and a sample with a non-finite sum gets 0 (it is dropped).
+
+    Args:
+        norm_sums: (B, T) float64 on the CPU or a GPU: sample i's squared L2 norm (norm_type 2)
+            or L1 norm (norm_type 1) of its gradient of tensor t.
+        clip_norm, per_layer, norm_type: as :func:`clip_and_accumulate`.
+
+    Returns:
+        (B, T) float32, the factor of sample i's gradient of tensor t (with flat clipping every
+        column is the same).
+    """
+    view = validation.tensor(norm_sums, "norm_sums", dtypes=("float64",))
+    if norm_sums.ndim != 2 or norm_sums.shape[1] < 1:
+        raise ValueError(f"norm_sums must be (B, T) with T >= 1 tensors, got shape {tuple(norm_sums.shape)}")
+    if view.is_cuda:
+        _mechanisms._check_cuda(norm_sums.device, "norm_sums' device")
+    per_layer = _check_bool(per_layer, "per_layer")
+    norms = _clip_norms(clip_norm, norm_sums.shape[1], per_layer)
+    clip_norms = torch.tensor(norms if per_layer else norms[:1], dtype=torch.float64, device=norm_sums.device)
+    return torch.ops.privleak.clip_factors(norm_sums, clip_norms, per_layer, _check_norm_type(norm_type))
 
 
 def clip_and_accumulate(

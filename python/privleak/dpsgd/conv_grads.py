@@ -111,7 +111,7 @@ def conv_weight_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_s
     pads = _sizes(padding, "padding", dims, 0)
     dilations = _sizes(dilation, "dilation", dims, 1)
     groups = validation.integer(groups, "groups", low=1)
-    (batch, channels), outputs = inputs.shape[:2], output_grads.shape[1]
+    channels, outputs = inputs.shape[1], output_grads.shape[1]
     if channels % groups or outputs % groups:
         raise ValueError(f"groups={groups} must divide the input's channels ({channels}) and the output "
                          f"gradient's ({outputs})")
@@ -120,6 +120,15 @@ def conv_weight_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_s
     if min(expected) < 1 or list(output_grads.shape[2:]) != expected:
         raise ValueError(f"output_grads has spatial size {tuple(output_grads.shape[2:])}, but this convolution of "
                          f"inputs {tuple(inputs.shape)} gives {tuple(expected)}")
+    return per_sample_conv_grads(inputs, output_grads, kernel, strides, pads, dilations, groups)
+
+
+def per_sample_conv_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: list[int], strides: list[int],
+                          pads: list[int], dilations: list[int], groups: int) -> torch.Tensor:
+    """:func:`conv_weight_grads` of arguments it has checked, the sizes as one int per spatial dim
+    (book-keeping's convolution layers call it with their modules' own, skipping the checks)."""
+    batch, channels = inputs.shape[:2]
+    outputs, dims = output_grads.shape[1], inputs.ndim - 2
     dtype = torch.promote_types(inputs.dtype, output_grads.dtype)
     # Groups fold into the samples: (B, C) -> (B G, C / G) is a view of a contiguous tensor.
     x = inputs.detach().to(dtype).contiguous().reshape(batch * groups, channels // groups, *inputs.shape[2:])

@@ -360,7 +360,8 @@ class ConvLayer(Layer):
         (:func:`~privleak.dpsgd.conv_grads.conv_weight_grads`)."""
         m = self.module
         x, padding = _conv_padding(m, x)
-        return conv_grads.conv_weight_grads(x, g, m.kernel_size, m.stride, padding, m.dilation, m.groups)
+        return conv_grads.per_sample_conv_grads(x, g, list(m.kernel_size), list(m.stride), padding, list(m.dilation),
+                                                m.groups)
 
     def _weight_grad(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """The convolution's weight gradient for input x and output gradient g."""
