@@ -251,7 +251,11 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, const Layout<
     const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (l.out_pad - o0) / P::lanes));
     const int64_t tall = P::rows(vectors);
     int64_t r0 = 0;
-    for (; l.rows - r0 > 2 * kShortRows; r0 += tall) P::tile(s, r0, o0, vectors, ws.tile.data());
+    for (; r0 + tall <= l.rows; r0 += tall) P::tile(s, r0, o0, vectors, ws.tile.data());
+    if (l.rows - r0 > 2 * kShortRows) {  // one tall tile, partly past the end, beats three short ones
+      P::tile(s, r0, o0, vectors, ws.tile.data());
+      r0 += tall;
+    }
     for (; r0 < l.rows; r0 += kShortRows) P::short_tile(s, r0, o0, vectors, ws.tile.data());
   }
   // tile[(k C + ch), o] -> out[o, ch, k], in blocks of 16 outputs: each line of the tile is read
