@@ -89,6 +89,17 @@ class Twice(nn.Module):
         return self.outer(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
 
 
+class ConvTwice(nn.Module):
+    """The same Conv2d applied at two places of one forward (inputs of two sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 2, 3, stride=2)
+
+    def forward(self, x):
+        return self.outer(torch.tanh(self.inner(torch.tanh(self.inner(x))[..., 1:, :])))
+
+
 class Attention(nn.Module):
     """nn.MultiheadAttention (the fallback) between Linear layers."""
 
@@ -142,6 +153,7 @@ LAYER_CASES = {
                                      nn.Conv2d(4, 4, (2, 3), padding="same", dilation=(1, 2), groups=2, bias=False),
                                      nn.Tanh(), nn.Conv2d(4, 3, 3, padding=1, padding_mode="reflect")),
                normal(6, 2, 9, 8)),
+    "conv-twice": (ConvTwice, normal(6, 3, 7, 6)),
     "embedding": (lambda: nn.Sequential(nn.Embedding(9, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 3)), ids((6, 8))),
     "layernorm": (lambda: nn.Sequential(nn.Linear(4, 5), nn.LayerNorm((3, 5)), nn.Tanh(), nn.Linear(5, 2)),
                   normal(6, 3, 4)),
@@ -503,20 +515,20 @@ def test_remove_takes_the_hooks_off():
     assert not any(m._forward_hooks for m in model.modules())
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["per-sample-gradients-kept", "inputs-kept"])
-@pytest.mark.parametrize("case", ["conv1d", "conv2d", "groupnorm"])
-def test_both_ways_of_holding_a_convolution_match(case, keep, monkeypatch):
+@pytest.mark.parametrize("forming", list(layers.Forming), ids=lambda f: f.name.lower())
+@pytest.mark.parametrize("case", ["conv1d", "conv2d", "conv-twice", "groupnorm"])
+def test_every_way_of_holding_a_convolution_matches(case, forming, monkeypatch):
     """On the per-sample side of the mixed rule a convolution forms its per-sample gradients in the
-    backward pass and drops its inputs, or keeps its inputs and output gradients for a
-    weight-gradient convolution of the clipped sum: both give the materialised update."""
+    backward pass (dropping its inputs) or after it, or keeps its inputs and output gradients for a
+    weight-gradient convolution of the clipped sum: each gives the materialised update."""
     asked = []
 
-    def keep_per_sample(per_sample, held):
+    def when_to_form(per_sample, held):
         asked.append((per_sample, held))
-        return keep
+        return forming
 
     monkeypatch.setattr(layers, "use_ghost_norm", lambda *sizes: False)
-    monkeypatch.setattr(layers, "keep_per_sample", keep_per_sample)
+    monkeypatch.setattr(layers, "when_to_form", when_to_form)
     for mechanism in ("gaussian", "laplace"):
         for per_layer in (False, True):
             compare(case, mechanism, per_layer)
@@ -529,7 +541,7 @@ def test_a_convolution_taken_a_few_samples_at_a_time_matches(case, ghost, monkey
     """A convolution that keeps its inputs forms its patches (ghost norms) or per-sample gradients
     (norms) a few samples at a time: chunks of 4, 2 and 1 of the batch of 6 give the same update."""
     monkeypatch.setattr(layers, "use_ghost_norm", lambda *sizes: ghost)
-    monkeypatch.setattr(layers, "keep_per_sample", lambda per_sample, held: False)
+    monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
     for size in (4, 2, 1):
         monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, size=size: size)
         compare(case, "gaussian", False)

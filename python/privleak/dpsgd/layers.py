@@ -15,6 +15,7 @@ at Small Cost", ICML 2023), one GEMM per layer with the output gradients scaled 
 """
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import warnings
@@ -36,17 +37,27 @@ def use_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
     return 2 * positions * positions < inputs * outputs
 
 
-def keep_per_sample(per_sample: int, held: int) -> bool:
-    """Whether a layer forms its per-sample gradients (``per_sample`` values a sample) during the
-    backward pass in place of its inputs and output gradients (``held`` values a sample): when
-    they are at most 4 times as large. Keeping them makes the clipped sum a matrix-vector product; the other way,
-    it is a convolution's weight gradient as long as the one the kernel already computed for the
-    norms (paper CNN, B 64: the step 2.1x -> 1.6x of non-private). The bound spares the large
-    convolutions, whose per-sample gradients dwarf their activations (a 128-channel 3 x 3
-    convolution at 8 x 8 holds 9 times more); on the bench's CNNs, keeping up to 4 times moved
-    peak memory by less than its run-to-run spread. Values, not bytes: per-sample gradients are
-    float32, so beside bfloat16 activations the bound is 8 times in bytes."""
-    return per_sample <= 4 * held
+class Forming(enum.Enum):
+    """When a layer on the per-sample side of the mixed rule forms its per-sample gradients."""
+
+    DURING = "in the backward pass, in place of its inputs and output gradients, which are freed"
+    AFTER = "after the backward pass, from the inputs and output gradients it kept"
+    NEVER = "never whole: norms a few samples at a time, the clipped sum by a second weight-gradient pass"
+
+
+def when_to_form(per_sample: int, held: int) -> Forming:
+    """When a layer forms its per-sample gradients (``per_sample`` values a sample), given the
+    inputs and output gradients it holds (``held`` values a sample). No larger than those: during
+    the backward pass, where forming them frees more than it takes. Up to 4 times larger: after
+    it, once the backward has freed the activations, so that they do not add to the backward's
+    peak (paper CNN, B 256: two 12-channel convolutions' 7 MiB of them did, 1.30x the non-private
+    step's peak RSS). Larger still (a 128-channel 3 x 3 convolution at 8 x 8 holds 9 times more):
+    never whole, at the price of a second weight-gradient pass (paper CNN, B 64: the step 1.6x
+    -> 2.1x of non-private when all took it). Values, not bytes: per-sample gradients are
+    float32, so beside bfloat16 activations the bounds are twice as large in bytes."""
+    if per_sample <= held:
+        return Forming.DURING
+    return Forming.AFTER if per_sample <= 4 * held else Forming.NEVER
 
 
 def samples_per_chunk(held: int, transient: int) -> int:
@@ -147,7 +158,12 @@ class Layer:
         """The gradient of recorded output ``output`` of call ``call``, during the backward pass."""
         grads = self.grads[call]
         grads[output] = grad
-        rows = self.reduce(call, norm_type) if all(g is not None for g in grads) else None
+        if all(g is not None for g in grads):
+            self.replace(call, self.reduce(call, norm_type))
+
+    def replace(self, call: int, rows: Optional[dict]) -> None:
+        """Replace call ``call``'s input and output gradients by its per-sample gradients ``rows``
+        (per parameter id; None: keep them)."""
         if rows is not None:
             for key, r in rows.items():
                 self.per_sample[key] = r if key not in self.per_sample else self.per_sample[key] + r
@@ -299,16 +315,16 @@ class ConvLayer(Layer):
     privleak's kernel (:mod:`privleak.dpsgd.conv_grads`: as many multiply-adds as the ordinary
     weight gradient).
 
-    On the per-sample side, gradients not much larger than the layer's inputs and output gradients
-    (:func:`keep_per_sample`) are formed during the backward pass in their place, which are freed,
-    and the clipped sum is a matrix-vector product. Otherwise the layer keeps its inputs and output
-    gradients, and the clipped sum is the convolution's own weight gradient of the scaled output
-    gradients."""
+    On the per-sample side, :func:`when_to_form` says when the per-sample gradients are formed:
+    during the backward pass in place of the inputs and output gradients, which are freed, or after
+    it, the clipped sum then a matrix-vector product; or never whole, the layer keeping its inputs
+    and output gradients, and the clipped sum is the convolution's own weight gradient of the
+    scaled output gradients (as on the ghost side)."""
 
     def clear(self) -> None:
         super().clear()
         self._output_sizes: list = []  # per call, the output's shape
-        self._reduces: Optional[bool] = None  # this step's choice, made at the first reduce()
+        self._forming: Optional[Forming] = None  # this step's rule, chosen at the first reduce()
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = super().record(args, kwargs, output)
@@ -327,15 +343,29 @@ class ConvLayer(Layer):
         m = self.module
         return norm_type == 2 and use_ghost_norm(self._positions(), m.weight[0].numel(), m.out_channels // m.groups)
 
-    def reduce(self, call: int, norm_type: int) -> Optional[dict]:
+    def _choose(self, norm_type: int) -> Forming:
         m = self.module
-        if self._reduces is None:
-            self._reduces = not self.trains(m.weight) or (
-                not self._ghost(norm_type) and keep_per_sample(m.weight.numel(), self._held_per_sample()))
-        if not self._reduces:
-            return None
-        x, (g,) = self.calls[call], self.grads[call]
-        rows = {}
+        if not self.trains(m.weight):  # the bias alone: (B, O) per-sample gradients
+            return Forming.DURING
+        if self._ghost(norm_type):
+            return Forming.NEVER
+        return when_to_form(m.weight.numel(), self._held_per_sample())
+
+    def reduce(self, call: int, norm_type: int) -> Optional[dict]:
+        if self._forming is None:
+            self._forming = self._choose(norm_type)
+        return self._rows(self.calls[call], self.grads[call][0]) if self._forming is Forming.DURING else None
+
+    def finish(self) -> None:
+        super().finish()
+        if self._forming is Forming.AFTER:  # the activations are freed now
+            for call, (x, g) in enumerate(zip(self.calls, self.grads)):
+                self.replace(call, self._rows(x, g))
+            self.calls, self.grads = [], []
+
+    def _rows(self, x: torch.Tensor, g: torch.Tensor) -> dict:
+        """The per-sample gradients of one call, input x and output gradient g, per parameter id."""
+        m, rows = self.module, {}
         if self.trains(m.weight):
             rows[id(m.weight)] = self._per_sample_weight_grads(x, g)
         if self.trains(m.bias):
