@@ -7,9 +7,11 @@ layers' outputs only (the ordinary parameter gradients are never computed), and 
 (:mod:`privleak.dpsgd.layers`):
 
 0. the layer takes its output gradient g from a tensor hook as the backward reaches it. Where
-   its per-sample gradients are small beside a and g (GroupNorm, LayerNorm, convolutions with
+   its per-sample gradients are no larger than a and g (GroupNorm, LayerNorm, convolutions with
    few weights) it forms them there, so a and g are freed as the backward goes on, as an
-   ordinary backward frees its activations; the others keep a and g to the end;
+   ordinary backward frees its activations; a convolution whose per-sample gradients are up to
+   4 times larger forms them once the backward is over (they would add to its peak); the others
+   keep a and g to the end;
 
 1. each sample's norm of the layer's gradient: for a Linear-like layer over T positions
    |sum_t g_t a_t^T|_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s), the ghost norm, when 2 T^2 < d p,

@@ -110,8 +110,9 @@ class Layer:
     backward pass, and once a call's are all in, ``reduce`` may replace that call's input and
     output gradients by its per-sample gradients, where those are smaller, so they are freed as
     the backward goes on (as an ordinary backward frees its activations); ``finish`` ends the
-    backward; ``norms`` and ``clipped_sums`` give per parameter the per-sample norms and the
-    f-weighted sum (by default from the per-sample gradients ``reduce`` formed).
+    backward (a layer may form its per-sample gradients there instead, :meth:`replace`);
+    ``norms`` and ``clipped_sums`` give per parameter the per-sample norms and the f-weighted sum
+    (by default from the per-sample gradients formed).
 
     ``uses_per_call``: how often one forward call uses each parameter in the autograd graph, for
     the check that no parameter is used where the hooks cannot see; None: counted per call.
