@@ -535,6 +535,28 @@ def test_every_way_of_holding_a_convolution_matches(case, forming, monkeypatch):
     assert asked
 
 
+@pytest.mark.parametrize("saved", [True, False], ids=["forward-statistics", "normalised-again"])
+def test_groupnorm_from_the_forward_statistics_or_normalising_again_matches(saved, monkeypatch):
+    """GroupNorm's weight rows come from the mean and 1 / sigma its forward saved for the backward,
+    or, where the forward saved none (another implementation), from x normalised again: both give
+    the materialised update, and a plain nn.GroupNorm takes the first way."""
+    if not saved:
+        monkeypatch.setattr(layers.GroupNormLayer, "saved_statistics", ("_saved_nothing", "_saved_nothing"))
+    seen = []
+    record = layers.GroupNormLayer.record
+
+    def spy(self, *args):
+        outputs = record(self, *args)
+        seen.extend(s is not None for s in self.statistics)
+        return outputs
+
+    monkeypatch.setattr(layers.GroupNormLayer, "record", spy)
+    for mechanism in ("gaussian", "laplace"):
+        for per_layer in (False, True):
+            compare("groupnorm", mechanism, per_layer)
+    assert seen and all(s == saved for s in seen)
+
+
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])
 @pytest.mark.parametrize("case", ["conv1d", "conv2d"])
 def test_a_convolution_taken_a_few_samples_at_a_time_matches(case, ghost, monkeypatch):

@@ -500,12 +500,16 @@ class _AffineNorm(Layer):
         """y (B, ...) as (B, positions, channels), channels in the parameters' layout."""
         raise NotImplementedError
 
+    def weight_rows(self, call: int, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(B, channels): the weight's per-sample gradients of call ``call``."""
+        return self.channels(self.normalized(x) * g).sum(1)
+
     def reduce(self, call: int, norm_type: int) -> Optional[dict]:
         m = self.module
         x, (g,) = self.calls[call], self.grads[call]
         rows = {}
         if self.trains(m.weight):
-            rows[id(m.weight)] = self.channels(self.normalized(x) * g).sum(1).reshape(x.shape[0], *m.weight.shape)
+            rows[id(m.weight)] = self.weight_rows(call, x, g).reshape(x.shape[0], *m.weight.shape)
         if self.trains(m.bias):
             rows[id(m.bias)] = self.channels(g).sum(1).reshape(x.shape[0], *m.bias.shape)
         return rows
@@ -524,7 +528,33 @@ class LayerNormLayer(_AffineNorm):
 
 @layer_kind(nn.GroupNorm)
 class GroupNormLayer(_AffineNorm):
-    """nn.GroupNorm on (B, C, ...) inputs: one weight and bias per channel."""
+    """nn.GroupNorm on (B, C, ...) inputs: one weight and bias per channel. The weight's per-sample
+    gradient is torch's own GroupNorm backward formula for it, one sample at a time,
+    (sum_t x_t g_t - mu sum_t g_t) / sigma per channel, with the group's mean mu and 1 / sigma the
+    forward pass saved for its backward (re-normalising x instead took as long as the forward's
+    group norm, and a product of x's size: 5.5 -> 3.8 ms a step on the CIFAR CNN, B 64)."""
+
+    saved_statistics: ClassVar[tuple] = ("_saved_result1", "_saved_result2")  #: native_group_norm's backward node's
+
+    def clear(self) -> None:
+        super().clear()
+        self.statistics: list = []  # per call, the forward's (mean, 1 / sigma), each (B, groups), or None
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        outputs = super().record(args, kwargs, output)
+        if outputs:
+            saved = [getattr(output.grad_fn, name, None) for name in self.saved_statistics]
+            self.statistics.append(saved if all(isinstance(s, torch.Tensor) for s in saved) else None)
+        return outputs
+
+    def weight_rows(self, call: int, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        statistics = self.statistics[call]
+        if statistics is None:  # a forward other than native_group_norm's: normalise x again
+            return super().weight_rows(call, x, g)
+        x, g = _common(x, g)
+        x, g = x.reshape(x.shape[0], x.shape[1], -1), g.reshape(g.shape[0], g.shape[1], -1)
+        mean, inverse_sigma = (s.to(x.dtype).repeat_interleave(x.shape[1] // s.shape[1], 1) for s in statistics)
+        return (torch.linalg.vecdot(x, g) - g.sum(2) * mean) * inverse_sigma
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         return F.group_norm(x, self.module.num_groups, eps=self.module.eps)
