@@ -236,13 +236,6 @@ def test_embedding_threads_do_not_change_the_bits(threads):
 # --------------------------------------------------------------------------------- ops and errors
 
 
-def test_opcheck():
-    a, g = draw(3, 7, 5, seed=25), draw(3, 7, 4, seed=26)
-    torch.library.opcheck(torch.ops.privleak.ghost_norm.default, (a, g))
-    torch.library.opcheck(torch.ops.privleak.ghost_norm.default, (a.to(torch.bfloat16), g.to(torch.bfloat16)))
-    torch.library.opcheck(torch.ops.privleak.embedding_ghost_norm.default, (draw_ids(3, 7, 4, seed=27), g))
-
-
 def test_gradients_are_not_needed_for_norms():
     a = draw(2, 3, 4, seed=28).requires_grad_()
     g = draw(2, 3, 5, seed=29)
@@ -325,13 +318,6 @@ def test_cuda_non_finite_and_empty_inputs_match_the_cpu():
     assert torch.equal(embedding_ghost_norm_squared(torch.empty(2, 0, dtype=torch.int64).cuda(),
                                                     torch.empty(2, 0, 3).cuda()).cpu(),
                        torch.zeros(2, dtype=torch.float64))
-
-
-@requires_cuda
-def test_cuda_opcheck():
-    a, g = draw(3, 7, 5, seed=36).cuda(), draw(3, 7, 4, seed=37).cuda()
-    torch.library.opcheck(torch.ops.privleak.ghost_norm.default, (a, g))
-    torch.library.opcheck(torch.ops.privleak.embedding_ghost_norm.default, (draw_ids(3, 7, 4, seed=38).cuda(), g))
 
 
 def test_info_reports_the_kernels_run():

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -18,10 +17,10 @@ from privleak.validation import ArgumentTypeError
 
 FLOAT_DTYPES = ("float32", "float64")
 _DLPACK_CPU = 1
+_DTYPE_NAMES: dict = {}  # torch dtype: its name, as the core takes it
 
 
-@dataclass(frozen=True)
-class ArrayView:
+class ArrayView(NamedTuple):
     """A checked array, ready to hand to a kernel. ``array`` keeps the memory alive."""
 
     array: Any
@@ -74,50 +73,63 @@ def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = 
     an array silently, not even for out-of-place ops: the caller passes a copy (``np.array(x)``,
     ``x.clone()``), which is aligned, so the cost of the copy stays visible.
     """
-    x = _as_array(x, name)
+    torch = _loaded_torch()
+    if torch is None or not isinstance(x, torch.Tensor):
+        x = _as_array(x, name)  # a GPU array through DLPack becomes a tensor
     if is_tensor(x):
-        torch = _loaded_torch()
-        if x.layout != torch.strided:
-            raise ArgumentTypeError(f"{name} has layout {x.layout}; privleak takes dense strided tensors only "
-                                    "(convert it with .to_dense())")
-        if x.is_quantized:
-            raise ArgumentTypeError(f"{name} is a quantized tensor ({x.dtype}); pass .dequantize() instead")
-        if getattr(x, "is_nested", False):
-            raise ArgumentTypeError(f"{name} is a nested tensor; privleak takes dense strided tensors only")
-        dtype = str(x.dtype).removeprefix("torch.")
-        device = x.device.type
-        if device == "meta":
-            raise ArgumentTypeError(f"{name} is on device meta (a tensor without data); "
-                                    "privleak needs data on cpu or cuda")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"{name} is on device {x.device}; privleak runs on cpu and cuda")
-        index = x.device.index if device == "cuda" else -1
-        if device == "cuda" and index is None:
-            index = torch.cuda.current_device()
-        stream = torch.cuda.current_stream(x.device).cuda_stream if device == "cuda" else 0
-        shape, strides, address = tuple(x.shape), tuple(x.stride()), x.data_ptr()
-        itemsize, size = x.element_size(), x.numel()
-        if torch.compiler.is_compiling():  # traced: no real address to check (the op itself runs on real data)
-            size = 0
+        return _tensor_view(x, name, ndim, dtypes)
+    if not x.dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with .astype(native dtype)")
+    itemsize = x.dtype.itemsize
+    if any(s % itemsize for s in x.strides):
+        raise ValueError(f"{name} has strides {x.strides} that are not a multiple of its item size {itemsize}; "
+                         "pass a copy (np.array(x)), which is aligned")
+    strides = tuple(s // itemsize for s in x.strides)
+    return _checked(ArrayView(x, x.__array_interface__["data"][0], x.shape, strides, x.dtype.name, "cpu", -1, 0),
+                    name, ndim, dtypes, x.size, itemsize)
+
+
+def _tensor_view(x: Any, name: str, ndim: int | None, dtypes: Sequence[str]) -> ArrayView:
+    """:func:`view` of a torch tensor. Runs on every kernel call, so it asks the tensor only what
+    it must (a kernel call on a small tensor costs a few microseconds, and a step makes many)."""
+    torch = _loaded_torch()
+    if x.layout != torch.strided:
+        raise ArgumentTypeError(f"{name} has layout {x.layout}; privleak takes dense strided tensors only "
+                                "(convert it with .to_dense())")
+    if x.is_quantized:
+        raise ArgumentTypeError(f"{name} is a quantized tensor ({x.dtype}); pass .dequantize() instead")
+    if x.is_nested:
+        raise ArgumentTypeError(f"{name} is a nested tensor; privleak takes dense strided tensors only")
+    if x.is_cpu:
+        device, index, stream = "cpu", -1, 0
+    elif x.is_cuda:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        device, stream = "cuda", torch.cuda.current_stream(x.device).cuda_stream
+    elif x.is_meta:
+        raise ArgumentTypeError(f"{name} is on device meta (a tensor without data); "
+                                "privleak needs data on cpu or cuda")
     else:
-        if not x.dtype.isnative:
-            raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with .astype(native dtype)")
-        dtype, device, index, stream = x.dtype.name, "cpu", -1, 0
-        itemsize = x.dtype.itemsize
-        if any(s % itemsize for s in x.strides):
-            raise ValueError(f"{name} has strides {x.strides} that are not a multiple of its item size {itemsize}; "
-                             "pass a copy (np.array(x)), which is aligned")
-        shape, strides, address = x.shape, tuple(s // itemsize for s in x.strides), x.__array_interface__["data"][0]
-        size = x.size
-    if dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {dtype}")
-    if ndim is not None and len(shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(shape)}")
-    if size and itemsize and address % itemsize:
-        raise ValueError(f"{name} is not aligned: its data address {address:#x} is not a multiple of its element "
+        raise ValueError(f"{name} is on device {x.device}; privleak runs on cpu and cuda")
+    # traced by torch.compile: no real address to check (the op itself runs on real data)
+    size = 0 if torch.compiler.is_compiling() else x.numel()
+    dtype = _DTYPE_NAMES.get(x.dtype)
+    if dtype is None:
+        dtype = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+    view = ArrayView(x, x.data_ptr(), tuple(x.shape), x.stride(), dtype, device, index, stream)
+    return _checked(view, name, ndim, dtypes, size, x.element_size())
+
+
+def _checked(view: ArrayView, name: str, ndim: int | None, dtypes: Sequence[str], size: int,
+             itemsize: int) -> ArrayView:
+    if view.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {view.dtype}")
+    if ndim is not None and len(view.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(view.shape)}")
+    if size and itemsize and view.address % itemsize:
+        raise ValueError(f"{name} is not aligned: its data address {view.address:#x} is not a multiple of its element "
                          f"size {itemsize} bytes (a view at an odd byte offset); pass a copy "
                          "(np.array(x) or x.clone()), which is aligned")
-    return ArrayView(x, address, tuple(shape), strides, dtype, device, index, stream)
+    return view
 
 
 def require_contiguous_rows(v: ArrayView, name: str) -> None:

@@ -51,7 +51,7 @@ from typing import Optional, Sequence, Union
 import torch
 from numpy import bool_ as np_bool
 
-from privleak import _arrays, _backend, validation
+from privleak import _arrays, _backend, _ops, validation
 
 NOISE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 _U64 = 2**64
@@ -321,7 +321,7 @@ def _apply(out: torch.Tensor, distribution: str, scale: float, key: list[int], o
 # The ops' arguments: distribution ("gaussian", "laplace", or in secure mode "discrete_gaussian",
 # "discrete_laplace"), scale (std or Laplace scale; for discrete noise the integer scale in grid
 # units), key (32-bit words: 2 for Philox, 8 for ChaCha20), offset, grid exponent (discrete only).
-@torch.library.custom_op("privleak::noise", mutates_args=())
+@_ops.operator("noise")
 def _noise_op(size: Sequence[int], distribution: str, scale: float, key: Sequence[int], offset: int,
               grid_exponent: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.empty(size, dtype=dtype, device=device)
@@ -344,7 +344,7 @@ def _add_into(x: torch.Tensor, distribution: str, scale: float, key: Sequence[in
         x.copy_(dense)
 
 
-@torch.library.custom_op("privleak::add_noise_", mutates_args={"x"})
+@_ops.operator("add_noise_", mutates_args={"x"})
 def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
                           grid_exponent: int) -> None:
     _add_into(x, distribution, scale, key, offset, grid_exponent)
@@ -355,7 +355,7 @@ def _(x, distribution, scale, key, offset, grid_exponent):
     return None
 
 
-@torch.library.custom_op("privleak::add_noise_many_", mutates_args={"xs"})
+@_ops.operator("add_noise_many_", mutates_args={"xs"})
 def _add_noise_many_inplace_op(xs: list[torch.Tensor], distribution: str, scale: float, key: Sequence[int],
                                offset: int, grid_exponent: int) -> None:
     """add_noise_ on tensors laid end to end: one stream, one op call (a model's tensors are many
@@ -370,7 +370,7 @@ def _(xs, distribution, scale, key, offset, grid_exponent):
     return None
 
 
-@torch.library.custom_op("privleak::add_noise", mutates_args=())
+@_ops.operator("add_noise", differentiable=True)
 def _add_noise_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
                   grid_exponent: int) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
@@ -530,7 +530,7 @@ def _add(distribution: str, x, scale: float, scale_name: str, generator, key, of
     return (tuple(out) if isinstance(x, tuple) else out) if many else out[0]
 
 
-@torch.library.custom_op("privleak::vmf_sample", mutates_args=())
+@_ops.operator("vmf_sample")
 def _vmf_op(mu: torch.Tensor, kappa: float, n: int, key: Sequence[int], offset: int) -> torch.Tensor:
     p = mu.shape[0]
     out = torch.empty(n, p, dtype=mu.dtype, device=mu.device)

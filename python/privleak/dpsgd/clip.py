@@ -34,13 +34,13 @@ from typing import NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from privleak import _arrays, _backend, validation
+from privleak import _arrays, _backend, _ops, validation
 from privleak import mechanisms as _mechanisms
 
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
 
-@torch.library.custom_op("privleak::clip_accumulate", mutates_args=())
+@_ops.operator("clip_accumulate")
 def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor, per_layer: bool, noise_std: float,
                         key: Sequence[int], offset: int, scale: float, norm_type: int = 2) -> list[torch.Tensor]:
     """The fused kernel: [out_0 .. out_{T-1}, sums], sums the (B, T) float64 norm sums per tensor:
@@ -63,7 +63,7 @@ def _(grads, clip_norms, per_layer, noise_std, key, offset, scale, norm_type=2):
     return outs + [grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)]
 
 
-@torch.library.custom_op("privleak::clip_factors", mutates_args=())
+@_ops.operator("clip_factors")
 def _clip_factors_op(sums: torch.Tensor, clip_norms: torch.Tensor, per_layer: bool, norm_type: int) -> torch.Tensor:
     """The fused kernel's clip factors (csrc/common/clip.h): (B, T) float32 from (B, T) float64
     norm sums and float64 clip norms (T with per_layer, else 1) on the sums' device."""

@@ -29,7 +29,7 @@ from typing import Sequence, Union
 
 import torch
 
-from privleak import _arrays, _backend, validation
+from privleak import _arrays, _backend, _ops, validation
 from privleak import mechanisms as _mechanisms
 
 #: Input dtypes of the kernel; inputs and output gradients of two dtypes are both converted to the
@@ -43,7 +43,7 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-@torch.library.custom_op("privleak::conv_weight_grads", mutates_args=())
+@_ops.operator("conv_weight_grads")
 def _conv_weight_grads_op(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: list[int],
                           stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
     """The kernel on 2-d convolutions without groups: (N, O, C, k_h, k_w), float32 (float64 for

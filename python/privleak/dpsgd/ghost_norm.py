@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from privleak import _arrays, _backend, validation
+from privleak import _arrays, _backend, _ops, validation
 from privleak import mechanisms as _mechanisms
 
 #: Input dtypes of the kernels. Activations and output gradients of different dtypes are both
@@ -55,7 +55,7 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-@torch.library.custom_op("privleak::ghost_norm", mutates_args=())
+@_ops.operator("ghost_norm")
 def _ghost_norm_op(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
     """The dense kernel: (B,) float64 sum_{t,s} (a_t . a_s)(g_t . g_s) for activations (B, T, d)
     and output gradients (B, T, p) of one dtype and device."""
@@ -77,7 +77,7 @@ def _(activations, output_grads):
     return activations.new_empty(activations.shape[0], dtype=torch.float64)
 
 
-@torch.library.custom_op("privleak::embedding_ghost_norm", mutates_args=())
+@_ops.operator("embedding_ghost_norm")
 def _embedding_ghost_norm_op(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
     """The Embedding kernel: (B,) float64 sum_{t,s} [id_t == id_s](g_t . g_s) for int64 ids (B, T)
     and output gradients (B, T, p) on one device."""
