@@ -20,7 +20,10 @@ def cases(device: str) -> dict:
 
     a, g = draw(3, 7, 5), draw(3, 7, 4)
     mu = draw(6)
-    one = torch.tensor([1.0], dtype=torch.float64, device=device)
+    def norms(*values):
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
+    one = norms(1.0)
     return {
         "noise": [([4, 3], "gaussian", 1.0, [9, 0], 0, 0, torch.float32, torch.device(device))],
         "add_noise": [(draw(5, 3).requires_grad_(), "gaussian", 0.5, [5, 7], 3, 0)],
@@ -28,10 +31,13 @@ def cases(device: str) -> dict:
         "add_noise_many_": [([draw(5, 3), draw(4)], "gaussian", 0.5, [5, 7], 3, 0)],
         "vmf_sample": [(mu / mu.norm(), 2.0, 3, [1, 2], 0)],
         "clip_accumulate": [([draw(4, 3, 2), draw(4, 5)], one, False, 0.5, [1, 2], 0, 0.25, 2),
-                            ([draw(4, 3, 2), draw(4, 5)], torch.tensor([1.0, 0.5], dtype=torch.float64,
-                                                                        device=device), True, 0.0, [0, 0], 0, 1.0, 1)],
-        "clip_factors": [(draw(4, 2, dtype=torch.float64).abs(), one, False, 2)],
-        "conv_weight_grads": [(draw(2, 3, 6, 6).requires_grad_(), draw(2, 4, 3, 3), [3, 3], [2, 2], [1, 1], [1, 1])],
+                            ([draw(4, 3, 2), draw(4, 5)], norms(1.0, 0.5), True, 0.0, [0, 0], 0, 1.0, 1),
+                            ([draw(4, 3, 2)], norms(1.0, 0.5, 2.0), True, 0.0, [0, 0], 0, 1.0, 2,
+                             draw(4, 2, dtype=torch.float64).abs())],
+        "clip_factors": [(draw(4, 2, dtype=torch.float64).abs(), one, False, 2),
+                         (draw(5, 3, dtype=torch.float64).abs(), norms(0.5, 1.0, 2.0), True, 2)],
+        "conv_weight_grads": [(draw(2, 3, 6, 6).requires_grad_(), draw(2, 4, 3, 3), [3, 3], [2, 2], [1, 1], [1, 1]),
+                              (draw(2, 2, 9, 8), draw(2, 3, 4, 5), [3, 2], [2, 1], [1, 0], [2, 3])],
         "ghost_norm": [(a.clone().requires_grad_(), g), (a.to(torch.bfloat16), g.to(torch.bfloat16))],
         "embedding_ghost_norm": [(ids(3, 7), g.clone().requires_grad_())],
     }

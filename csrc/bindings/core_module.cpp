@@ -110,19 +110,21 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "clip_accumulate",
       [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
-         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t clip_norms, bool per_layer,
-         int norm_type, double noise_std, uint64_t key, uint64_t offset, double scale, std::uintptr_t sums) {
+         const std::vector<std::uintptr_t>& outs, int64_t batch, int64_t num_columns, std::uintptr_t clip_norms,
+         bool per_layer, int norm_type, double noise_std, uint64_t key, uint64_t offset, double scale,
+         std::uintptr_t sums, std::uintptr_t factors) {
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         const auto tensors = marshal::per_sample_grads(grads, numels);
         const auto out_pointers = marshal::float_pointers(outs);
         const privleak::ClipNorm norm = privleak::parse_clip_norm(norm_type);
         py::gil_scoped_release release;
-        privleak::cpu::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const double>(clip_norms),
-                                       per_layer, norm, noise_std, key, offset, scale, as_pointer<double>(sums));
+        privleak::cpu::clip_accumulate(t, tensors, out_pointers, batch, num_columns,
+                                       as_pointer<const double>(clip_norms), per_layer, norm, noise_std, key, offset,
+                                       scale, as_pointer<double>(sums), as_pointer<float>(factors));
       },
-      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("clip_norms"),
-      py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"), py::arg("offset"),
-      py::arg("scale"), py::arg("sums"));
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("num_columns"),
+      py::arg("clip_norms"), py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"),
+      py::arg("offset"), py::arg("scale"), py::arg("sums"), py::arg("factors"));
 
   m.def(
       "clip_factors",

@@ -111,26 +111,30 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("dtype"), py::arg("mu"), py::arg("p"), py::arg("kappa"), py::arg("n"), py::arg("key"), py::arg("offset"),
       py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
-  m.def("clip_workspace_bytes", &privleak::cuda::clip_workspace_bytes, py::arg("numels"), py::arg("batch"));
+  m.def("clip_workspace_bytes", &privleak::cuda::clip_workspace_bytes, py::arg("numels"), py::arg("batch"),
+        py::arg("num_columns"));
 
   m.def(
       "clip_accumulate",
       [](const std::string& dtype, const std::vector<std::uintptr_t>& grads, const std::vector<int64_t>& numels,
-         const std::vector<std::uintptr_t>& outs, int64_t batch, std::uintptr_t clip_norms, bool per_layer,
-         int norm_type, double noise_std, uint64_t key, uint64_t offset, double scale, std::uintptr_t sums,
+         const std::vector<std::uintptr_t>& outs, int64_t batch, int64_t num_columns, std::uintptr_t clip_norms,
+         bool per_layer, int norm_type, double noise_std, uint64_t key, uint64_t offset, double scale,
+         std::uintptr_t sums, std::uintptr_t factors,
          std::uintptr_t workspace, int device, std::uintptr_t stream) {
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         const auto tensors = marshal::per_sample_grads(grads, numels);
         const auto out_pointers = marshal::float_pointers(outs);
         const privleak::ClipNorm norm = privleak::parse_clip_norm(norm_type);
         py::gil_scoped_release release;
-        privleak::cuda::clip_accumulate(t, tensors, out_pointers, batch, as_pointer<const double>(clip_norms),
-                                        per_layer, norm, noise_std, key, offset, scale, as_pointer<double>(sums),
+        privleak::cuda::clip_accumulate(t, tensors, out_pointers, batch, num_columns,
+                                        as_pointer<const double>(clip_norms), per_layer, norm, noise_std, key, offset,
+                                        scale, as_pointer<double>(sums), as_pointer<float>(factors),
                                         as_pointer(workspace), device, as_pointer(stream));
       },
-      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("clip_norms"),
-      py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"), py::arg("offset"),
-      py::arg("scale"), py::arg("sums"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
+      py::arg("dtype"), py::arg("grads"), py::arg("numels"), py::arg("outs"), py::arg("batch"), py::arg("num_columns"),
+      py::arg("clip_norms"), py::arg("per_layer"), py::arg("norm_type"), py::arg("noise_std"), py::arg("key"),
+      py::arg("offset"), py::arg("scale"), py::arg("sums"), py::arg("factors"), py::arg("workspace"),
+      py::arg("device"), py::arg("stream"));
 
   m.def(
       "clip_factors",

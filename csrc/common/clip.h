@@ -99,6 +99,14 @@ void dispatch_grad_dtype(NoiseDType dtype, F&& f) {
   throw std::invalid_argument("per-sample gradients must be float32, bfloat16 or float16");
 }
 
+// clip_accumulate's shapes: at least one sample and one tensor, an output per tensor, and at least
+// a column of norm sums per tensor.
+inline void check_clip_accumulate(size_t tensors, size_t outs, int64_t batch, int64_t num_columns) {
+  if (batch < 1 || tensors == 0 || outs != tensors || num_columns < static_cast<int64_t>(tensors))
+    throw std::invalid_argument(
+        "clip_accumulate: batch must be >= 1, with one output per tensor and at least one norm column per tensor");
+}
+
 // The ClipNorm of norm_type (1 or 2).
 inline ClipNorm parse_clip_norm(int norm_type) {
   if (norm_type != 1 && norm_type != 2)

@@ -137,10 +137,10 @@ class FusedClip {
 
  public:
   FusedClip(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs, int64_t batch,
-            const double* clip_norms, bool per_layer, double* sums)
-      : tensors_(tensors), outs_(outs), num_tensors_(static_cast<int64_t>(tensors.size())),
+            int64_t num_columns, const double* clip_norms, bool per_layer, double* sums)
+      : tensors_(tensors), outs_(outs), num_tensors_(static_cast<int64_t>(tensors.size())), num_columns_(num_columns),
         clip_norms_(clip_norms), per_layer_(per_layer), sums_(sums),
-        factors_(static_cast<size_t>(batch * num_tensors_)), noise_base_(tensors.size(), 0) {
+        factors_(static_cast<size_t>(batch * num_columns)), noise_base_(tensors.size(), 0) {
     int64_t row_bytes = 0;
     std::vector<int64_t> blocks;
     for (size_t t = 0; t < tensors.size(); ++t) {
@@ -183,14 +183,14 @@ class FusedClip {
   // Between the passes (one thread): the group's norm sums, factors and non-zero-factor rows.
   void finish_norms(int64_t first, int64_t count) {
     for (int64_t r = 0; r < count; ++r) {
-      double* row_sums = sums_ + (first + r) * num_tensors_;
+      double* row_sums = sums_ + (first + r) * num_columns_;
       for (int64_t t = 0; t < num_tensors_; ++t) {
         const double* p = partials_.data() + partial_starts_.starts[t] + r * chunks_[t];
         double sum = 0.0;
         for (int64_t c = 0; c < chunks_[t]; ++c) sum += p[c];
         row_sums[t] = sum;
       }
-      clip_factors(row_sums, clip_norms_, num_tensors_, per_layer_, Norm, factors_.data() + (first + r) * num_tensors_);
+      clip_factors(row_sums, clip_norms_, num_columns_, per_layer_, Norm, factors_.data() + (first + r) * num_columns_);
     }
     for (int64_t t = 0; t < num_tensors_; ++t) {
       kept_[t].clear();
@@ -247,13 +247,15 @@ class FusedClip {
 
   int64_t chunk_items() const { return chunk_items_.total(); }
   int64_t block_items() const { return blocks_.total(); }
+  const std::vector<float>& factors() const { return factors_; }
 
  private:
-  float factor(int64_t b, int64_t t) const { return factors_[static_cast<size_t>(b * num_tensors_ + t)]; }
+  float factor(int64_t b, int64_t t) const { return factors_[static_cast<size_t>(b * num_columns_ + t)]; }
 
   const std::vector<PerSampleGrads>& tensors_;
   const std::vector<float*>& outs_;
   int64_t num_tensors_;
+  int64_t num_columns_;  // of the norm sums and factors: the tensors', then those of tensors read elsewhere
   const double* clip_norms_;
   bool per_layer_;
   double* sums_;
@@ -268,9 +270,10 @@ class FusedClip {
 
 template <ClipNorm Norm, class In>
 void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                           int64_t batch, const double* clip_norms, bool per_layer, double noise_std, uint64_t key,
-                           uint64_t offset, double scale, double* sums) {
-  FusedClip<Norm, In> clip(tensors, outs, batch, clip_norms, per_layer, sums);
+                           int64_t batch, int64_t num_columns, const double* clip_norms, bool per_layer,
+                           double noise_std, uint64_t key, uint64_t offset, double scale, double* sums,
+                           float* factors) {
+  FusedClip<Norm, In> clip(tensors, outs, batch, num_columns, clip_norms, per_layer, sums);
   const float std_f = static_cast<float>(noise_std), scale_f = static_cast<float>(scale);
   int64_t elements = 0;
   for (const auto& t : tensors) elements += batch * t.numel;
@@ -290,19 +293,20 @@ void clip_accumulate_typed(const std::vector<PerSampleGrads>& tensors, const std
         clip.block_item(first, item, last, std_f, key, offset, scale_f, acc, noise, widened.data());
     }
   }
+  if (factors) std::copy(clip.factors().begin(), clip.factors().end(), factors);
 }
 
 }  // namespace
 
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const double* clip_norms, bool per_layer, ClipNorm norm_type, double noise_std,
-                     uint64_t key, uint64_t offset, double scale, double* sums) {
-  if (batch < 1 || tensors.empty() || outs.size() != tensors.size())
-    throw std::invalid_argument("clip_accumulate: batch must be >= 1 and there must be one output per tensor");
+                     int64_t batch, int64_t num_columns, const double* clip_norms, bool per_layer, ClipNorm norm_type,
+                     double noise_std, uint64_t key, uint64_t offset, double scale, double* sums, float* factors) {
+  check_clip_accumulate(tensors.size(), outs.size(), batch, num_columns);
   dispatch_clip_norm(norm_type, [&](auto norm) {
     dispatch_grad_dtype(dtype, [&](auto zero) {
-      clip_accumulate_typed<decltype(norm)::value, decltype(zero)>(tensors, outs, batch, clip_norms, per_layer,
-                                                                   noise_std, key, offset, scale, sums);
+      clip_accumulate_typed<decltype(norm)::value, decltype(zero)>(tensors, outs, batch, num_columns, clip_norms,
+                                                                   per_layer, noise_std, key, offset, scale, sums,
+                                                                   factors);
     });
   });
 }

@@ -23,7 +23,7 @@ constexpr int kThreads = 256;
 struct Group {
   int count;
   int first;  // index of the group's first tensor among all tensors (the factors' column)
-  int num_tensors;
+  int num_columns;  // of the norm sums and factors: every tensor's, then those of tensors read elsewhere
   const void* grads[kGroup];
   float* outs[kGroup];
   int64_t numel[kGroup];
@@ -76,7 +76,7 @@ __global__ void fold_chunks(Group g, int64_t batch, const double* partials, int6
   const double* p = partials + partial_base + g.starts[t] + b * chunks;
   double sum = 0.0;
   for (int64_t c = 0; c < chunks; ++c) sum += p[c];
-  out[b * g.num_tensors + g.first + t] = sum;
+  out[b * g.num_columns + g.first + t] = sum;
 }
 
 __global__ void sample_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors,
@@ -96,7 +96,7 @@ __global__ void accumulate(Group g, int64_t batch, const float* factors, float n
     const In* grads = static_cast<const In*>(g.grads[t]);
     float acc = 0.0f;
     for (int64_t b = 0; b < batch; ++b) {
-      const float factor = factors[b * g.num_tensors + g.first + t];
+      const float factor = factors[b * g.num_columns + g.first + t];
       if (factor != 0.0f) acc += factor * Element<In>::load(grads[b * g.numel[t] + j]);
     }
     if (noise_std > 0.0f) {
@@ -112,14 +112,14 @@ __global__ void accumulate(Group g, int64_t batch, const float* factors, float n
 // The tensors in groups of kGroup; `items(numel)` is a tensor's work-item count.
 template <class Items>
 std::vector<Group> make_groups(const std::vector<PerSampleGrads>& tensors, const std::vector<float*>* outs,
-                               Items items) {
+                               int64_t num_columns, Items items) {
   std::vector<Group> groups;
   uint64_t noise_base = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (i % kGroup == 0) {
       groups.push_back(Group{});
       groups.back().first = static_cast<int>(i);
-      groups.back().num_tensors = static_cast<int>(tensors.size());
+      groups.back().num_columns = static_cast<int>(num_columns);
     }
     Group& g = groups.back();
     const int t = g.count++;
@@ -139,32 +139,31 @@ unsigned blocks_for(int64_t threads) {
 
 }  // namespace
 
-int64_t clip_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch) {
+int64_t clip_workspace_bytes(const std::vector<int64_t>& numels, int64_t batch, int64_t num_columns) {
   int64_t chunks = 0;
   for (int64_t n : numels) chunks += batch * clip_chunks(n);
-  const int64_t factors = batch * static_cast<int64_t>(numels.size());
+  const int64_t factors = batch * num_columns;
   return chunks * static_cast<int64_t>(sizeof(double)) + factors * static_cast<int64_t>(sizeof(float));
 }
 
 void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensors, const std::vector<float*>& outs,
-                     int64_t batch, const double* clip_norms, bool per_layer, ClipNorm norm_type, double noise_std,
-                     uint64_t key, uint64_t offset, double scale, double* sums, void* workspace, int device,
-                     void* stream) {
-  if (batch < 1 || tensors.empty() || outs.size() != tensors.size())
-    throw std::invalid_argument("clip_accumulate: batch must be >= 1 and there must be one output per tensor");
+                     int64_t batch, int64_t num_columns, const double* clip_norms, bool per_layer, ClipNorm norm_type,
+                     double noise_std, uint64_t key, uint64_t offset, double scale, double* sums, float* factors_out,
+                     void* workspace, int device, void* stream) {
+  check_clip_accumulate(tensors.size(), outs.size(), batch, num_columns);
   const DeviceGuard guard(device);
   const auto s = static_cast<cudaStream_t>(stream);
   int64_t partial_count = 0;
   for (const auto& t : tensors) partial_count += batch * clip_chunks(t.numel);
   auto* partials = static_cast<double*>(workspace);
   auto* factors = reinterpret_cast<float*>(partials + partial_count);
-  const int64_t num_tensors = static_cast<int64_t>(tensors.size());
   dispatch_clip_norm(norm_type, [&](auto norm) {
     dispatch_grad_dtype(dtype, [&](auto zero) {
       using In = decltype(zero);
       constexpr ClipNorm Norm = decltype(norm)::value;
       int64_t partial_base = 0;
-      for (const Group& g : make_groups(tensors, nullptr, [&](int64_t n) { return batch * clip_chunks(n); })) {
+      for (const Group& g :
+           make_groups(tensors, nullptr, num_columns, [&](int64_t n) { return batch * clip_chunks(n); })) {
         // A group whose tensors all have numel 0 has no chunks: a 0-block launch is an error
         // (cudaErrorInvalidConfiguration), so skip it; fold_chunks still writes their sums (0).
         if (g.starts[g.count] > 0) {
@@ -176,10 +175,10 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
         check(cudaGetLastError(), "clip_accumulate: fold_chunks launch");
         partial_base += g.starts[g.count];
       }
-      sample_factors<<<blocks_for(batch), kThreads, 0, s>>>(sums, clip_norms, batch, num_tensors, per_layer, norm_type,
+      sample_factors<<<blocks_for(batch), kThreads, 0, s>>>(sums, clip_norms, batch, num_columns, per_layer, norm_type,
                                                             factors);
       check(cudaGetLastError(), "clip_accumulate: sample_factors launch");
-      for (const Group& g : make_groups(tensors, &outs, [](int64_t n) { return n; })) {
+      for (const Group& g : make_groups(tensors, &outs, num_columns, [](int64_t n) { return n; })) {
         if (g.starts[g.count] == 0) continue;  // no output elements: nothing to launch (0 blocks is an error)
         accumulate<In><<<std::min(blocks_for(g.starts[g.count]), 65536u), kThreads, 0, s>>>(
             g, batch, factors, static_cast<float>(noise_std), key, offset, static_cast<float>(scale));
@@ -187,6 +186,10 @@ void clip_accumulate(NoiseDType dtype, const std::vector<PerSampleGrads>& tensor
       }
     });
   });
+  if (factors_out)
+    check(cudaMemcpyAsync(factors_out, factors, static_cast<size_t>(batch * num_columns) * sizeof(float),
+                          cudaMemcpyDeviceToDevice, s),
+          "clip_accumulate: copying the factors");
 }
 
 void clip_factors(const double* sums, const double* clip_norms, int64_t batch, int64_t num_tensors, bool per_layer,

@@ -17,8 +17,12 @@ layers' outputs only (the ordinary parameter gradients are never computed), and 
    |sum_t g_t a_t^T|_F^2 = sum_{t,s} (a_t . a_s)(g_t . g_s), the ghost norm, when 2 T^2 < d p,
    else from that layer's per-sample gradient (the mixed rule);
 2. with every layer's norms, the clip factors f_i = min(1, c / |g_i|) (flat: one norm over all
-   tensors; per layer: one per tensor), exactly as the materialised path's kernel forms them;
-3. the clipped sum sum_i f_i sum_t g_{i,t} a_{i,t}^T, one GEMM over (i, t) with g scaled by f_i.
+   tensors; per layer: one per tensor), by the materialised path's fused clip kernel: the
+   per-sample gradients the layers formed go through it as they would there (their norms,
+   factors and weighted sums in one call), the other layers' norms enter its factors as given
+   columns;
+3. for the layers that formed none, the clipped sum sum_i f_i sum_t g_{i,t} a_{i,t}^T, one GEMM
+   over (i, t) with g scaled by f_i.
 
 The clipped sum goes to the mechanism as the materialised path's does: the noise is added to
 the sum, and the result divided by the expected batch size L (``mechanism.noise(sum, clipping,
@@ -29,13 +33,12 @@ and the same noise stream, up to float32 rounding.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd.clip import clip_factors
+from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.layers import Layer, count_uses, layer_for
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
@@ -198,38 +201,55 @@ class BookKeeping:
             self._collecting = False
         for layer in self.layers:
             layer.finish()
-        norm_type = self.config.mechanism.clip_norm_type
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
-            columns: list = [None] * len(self.params)
-            for layer in self.layers:
-                for p, norm in zip(layer.parameters, layer.norms(batch, norm_type)):
-                    columns[self._slots[id(p)]] = norm
-            factors, keep = self._factors(torch.stack(columns, 1), norm_type)
-            # Each sum is allocated as the layer before frees its inputs and output gradients, which
-            # it can reuse: one buffer for the whole update, allocated up front, would add a model's
-            # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).
-            sums: list = [None] * len(self.params)
-            for layer in self.layers:
-                slots = [self._slots[id(p)] for p in layer.parameters]
-                for slot, total in zip(slots, layer.clipped_sums([factors[s] for s in slots], keep)):
-                    sums[slot] = total
-                layer.clear()
-        return sums
+            return self._clip(batch)
 
-    def _factors(self, sums: torch.Tensor, norm_type: int) -> tuple[list, Optional[torch.Tensor]]:
-        """Clip factors per parameter (a list of (B,) float32; with flat clipping one tensor for
-        all) from the (B, tensors) float64 norm sums, by the clip kernel's own rule
-        (:func:`~privleak.dpsgd.clip.clip_factors`); a sample with a non-finite sum raises or gets
-        f = 0 (``config.non_finite``)."""
-        config = self.config
-        finite = torch.isfinite(sums).all(1)
+    def _clip(self, batch: int) -> list:
+        """Norms, clip factors and clipped sums of the layers' gradients after the backward pass.
+        The per-sample gradients the layers formed go through the fused clip kernel, one call for
+        their norms and clipped sums both, with the other layers' norms (ghost norms) as given
+        columns of its factors; the other layers then form their sums with those factors. One call
+        instead of four torch ops per tensor: on a small model each op costs more than its
+        arithmetic, and on a GPU each is a launch."""
+        config, norm_type = self.config, self.config.mechanism.clip_norm_type
+        rows, norms = {}, {}  # by slot
+        for layer in self.layers:
+            rows.update((self._slots[key], r) for key, r in layer.rows(batch).items())
+            norms.update((self._slots[key], n) for key, n in layer.norms(batch, norm_type).items())
+        order = sorted(rows) + sorted(norms)  # the kernel's columns
+        if sorted(order) != list(range(len(self.params))):
+            raise RuntimeError("book-keeping: the layers' rows and norms do not cover each parameter once")
+        clip_norms = list(config.clipping(len(self.params)).norms)
+        clip_norms = torch.tensor([clip_norms[s] for s in order] if config.per_layer else clip_norms[:1],
+                                  dtype=torch.float64, device=self.params[0].device)
+        given = torch.stack([norms[s] for s in sorted(norms)], 1) if norms else None
+        sums: list = [None] * len(self.params)
+        if rows:
+            tensors = _kernel_rows([rows[s] for s in sorted(rows)])
+            *totals, norm_sums, factors = torch.ops.privleak.clip_accumulate(
+                tensors, clip_norms, config.per_layer, 0.0, [0, 0], 0, 1.0, norm_type, given)
+            for slot, t in zip(sorted(rows), totals):
+                sums[slot] = t
+        else:
+            norm_sums = given
+            factors = torch.ops.privleak.clip_factors(norm_sums, clip_norms, config.per_layer, norm_type)
+        finite = torch.isfinite(norm_sums).all(1)
         keep = None if bool(finite.all()) else finite
         if keep is not None and config.non_finite == "raise":
             raise ValueError(f"per-sample gradients of samples {(~finite).nonzero().flatten().tolist()} are not "
                              "finite; pass non_finite='drop' to leave such samples out")
-        factors = clip_factors(sums, list(config.clipping(len(self.params)).norms), per_layer=config.per_layer,
-                               norm_type=norm_type)
-        return (list(factors.unbind(1)) if config.per_layer else [factors[:, 0]] * factors.shape[1]), keep
+        column = {slot: factors[:, i] for i, slot in enumerate(order)}
+        # Each sum is allocated as the layer before frees its inputs and output gradients, which
+        # it can reuse: one buffer for the whole update, allocated up front, would add a model's
+        # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).
+        for layer in self.layers:
+            wanted = {key: column[self._slots[key]] for key in (id(p) for p in layer.parameters)
+                      if self._slots[key] in norms}
+            if wanted:
+                for key, total in layer.clipped_sums(wanted, keep).items():
+                    sums[self._slots[key]] = total
+            layer.clear()
+        return sums
 
     def _check_uses(self, losses: torch.Tensor) -> None:
         """Every use of a trainable parameter in the loss's autograd graph must be one a hooked
@@ -304,3 +324,13 @@ def _check_losses(losses) -> torch.Tensor:
     if not losses.is_floating_point():
         raise validation.ArgumentTypeError(f"per_sample_losses must be floating point, got {losses.dtype}")
     return losses
+
+
+def _kernel_rows(rows: list) -> list:
+    """Per-sample gradients as the clip kernel reads them: contiguous, of one of its dtypes
+    (float32 where they differ; the update is float32 anyway)."""
+    dtypes = {r.dtype for r in rows}
+    common = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    if str(common).removeprefix("torch.") not in GRAD_DTYPES:
+        common = torch.float32
+    return [r.to(common).contiguous() for r in rows]

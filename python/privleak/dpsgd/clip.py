@@ -42,25 +42,34 @@ GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
 @_ops.operator("clip_accumulate")
 def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor, per_layer: bool, noise_std: float,
-                        key: Sequence[int], offset: int, scale: float, norm_type: int = 2) -> list[torch.Tensor]:
-    """The fused kernel: [out_0 .. out_{T-1}, sums], sums the (B, T) float64 norm sums per tensor:
-    squared L2 norms (norm_type 2) or L1 norms (norm_type 1)."""
+                        key: Sequence[int], offset: int, scale: float, norm_type: int = 2,
+                        other_sums: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """The fused kernel: [out_0 .. out_{T-1}, sums, factors]. sums (B, C) float64 are the norm sums
+    (squared L2 norms for norm_type 2, L1 norms for 1) per column: the T tensors', then the
+    columns of ``other_sums`` (B, C - T), norm sums of tensors the kernel does not read that count
+    in the clip factors (book-keeping's ghost norms); factors (B, C) float32 the clip factors."""
     batch, device = grads[0].shape[0], grads[0].device
     outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=device) for g in grads]
-    sums = torch.empty(batch, len(grads), dtype=torch.float64, device=device)
+    columns = len(grads) + (0 if other_sums is None else other_sums.shape[1])
+    sums = torch.empty(batch, columns, dtype=torch.float64, device=device)
+    if other_sums is not None:
+        sums[:, len(grads):] = other_sums
+    factors = torch.empty(batch, columns, dtype=torch.float32, device=device)
     numels = [math.prod(g.shape[1:]) for g in grads]
     args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
-            [o.data_ptr() for o in outs], batch, clip_norms.data_ptr(), per_layer, norm_type, noise_std,
-            key[0] | (key[1] << 32), offset, scale, sums.data_ptr())
+            [o.data_ptr() for o in outs], batch, columns, clip_norms.data_ptr(), per_layer, norm_type, noise_std,
+            key[0] | (key[1] << 32), offset, scale, sums.data_ptr(), factors.data_ptr())
     _backend.call("clip_accumulate", grads[0], *args,
-                  workspace=lambda module: module.clip_workspace_bytes(numels, batch))
-    return outs + [sums]
+                  workspace=lambda module: module.clip_workspace_bytes(numels, batch, columns))
+    return outs + [sums, factors]
 
 
 @_clip_accumulate_op.register_fake
-def _(grads, clip_norms, per_layer, noise_std, key, offset, scale, norm_type=2):
+def _(grads, clip_norms, per_layer, noise_std, key, offset, scale, norm_type=2, other_sums=None):
     outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=g.device) for g in grads]
-    return outs + [grads[0].new_empty(grads[0].shape[0], len(grads), dtype=torch.float64)]
+    columns = len(grads) + (0 if other_sums is None else other_sums.shape[1])
+    sums = grads[0].new_empty(grads[0].shape[0], columns, dtype=torch.float64)
+    return outs + [sums, torch.empty_like(sums, dtype=torch.float32)]
 
 
 @_ops.operator("clip_factors")
@@ -302,8 +311,8 @@ def clip_and_accumulate(
         outs = _noise_alone(grads, kernel_noise, words, stream_offset, kernel_scale)
         sums = torch.empty(0, len(grads), dtype=torch.float64, device=grads[0].device)
     else:
-        *outs, sums = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
-                                                         stream_offset, kernel_scale, norm_type)
+        *outs, sums, _ = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, kernel_noise, words,
+                                                            stream_offset, kernel_scale, norm_type)
     bad = ~torch.isfinite(sums).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
         beyond = "beyond 1.8e19" if norm_type == 2 else "their L1 norm beyond 3.4e38"

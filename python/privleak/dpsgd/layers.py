@@ -185,29 +185,32 @@ class Layer:
         self.calls = [call for call, _ in kept]
         self.grads = [g for _, g in kept]
 
-    def norms(self, batch: int, norm_type: int) -> list[torch.Tensor]:
-        """Per parameter, (B,) float64: each sample's squared L2 norm (norm_type 2) or L1 norm."""
-        if not self.calls and not self.reduced:
-            return [torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters]
-        by_id = self.norms_by_parameter(batch, norm_type)
-        return [by_id[id(p)] for p in self.parameters]
+    def rows(self, batch: int) -> dict:
+        """The per-sample gradients (B, *shape) the layer has formed, by parameter id: the clip
+        kernel reads them, for their norms and clipped sums both."""
+        return self.per_sample
 
-    def clipped_sums(self, factors: list[torch.Tensor], keep: Optional[torch.Tensor]) -> list[torch.Tensor]:
-        """Per parameter, the float32 sum_i f_i G_i for ``factors`` (B,) float32, one per parameter;
-        ``keep`` (B,) bool marks the samples kept (None: all)."""
+    def norms(self, batch: int, norm_type: int) -> dict:
+        """(B,) float64 per parameter without :meth:`rows`, by id: each sample's squared L2 norm
+        (norm_type 2) or L1 norm."""
         if not self.calls and not self.reduced:
-            return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.parameters]
-        by_id = self.sums_by_parameter({id(p): f for p, f in zip(self.parameters, factors)}, keep)
-        return [by_id[id(p)].float() for p in self.parameters]
+            return {id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters}
+        return self.norms_by_parameter(batch, norm_type)
+
+    def clipped_sums(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        """The float32 sum_i f_i G_i per parameter of :meth:`norms`, by id, for ``factors`` (B,)
+        float32 by id; ``keep`` (B,) bool marks the samples kept (None: all)."""
+        if not self.calls and not self.reduced:
+            return {id(p): torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.parameters}
+        return {key: total.float() for key, total in self.sums_by_parameter(factors, keep).items()}
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
-        """:meth:`norms` of the recorded calls (at least one) by ``id`` of the parameter."""
-        return {key: row_norms(rows, norm_type) for key, rows in self.per_sample.items()}
+        """:meth:`norms` of the recorded calls (at least one); none where all are :meth:`rows`."""
+        return {}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        """:meth:`clipped_sums` of the recorded calls by ``id`` of the parameter, ``factors`` keyed
-        the same way; runs after :meth:`norms_by_parameter`."""
-        return {key: weighted_sum(_zero_dropped(rows, keep), factors[key]) for key, rows in self.per_sample.items()}
+        """:meth:`clipped_sums` of the recorded calls; runs after :meth:`norms_by_parameter`."""
+        return {}
 
 
 _LAYERS: dict[type, type] = {}
@@ -610,9 +613,10 @@ class FunctionalLayer(Layer):
         super().finish()
         self.grads = [g if isinstance(g, list) else [g] for g in self.grads]
 
-    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
-        self.per_sample = self.per_sample_grads(batch)
-        return super().norms_by_parameter(batch, norm_type)
+    def rows(self, batch: int) -> dict:
+        if self.calls and not self.per_sample:
+            self.per_sample = self.per_sample_grads(batch)
+        return self.per_sample
 
     def per_sample_grads(self, batch: int) -> dict:
         from torch.func import functional_call, grad, vmap
