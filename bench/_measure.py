@@ -20,15 +20,28 @@ def seconds(fn: Callable[[], object], repeat: int = 5, sync: Callable[[], None] 
     return float(np.median(times))
 
 
+def seconds_by_round(fns: dict[str, Callable[[], object]], rounds: int = 3, repeat: int = 3,
+                     sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Each of ``fns``'s median wall time in each of ``rounds`` rounds, the sides timed in turns
+    (in reverse order every other round), so that a slow spell of a shared machine, or the state
+    one side leaves behind, does not fall on one side only."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in list(fns)[::-1 if r % 2 else 1]:
+            times[name].append(seconds(fns[name], repeat, sync))
+    return times
+
+
 def seconds_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 3, repeat: int = 3,
                         sync: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Median wall time of each of ``fns``, timed in turns over ``rounds`` rounds, so that a slow
-    spell of a shared machine, or the state one side leaves behind, does not fall on one side only."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(seconds(fn, repeat, sync))
-    return {name: float(np.median(t)) for name, t in times.items()}
+    """Median wall time of each of ``fns`` over :func:`seconds_by_round`'s rounds."""
+    return {name: float(np.median(t)) for name, t in seconds_by_round(fns, rounds, repeat, sync).items()}
+
+
+def ratio_by_round(times: dict[str, list[float]], side: str, base: str) -> float:
+    """The median over rounds of ``side``'s time over ``base``'s in the same round: on a shared
+    machine whose speed drifts, steadier than the ratio of the two medians."""
+    return float(np.median(np.array(times[side]) / np.array(times[base])))
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, threads: int = 1) -> float:

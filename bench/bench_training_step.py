@@ -17,8 +17,10 @@ Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-st
 parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), and a 69M transformer
 (d 768, 8 layers, sequence 128; --skip-large leaves it out).
 
-Times: the sides run in turns (bench/_measure.seconds_interleaved), each reports its median,
-and its ratio to non-private. Peak memory: each side runs --memory-steps steps in a fresh
+Times: the sides run in turns, --rounds rounds of calls lasting about 50 ms each
+(bench/_measure.seconds_by_round); each side reports its median, and its ratio to non-private as
+the median over rounds of the two sides' times in the same round (a shared machine's speed
+drifts between rounds). Peak memory: each side runs --memory-steps steps in a fresh
 process, the median of --memory-repeats such processes; on the CPU the growth of peak RSS
 (VmHWM, reset after building the model, data and wrappers) over the RSS then, on a GPU
 torch.cuda.max_memory_allocated over what was allocated before the steps. A side whose
@@ -39,7 +41,7 @@ import warnings
 import privleak
 import torch
 import torch.nn.functional as F
-from _measure import cpu_name, seconds_interleaved, table
+from _measure import cpu_name, ratio_by_round, seconds, seconds_by_round, table
 from privleak import dpsgd
 from privleak.models import PaperNetwork
 from torch import nn
@@ -245,6 +247,7 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=4)
     parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per side; their median")
     parser.add_argument("--no-memory", action="store_true", help="time only")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of timing, the sides in turns")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -267,9 +270,12 @@ def main() -> None:
             model, x, y, criterion_class = setting(name, batch, args.device)
             sides = [s for s in SIDES if s not in MATERIALISING or needs_gb(model, batch) <= args.max_gb]
             steps = {side: make_side(side, copy.deepcopy(model), criterion_class, batch, x) for side in sides}
-            rounds, repeat = (2, 2) if args.quick else (3, 3)
-            times = seconds_interleaved({s: (lambda step=steps[s]: step(x, y)) for s in sides}, rounds=rounds,
-                                        repeat=repeat, sync=sync)
+            fns = {s: (lambda step=steps[s]: step(x, y)) for s in sides}
+            # Enough calls a round that one lasts about 50 ms (a small model's step is a few ms).
+            once = seconds(fns["non-private"], repeat=3, sync=sync)
+            rounds, repeat = (2, 2) if args.quick else (args.rounds, max(3, math.ceil(0.05 / once)))
+            by_round = seconds_by_round(fns, rounds=rounds, repeat=repeat, sync=sync)
+            times = {s: statistics.median(t) for s, t in by_round.items()}
             del steps
             memory = {} if args.no_memory else {s: peak_memory(s, name, batch, args) for s in sides}
             params = sum(p.numel() for p in model.parameters())
@@ -279,7 +285,7 @@ def main() -> None:
                     row["ms"] = f"skipped: B x P = {needs_gb(model, batch):.1f} GB"
                 else:
                     row["ms"] = f"{times[side] * 1e3:.1f}"
-                    row["x non-private"] = f"{times[side] / times['non-private']:.2f}x"
+                    row["x non-private"] = f"{ratio_by_round(by_round, side, 'non-private'):.2f}x"
                     if side in memory:
                         row["peak MiB"] = f"{memory[side] / 2**20:.0f}"
                         row["mem x non-private"] = f"{memory[side] / max(memory['non-private'], 1):.2f}x"
