@@ -22,7 +22,8 @@ Times: the sides run in turns, --rounds rounds of calls lasting about 50 ms each
 the median over rounds of the two sides' times in the same round (a shared machine's speed
 drifts between rounds). Peak memory: each side runs --memory-steps steps in a fresh
 process, the median of --memory-repeats such processes; on the CPU the growth of peak RSS
-(VmHWM, reset after building the model, data and wrappers) over the RSS then, on a GPU
+(VmHWM, reset after building the model, data and wrappers) over the RSS then, with glibc's
+malloc mapping every block of 128 KiB or more on its own (FIXED_MALLOC), on a GPU
 torch.cuda.max_memory_allocated over what was allocated before the steps. A side whose
 per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --max-gb is not
 run. --quick runs the smallest settings with few repeats, as a smoke test.
@@ -33,6 +34,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -224,14 +226,23 @@ def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
     print(json.dumps({"peak": peak}))
 
 
+# glibc's malloc serves a large block from the heap once a block that size was freed (its mmap
+# threshold moves up), and keeps freed heap for later: when that happens within a run varied the
+# CIFAR CNN's peak RSS at B 128 by 20% between fresh processes of the same side (198-240 MiB
+# non-private). A fixed threshold maps every block of 128 KiB or more and unmaps it when freed, so
+# peak RSS follows the tensors alive (three processes agreed to 0.2%); the same for every side.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
 def peak_memory(side: str, name: str, batch: int, args) -> float:
-    """The median over --memory-repeats fresh processes: peak RSS moves by several MiB from run
-    to run (allocator and thread-pool state), as much as a small model's whole step."""
+    """The median over --memory-repeats fresh processes (allocator and thread-pool state still
+    move peak RSS by a little from run to run)."""
     command = [sys.executable, __file__, "--child", side, name, str(batch), "--device", args.device,
                "--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
     peaks = []
     for _ in range(args.memory_repeats):
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        done = subprocess.run(command, capture_output=True, text=True, check=True,
+                              env={**os.environ, **FIXED_MALLOC})
         peaks.append(json.loads(done.stdout.strip().splitlines()[-1])["peak"])
     return statistics.median(peaks)
 
