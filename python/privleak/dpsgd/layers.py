@@ -111,8 +111,9 @@ class Layer:
     output gradients by its per-sample gradients, where those are smaller, so they are freed as
     the backward goes on (as an ordinary backward frees its activations); ``finish`` ends the
     backward (a layer may form its per-sample gradients there instead, :meth:`replace`);
-    ``norms`` and ``clipped_sums`` give per parameter the per-sample norms and the f-weighted sum
-    (by default from the per-sample gradients formed).
+    ``rows`` hands the per-sample gradients formed to the clip kernel (BookKeeping), which forms
+    their norms and f-weighted sums; ``norms`` and ``clipped_sums`` give those of the other
+    parameters (none by default).
 
     ``uses_per_call``: how often one forward call uses each parameter in the autograd graph, for
     the check that no parameter is used where the hooks cannot see; None: counted per call.
@@ -321,7 +322,7 @@ class ConvLayer(Layer):
 
     On the per-sample side, :func:`when_to_form` says when the per-sample gradients are formed:
     during the backward pass in place of the inputs and output gradients, which are freed, or after
-    it, the clipped sum then a matrix-vector product; or never whole, the layer keeping its inputs
+    it, clipped and summed then by the fused clip kernel; or never whole, the layer keeping its inputs
     and output gradients, and the clipped sum is the convolution's own weight gradient of the
     scaled output gradients (as on the ghost side)."""
 
