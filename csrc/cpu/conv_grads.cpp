@@ -106,6 +106,7 @@ template <class AccType>
 struct Portable {
   using Acc = AccType;
   static constexpr int lanes = kPortableLanes, max_vectors = 1;
+  static constexpr bool simd_transpose = false;
   static void tile(const Sample<Acc>& s, int64_t r0, int64_t o0, int vectors, Acc* out) {
     (void)vectors;
     tile_portable<Acc, kShortRows, 1>(s, r0, o0, out);
@@ -158,6 +159,52 @@ PRIVLEAK_CONV_TILE(tile_avx512, PRIVLEAK_CONV_AVX512, __m512, 16, _mm512_setzero
                    _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
 #undef PRIVLEAK_CONV_TILE
 
+// dst[j dst_stride + i] = src[i src_stride + j] for i < rows and j < cols, in 8 x 8 blocks
+// transposed in registers (canonical: NaNs stored as conv_result stores them). The scalar form,
+// transpose_into below, moved one element per 3 cycles: the output permutation and the two
+// input copies took half the paper CNN's 12-channel layers' time, as much as the fma chains.
+template <bool Canonical>
+PRIVLEAK_CONV_AVX2 void transpose_avx2(const float* src, int64_t rows, int64_t cols, int64_t src_stride, float* dst,
+                                       int64_t dst_stride) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  for (int64_t i0 = 0; i0 < rows; i0 += 8)
+    for (int64_t j0 = 0; j0 < cols; j0 += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, rows - i0)), m = static_cast<int>(std::min<int64_t>(8, cols - j0));
+      const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), lane);
+      const float* from = src + i0 * src_stride + j0;
+      __m256 r[8];
+      PRIVLEAK_UNROLL
+      for (int i = 0; i < 8; ++i)
+        r[i] = i >= n ? _mm256_setzero_ps()
+               : m == 8 ? _mm256_loadu_ps(from + i * src_stride)
+                        : _mm256_maskload_ps(from + i * src_stride, load_mask);
+      __m256 t[8], u[8];
+      PRIVLEAK_UNROLL
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      PRIVLEAK_UNROLL
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      const __m256i store_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+      float* to = dst + j0 * dst_stride + i0;
+      PRIVLEAK_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        if (j >= m) break;
+        __m256 v = _mm256_permute2f128_ps(u[j % 4], u[j % 4 + 4], j < 4 ? 0x20 : 0x31);
+        if (Canonical) v = _mm256_blendv_ps(v, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        if (n == 8) _mm256_storeu_ps(to + j * dst_stride, v);
+        else _mm256_maskstore_ps(to + j * dst_stride, store_mask, v);
+      }
+    }
+}
+
 // The tile of rows r0 .. r0 + MR - 1, by constants from one pointer where they are consecutive.
 template <int MR, int NV>
 void tile_avx2_rows(const Sample<float>& s, int64_t r0, int64_t o0, float* tile) {
@@ -174,6 +221,7 @@ void tile_avx512_rows(const Sample<float>& s, int64_t r0, int64_t o0, float* til
 struct Avx2 {
   using Acc = float;
   static constexpr int lanes = 8, max_vectors = 2;
+  static constexpr bool simd_transpose = true;
   static constexpr int rows(int vectors) { return vectors == 1 ? 8 : 6; }
   static void tile(const Sample<float>& s, int64_t r0, int64_t o0, int vectors, float* out) {
     if (vectors == 1) tile_avx2_rows<8, 1>(s, r0, o0, out);
@@ -188,6 +236,7 @@ struct Avx2 {
 struct Avx512 {
   using Acc = float;
   static constexpr int lanes = 16, max_vectors = 4;
+  static constexpr bool simd_transpose = true;
   static constexpr int rows(int vectors) { return vectors == 1 ? 12 : vectors == 2 ? 8 : 6; }
   static void tile(const Sample<float>& s, int64_t r0, int64_t o0, int vectors, float* out) {
     switch (vectors) {
@@ -210,17 +259,24 @@ struct Avx512 {
 
 // ------------------------------------------------------------------------------------ one sample
 
-// dst[j dst_stride + i] = src[i src_stride + j], widened, for i < rows and j < cols: in 16 x 16
-// blocks, so that the reads are runs and each line written is filled while in L1 (a plain loop
-// wrote one element per line and took a sixth of the kernel's time at C = O = 32).
-template <class In, class Acc>
+// dst[j dst_stride + i] = src[i src_stride + j], widened (canonical: NaNs as conv_result stores
+// them), for i < rows and j < cols: in 16 x 16 blocks, so that the reads are runs and each line
+// written is filled while in L1 (a plain loop wrote one element per line and took a sixth of the
+// kernel's time at C = O = 32). A SIMD path transposes float blocks in registers instead.
+template <class P, bool Canonical = false, class In, class Acc>
 void transpose_into(const In* src, int64_t rows, int64_t cols, int64_t src_stride, Acc* dst, int64_t dst_stride) {
+#if defined(PRIVLEAK_X86_AVX2)
+  if constexpr (P::simd_transpose && std::is_same_v<In, float> && std::is_same_v<Acc, float>)
+    return transpose_avx2<Canonical>(src, rows, cols, src_stride, dst, dst_stride);
+#endif
   for (int64_t i0 = 0; i0 < rows; i0 += 16)
     for (int64_t j0 = 0; j0 < cols; j0 += 16) {
       const int64_t i1 = std::min(rows, i0 + 16), j1 = std::min(cols, j0 + 16);
       for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = j0; j < j1; ++j)
-          dst[j * dst_stride + i] = static_cast<Acc>(Element<In>::load(src[i * src_stride + j]));
+        for (int64_t j = j0; j < j1; ++j) {
+          const Acc v = static_cast<Acc>(Element<In>::load(src[i * src_stride + j]));
+          dst[j * dst_stride + i] = Canonical ? conv_result(v) : v;
+        }
     }
 }
 
@@ -272,9 +328,9 @@ template <class P, class In, class Out>
 void sample_grads(const In* x, const In* g, const ConvGeometry& c, const Layout<P>& l, Workspace<P>& ws, Out* out) {
   using Acc = typename P::Acc;
   for (int64_t i = 0; i < c.height; ++i)  // the image into xp's interior, transposed row by row
-    transpose_into(x + i * c.width, c.channels, c.width, c.height * c.width,
-                   ws.xp.data() + ((i + c.pad_h) * l.wp + c.pad_w) * l.cs, l.cs);
-  transpose_into(g, c.outputs, l.positions, l.positions, ws.gt.data(), l.row);
+    transpose_into<P>(x + i * c.width, c.channels, c.width, c.height * c.width,
+                      ws.xp.data() + ((i + c.pad_h) * l.wp + c.pad_w) * l.cs, l.cs);
+  transpose_into<P>(g, c.outputs, l.positions, l.positions, ws.gt.data(), l.row);
   const Sample<Acc> s{ws.xp.data(), ws.gt.data(), l.offsets.data(), l.corners.data(), l.row, l.positions};
   for (int64_t o0 = 0; o0 < l.out_pad; o0 += int64_t(P::max_vectors) * P::lanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (l.out_pad - o0) / P::lanes));
@@ -287,18 +343,11 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, const Layout<
     }
     for (; r0 < l.rows; r0 += kShortRows) P::short_tile(s, r0, o0, vectors, ws.tile.data());
   }
-  // tile[(k C + ch), o] -> out[o, ch, k], in blocks of 16 outputs: each line of the tile is read
-  // once, and the block's 16 rows of out are written in order.
+  // tile[(k C + ch), o] -> out[o, ch, k]: per channel, a transpose of a kernel x outputs matrix.
   const int64_t kernel = c.kernel_size();
-  for (int64_t o0 = 0; o0 < c.outputs; o0 += 16) {
-    const int64_t o1 = std::min(c.outputs, o0 + 16);
-    for (int64_t ch = 0; ch < c.channels; ++ch)
-      for (int64_t k = 0; k < kernel; ++k) {
-        const Acc* src = ws.tile.data() + (k * c.channels + ch) * l.row;
-        for (int64_t o = o0; o < o1; ++o)
-          out[(o * c.channels + ch) * kernel + k] = static_cast<Out>(conv_result(src[o]));
-      }
-  }
+  for (int64_t ch = 0; ch < c.channels; ++ch)
+    transpose_into<P, true>(ws.tile.data() + ch * l.row, kernel, c.outputs, c.channels * l.row, out + ch * kernel,
+                            c.channels * kernel);
 }
 
 template <class P, class In, class Out>
