@@ -385,6 +385,16 @@ def test_non_finite_samples_follow_the_config(non_finite):
     assert_same_update(got, want)
 
 
+def test_finite_samples_are_those_with_finite_norms_even_when_their_total_overflows():
+    assert bookkeeping.finite_samples(torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64)) is None
+    big = torch.full((3, 2), 1e308, dtype=torch.float64)  # finite, their total is not
+    assert bookkeeping.finite_samples(big) is None
+    big[1, 1], big[2, 0] = float("nan"), float("inf")
+    assert bookkeeping.finite_samples(big).tolist() == [True, False, False]
+    one_column = torch.tensor([[1.0], [float("nan")]], dtype=torch.float64)
+    assert bookkeeping.finite_samples(one_column).tolist() == [True, False]
+
+
 def make(model, config=None, **kwargs):
     kwargs.setdefault("expected_batch_size", 4)
     return dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1),

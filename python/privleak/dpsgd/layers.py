@@ -76,11 +76,6 @@ def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
     return norm.square() if norm_type == 2 else norm
 
 
-def weighted_sum(per_sample: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """sum_i f_i G_i of per-sample gradients (B, *shape), one matrix-vector product."""
-    return (factors.to(per_sample.dtype) @ per_sample.reshape(per_sample.shape[0], -1)).reshape(per_sample.shape[1:])
-
-
 def total(terms) -> torch.Tensor:
     """The sum of an iterable of tensors (one term per forward call), no copy for one term."""
     return functools.reduce(torch.add, terms)
@@ -250,11 +245,31 @@ def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tens
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
 
 
+def bias_rows(grads: list, channels_last: bool) -> torch.Tensor:
+    """(B, p): a bias's per-sample gradients, each sample's output gradients summed over its
+    positions and the calls, from output gradients (B, ..., p) (channels_last) or (B, p, ...).
+    They are as small as one position's output gradient, so every layer forms them and the clip
+    kernel clips and sums them with the other per-sample gradients."""
+    def rows(g: torch.Tensor) -> torch.Tensor:  # half-precision sums would round: float32 at least
+        dtype = torch.promote_types(g.dtype, torch.float32)
+        if channels_last:
+            return g.reshape(g.shape[0], -1, g.shape[-1]).sum(1, dtype=dtype)
+        return g.flatten(2).sum(2, dtype=dtype)
+
+    return total(rows(g) for g in grads)
+
+
 @layer_kind(nn.Linear)
 class LinearLayer(Layer):
     """nn.Linear over inputs of any leading shape (B, ..., d); the middle dims are positions.
-    Per-sample weight gradient G_i = sum_t g_{i,t} a_{i,t}^T, bias gradient sum_t g_{i,t}; the
-    clipped sum of the weight is one GEMM, (f g)^T a over all (i, t)."""
+    Per-sample weight gradient G_i = sum_t g_{i,t} a_{i,t}^T: its norm from a and g, the clipped
+    sum one GEMM, (f g)^T a over all (i, t). The bias's per-sample gradients sum_t g_{i,t} are
+    formed (:func:`bias_rows`)."""
+
+    def finish(self) -> None:
+        super().finish()
+        if self.calls and self.trains(self.module.bias):
+            self.per_sample[id(self.module.bias)] = bias_rows(self.grads, channels_last=True)
 
     def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
         """a (B, T, d) and g (B, T, p), the calls' positions laid end to end."""
@@ -264,32 +279,18 @@ class LinearLayer(Layer):
         return _common(a[0], g[0]) if len(a) == 1 else _common(torch.cat(a, 1), torch.cat(g, 1))
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        if not self.trains(self.module.weight):
+            return {}
         a, g = self._sites()
-        out = {}
-        if self.trains(self.module.weight):
-            out[id(self.module.weight)] = weight_norms(a, g, norm_type)
-        if self.trains(self.module.bias):
-            out[id(self.module.bias)] = row_norms(g.sum(1), norm_type)
-        return out
+        return {id(self.module.weight): weight_norms(a, g, norm_type)}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         a, g = self._sites()
         a, g = _zero_dropped(a, keep), _zero_dropped(g, keep)
-        weight, bias = self.module.weight, self.module.bias
-        out, scaled = {}, None
-        if self.trains(weight):  # the factors scale the narrower of a and g
-            f = factors[id(weight)]
-            if a.shape[-1] < g.shape[-1]:
-                out[id(weight)] = g.reshape(-1, g.shape[-1]).T @ _scaled(a, f).reshape(-1, a.shape[-1])
-            else:
-                scaled = _scaled(g, f)
-                out[id(weight)] = scaled.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
-        if self.trains(bias):
-            if scaled is not None and factors[id(bias)] is factors[id(weight)]:  # flat clipping: one factor
-                out[id(bias)] = scaled.sum((0, 1))
-            else:
-                out[id(bias)] = weighted_sum(g.sum(1), factors[id(bias)])
-        return out
+        f = factors[id(self.module.weight)]
+        if a.shape[-1] < g.shape[-1]:  # the factors scale the narrower of a and g
+            return {id(self.module.weight): g.reshape(-1, g.shape[-1]).T @ _scaled(a, f).reshape(-1, a.shape[-1])}
+        return {id(self.module.weight): _scaled(g, f).reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])}
 
 
 def _conv_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -367,6 +368,8 @@ class ConvLayer(Layer):
             for call, (x, g) in enumerate(zip(self.calls, self.grads)):
                 self.replace(call, self._rows(x, g))
             self.calls, self.grads = [], []
+        elif self.calls and self.trains(self.module.bias):  # NEVER: the weight's norms and sums come later
+            self.per_sample[id(self.module.bias)] = bias_rows(self.grads, channels_last=False)
 
     def _rows(self, x: torch.Tensor, g: torch.Tensor) -> dict:
         """The per-sample gradients of one call, input x and output gradient g, per parameter id."""
@@ -374,7 +377,7 @@ class ConvLayer(Layer):
         if self.trains(m.weight):
             rows[id(m.weight)] = self._per_sample_weight_grads(x, g)
         if self.trains(m.bias):
-            rows[id(m.bias)] = g.flatten(2).sum(2)
+            rows[id(m.bias)] = bias_rows([g], channels_last=False)
         return rows
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
@@ -409,20 +412,16 @@ class ConvLayer(Layer):
                                                    False, [0] * (x.ndim - 2), m.groups, [False, True, False])[1]
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
-        if self.reduced:
-            return super().norms_by_parameter(batch, norm_type)
-        m, out = self.module, {}
-        if self.trains(m.weight):
-            ghost = self._ghost(norm_type)
-            # Patches (G L d per sample, and g made contiguous) or per-sample gradients.
-            transient = (self._positions() * (m.weight[0].numel() * m.groups + m.out_channels) if ghost
-                         else m.weight.numel())
-            step = samples_per_chunk(self._held_per_sample(), transient)
-            norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
-            out[id(m.weight)] = torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])
-        if self.trains(m.bias):
-            out[id(m.bias)] = row_norms(total(y.flatten(2).sum(2) for y in self.grads), norm_type)
-        return out
+        m = self.module
+        if self.reduced or not self.trains(m.weight):  # all formed: rows()
+            return {}
+        ghost = self._ghost(norm_type)
+        # Patches (G L d per sample, and g made contiguous) or per-sample gradients.
+        transient = (self._positions() * (m.weight[0].numel() * m.groups + m.out_channels) if ghost
+                     else m.weight.numel())
+        step = samples_per_chunk(self._held_per_sample(), transient)
+        norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
+        return {id(m.weight): torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])}
 
     def _ghost_norms(self, samples: slice) -> torch.Tensor:
         """Ghost norms of the weight for a slice of the batch."""
@@ -439,17 +438,10 @@ class ConvLayer(Layer):
                                for x, y in zip(self.calls, self.grads)), norm_type)
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        if self.reduced:
-            return super().sums_by_parameter(factors, keep)
-        m, out = self.module, {}
-        if self.trains(m.weight):
-            f = factors[id(m.weight)]
-            out[id(m.weight)] = total(self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
-                                      for x, y in zip(self.calls, self.grads))
-        if self.trains(m.bias):
-            per_sample = total(_zero_dropped(y, keep).flatten(2).sum(2) for y in self.grads)
-            out[id(m.bias)] = weighted_sum(per_sample, factors[id(m.bias)])
-        return out
+        f = factors[id(self.module.weight)]  # the weight, never formed: the convolution's weight gradient
+        sums = (self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
+                for x, y in zip(self.calls, self.grads))
+        return {id(self.module.weight): total(sums)}
 
 
 @layer_kind(nn.Embedding)
