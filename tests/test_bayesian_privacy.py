@@ -11,6 +11,7 @@ binomial test at level 1e-3, not by a hand-picked count.
 import math
 
 import discrete_channels as ref
+import mpmath
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -351,11 +352,25 @@ def test_corrected_chernoff_for_the_belief_counts_releases(n_releases, confidenc
 MEASURES = arrays(np.float64, 3, elements=st.one_of(st.just(0.0), st.floats(1e-4, 2.0)))
 
 
+def root_js(a, b):
+    """sqrt(JS(a || b)) of two float vectors, an mpf at 100 digits: in float64 the JS of vectors a
+    few ulps apart rounds to +-1e-16, whose square root (1e-8) swamps the bounds tested here."""
+    with mpmath.workdps(100):
+        def term(x, middle):
+            return 0 if x == 0 else x * mpmath.log(x / middle)
+        total = 0
+        for x, y in zip(a, b):
+            x, y = mpmath.mpf(float(x)), mpmath.mpf(float(y))
+            middle = (x + y) / 2
+            total += (term(x, middle) + term(y, middle)) / 2
+        return mpmath.sqrt(total)
+
+
 @settings(deadline=None, max_examples=200)
 @given(MEASURES, MEASURES, MEASURES)
 def test_sqrt_js_is_a_metric_on_non_negative_measures(a, b, c):
     """The triangle inequality that the corrected Thm D.1 rests on, for unnormalised vectors."""
-    assert math.sqrt(js(a, c)) <= math.sqrt(js(a, b)) + math.sqrt(js(b, c)) + 1e-12
+    assert root_js(a, c) <= root_js(a, b) + root_js(b, c) + 1e-15
 
 
 @settings(deadline=None, max_examples=300)
@@ -368,8 +383,23 @@ def test_corrected_c1_bound_holds(case):
     k1 = mass * k1 / k1.sum()
     k2 = k2 / k2.sum()
     estimate = k1 * np.maximum(1 + epsilon * directions, 0.0)
-    error = abs(math.sqrt(js(estimate, k2)) - math.sqrt(js(k1, k2)))
-    assert error <= bp.c1_error_bound(epsilon, mass) + 1e-12
+    epsilon = max(epsilon, float(np.max(np.abs(estimate - k1) / k1)))  # as rounded: 1 + 1e-17 is 1 + 2^-52
+    error = abs(root_js(estimate, k2) - root_js(k1, k2))  # rounded once, after the subtraction
+    assert float(error) <= bp.c1_error_bound(epsilon, mass) * (1 + 1e-9)
+
+
+def test_c1_bound_is_exact_for_tiny_and_large_errors():
+    """c1_error_bound against sqrt(K max(js(1 + eps, 1), js(1 - eps, 1))) at high precision, from
+    eps = 1e-300 (the float64 formula cancels to nothing below 1e-8) to 1e3."""
+    def root_js_against_one(x):  # sqrt(js(1 + x, 1)), x an mpf at the working precision
+        a = 1 + x
+        return mpmath.sqrt(((a * mpmath.log(2 * a / (a + 1)) if a else 0) + mpmath.log(2 / (a + 1))) / 2)
+
+    for epsilon in [0.0, *np.logspace(-300, 3, 120), 1e-3, 1.0]:
+        with mpmath.workdps(700):  # 1 + 1e-300 resolved, and its JS (1e-600) after the cancellation
+            e = mpmath.mpf(float(epsilon))
+            exact = float(0.5 * max(root_js_against_one(e), root_js_against_one(-min(e, 1))))
+        assert bp.c1_error_bound(epsilon, 0.25) == pytest.approx(exact, rel=1e-12, abs=0)
 
 
 @pytest.mark.parametrize("epsilon", [0.01, 0.1, 0.5, 0.9, 1.0, 2.0, 5.0])
