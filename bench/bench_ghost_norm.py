@@ -17,7 +17,12 @@ both sides are measured in the same unit; privleak computes about half of them. 
 rate over this machine's float32 matmul (torch, 2048 x 2048, timed in the same turns); privleak
 can pass 100%. "T x T MiB" is what Opacus's two Gram matrices hold. The Embedding rows (`--vocab`)
 compare ``embedding_ghost_norm_squared`` with Opacus's ``compute_embedding_norm_sample`` (unique +
-index_add) on random ids. ``--threads`` sets privleak's and torch's CPU threads alike (on a
+index_add) on random ids. The convolution rows (`--convs`; B,C,H,O,k,stride: C -> O channels, k x k
+kernel, padding k // 2, H x H input) compare ``conv_ghost_norm_squared`` (the pixel Gram) with
+privleak's patches fed to ``ghost_norm_squared`` (book-keeping's path where the pixel Gram does not
+pay) and with what Opacus's ghost clipping does for a convolution (it has no norm sampler for
+them): ``compute_conv_grad_sample``'s per-sample gradients, then their squared norms.
+``--threads`` sets privleak's and torch's CPU threads alike (on a
 machine shared with other work, 1 gives the steadiest ratios). On a GPU the same runs on CUDA
 tensors (Opacus's einsum in float32: torch's default leaves TF32 off for matmul).
 """
@@ -33,14 +38,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import privleak  # noqa: E402
 import torch  # noqa: E402
 from _measure import cpu_name, seconds_interleaved, table  # noqa: E402
+from opacus.grad_sample.conv import compute_conv_grad_sample  # noqa: E402
 from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample  # noqa: E402
 from opacus.grad_sample.linear import compute_linear_norm_sample  # noqa: E402
-from privleak.dpsgd.ghost_norm import embedding_ghost_norm_squared, ghost_norm_squared  # noqa: E402
+from privleak.dpsgd.ghost_norm import (  # noqa: E402
+    conv_ghost_norm_squared,
+    embedding_ghost_norm_squared,
+    ghost_norm_squared,
+)
 
 # (B, T, d, p): short to long sequences at the widths of small to base-size transformers.
 SHAPES = [(64, 16, 256, 256), (64, 64, 256, 256), (32, 64, 512, 512), (32, 128, 512, 512), (16, 128, 768, 768),
           (16, 256, 768, 768), (8, 256, 1024, 1024), (8, 512, 1024, 1024), (16, 128, 64, 64), (8, 512, 64, 256)]
 QUICK = [(16, 64, 256, 256), (8, 128, 512, 512)]
+# (B, C, H, O, k, stride): the CIFAR CNN's two ghost-norm layers (bench_training_step.py) at B 128,
+# ResNet-style stages at 8 x 8 and 4 x 4, a strided 3 x 3 and a 1 x 1 of stride 2 (where the pixel
+# Gram does 16 times the patches' multiply-adds and book-keeping takes the patches).
+CONVS = [(128, 64, 8, 128, 3, 1), (128, 128, 8, 128, 3, 1), (64, 256, 8, 256, 3, 1), (64, 512, 4, 512, 3, 1),
+         (64, 128, 8, 256, 3, 2), (64, 128, 16, 256, 1, 2)]
+QUICK_CONVS = [(16, 32, 8, 64, 3, 1)]
 SGEMM_SIDE = 2048
 
 
@@ -51,11 +67,52 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return parts
 
 
+def parse_conv(text: str) -> tuple[int, ...]:
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 6 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"a convolution is B,C,H,O,k,stride with positive integers, got {text!r}")
+    return parts
+
+
+def conv_rows(convs, device: str, sync) -> list[dict]:
+    rows = []
+    for batch, channels, size, outputs, kernel, stride in convs:
+        gen = torch.Generator(device=device).manual_seed(0)
+        conv = torch.nn.Conv2d(channels, outputs, kernel, stride, kernel // 2, device=device)
+        x = torch.randn(batch, channels, size, size, device=device, generator=gen)
+        g = torch.randn(conv(x).shape, device=device, generator=gen)
+        positions = g.shape[2] * g.shape[3]
+        g_rows = g.flatten(2).transpose(1, 2)
+
+        def patches():
+            a = torch.nn.functional.unfold(x, kernel, padding=kernel // 2, stride=stride).transpose(1, 2)
+            return ghost_norm_squared(a, g_rows)
+
+        def opacus():
+            return compute_conv_grad_sample(conv, [x], g)[conv.weight].flatten(1).square().sum(1)
+
+        times = seconds_interleaved({
+            "pixel": lambda: conv_ghost_norm_squared(x, g, kernel, stride, kernel // 2),
+            "patches": patches,
+            "opacus": opacus,
+        }, sync=sync)
+        rows.append({
+            "B": batch, "C": channels, "H": size, "O": outputs, "k": kernel, "stride": stride,
+            "N^2 / T^2 k": f"{size**4 / (positions**2 * kernel**2):.2f}",
+            "pixel ms": f"{times['pixel'] * 1e3:.2f}", "patches ms": f"{times['patches'] * 1e3:.2f}",
+            "opacus ms": f"{times['opacus'] * 1e3:.2f}",
+            "patches / pixel": f"{times['patches'] / times['pixel']:.2f}x",
+            "opacus / pixel": f"{times['opacus'] / times['pixel']:.2f}x",
+        })
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None, help="B,T,d,p ...")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--vocab", type=int, default=1000, help="ids for the Embedding rows are drawn from this many")
+    parser.add_argument("--convs", type=parse_conv, nargs="+", default=None, help="B,C,H,O,k,stride ...")
     parser.add_argument("--quick", action="store_true", help="two small shapes: a smoke run")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of privleak and torch alike")
     args = parser.parse_args()
@@ -109,6 +166,9 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     print(f"\nEmbedding (ids from {args.vocab}): sum_v |sum_(t: id_t = v) g_t|^2")
     print(table(embedding_rows, list(embedding_rows[0])))
+    conv = conv_rows(args.convs or (QUICK_CONVS if args.quick else CONVS), device, sync)
+    print("\nConv2d, the weight's squared per-sample norms (N input pixels, T output positions)")
+    print(table(conv, list(conv[0])))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ import pytest
 import torch
 from conftest import requires_cuda
 from privleak import _backend
+from privleak.dpsgd.conv_grads import conv_weight_grads_reference
 from privleak.dpsgd.ghost_norm import (
+    MAX_PIXELS,
+    conv_ghost_norm_squared,
+    conv_ghost_norm_squared_reference,
     embedding_ghost_norm_squared,
     embedding_ghost_norm_squared_reference,
     ghost_norm_squared,
@@ -284,6 +288,161 @@ def test_bad_input_names_the_argument():
         torch.ops.privleak.embedding_ghost_norm(ids.int(), g)
 
 
+# -------------------------------------------------------------------------------- Convolutions
+
+# (input shape, outputs, kernel_size, stride, padding, dilation, groups): Conv2d and Conv1d; tile
+# edges (pixels and positions past 8, 16 and 64), a channel count past a chunk, strides, dilations,
+# asymmetric kernels and padding past the kernel's reach, groups, one pixel.
+CONVS = [((2, 3, 8, 8), 4, 3, 1, 1, 1, 1), ((3, 4, 9, 7), 6, 3, 2, 1, 1, 2),
+         ((2, 6, 10, 11), 4, (3, 2), (2, 1), (1, 0), (2, 3), 2), ((2, 5, 20), 3, 3, 1, 1, 1, 1),
+         ((1, 130, 5, 5), 7, 3, 1, 2, 2, 1), ((2, 1, 1, 1), 1, 1, 1, 0, 1, 1), ((2, 8, 17, 17), 16, 3, 1, 1, 1, 1),
+         ((1, 2, 4, 4), 3, 2, 1, 3, 1, 1), ((2, 4, 3, 70), 129, (1, 5), 1, (0, 2), 1, 1),
+         ((1, 9, 33), 2, 4, 3, 0, 2, 1), ((2, 16, 6, 6), 32, 3, 1, 1, 1, 16)]
+
+
+def draw_conv(case, dtype=torch.float32, seed=0):
+    """Inputs and output gradients of the convolution ``case``, of varied scale per sample."""
+    shape, outputs, kernel, stride, padding, dilation, groups = case
+    conv = (torch.nn.Conv1d if len(shape) == 3 else torch.nn.Conv2d)(shape[1], outputs, kernel, stride, padding,
+                                                                      dilation, groups)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    g = torch.randn(conv(x.float()).shape, generator=gen, dtype=torch.float64)
+    scale = torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen, dtype=torch.float64) * 3
+    return (x * scale).to(dtype), g.to(dtype), dict(kernel_size=kernel, stride=stride, padding=padding,
+                                                     dilation=dilation, groups=groups)
+
+
+def conv_error_bound(x, g, args):
+    """:func:`error_bound` for the patches a_t of each group: d is the group's channels, not its
+    patch length (conv_ghost_norm_squared's docstring)."""
+    x2, g2 = (x.unsqueeze(2), g.unsqueeze(2)) if x.ndim == 3 else (x, g)
+
+    def pair(v, low=1):  # a Conv1d as a Conv2d of height 1
+        return ([low, v] if isinstance(v, int) else [low, *v]) if x.ndim == 3 else ([v, v] if isinstance(v, int) else v)
+
+    groups = args["groups"]
+    channels, outputs = x.shape[1] // groups, g.shape[1] // groups
+    scale = x.new_zeros(x.shape[0], dtype=torch.float64)
+    for group in range(groups):
+        patches = torch.nn.functional.unfold(x2[:, group * channels:(group + 1) * channels].double(),
+                                             pair(args["kernel_size"]), dilation=pair(args["dilation"]),
+                                             padding=pair(args["padding"], 0), stride=pair(args["stride"]))
+        g_group = g2[:, group * outputs:(group + 1) * outputs].double().flatten(2)
+        scale += (patches.norm(dim=1) * g_group.norm(dim=1)).sum(1) ** 2
+    unit = 2.0**-53 if x.dtype == torch.float64 else 2.0**-24
+    return ((min(channels, CHUNK) + min(outputs, CHUNK) + 2) * unit + 2.0**-45) * scale
+
+
+def assert_conv_within_bound(x, g, args):
+    got = conv_ghost_norm_squared(x, g, **args)
+    assert got.dtype == torch.float64 and got.shape == (x.shape[0],)
+    want = conv_ghost_norm_squared_reference(x, g, **args)
+    bound = conv_error_bound(x, g, args)
+    assert torch.all((got - want).abs() <= bound), ((got - want).abs() / bound).max()
+    assert torch.all(got >= 0)
+    return got
+
+
+@pytest.mark.parametrize("case", CONVS)
+def test_conv_equals_the_patch_formula_and_the_per_sample_gradient(case):
+    x, g, args = draw_conv(case, seed=41)
+    got = assert_conv_within_bound(x, g, args)
+    # The per-sample gradients from torch's convolution backward, one sample at a time.
+    grads = conv_weight_grads_reference(x, g, **args)
+    torch.testing.assert_close(got, grads.square().flatten(1).sum(1), rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", HALF + (torch.float64,))
+@pytest.mark.parametrize("case", [CONVS[1], CONVS[4], CONVS[8]])
+def test_conv_half_and_double_inputs(dtype, case):
+    assert_conv_within_bound(*draw_conv(case, dtype, seed=42))
+
+
+def test_conv_bound_holds_where_the_exact_norm_is_zero():
+    # Every pixel the same and the output gradients alternating in sign over an even number of
+    # positions whose patches lie inside the input: the per-sample gradient is exactly 0.
+    x = torch.randn(1, 20, 1, 1).expand(3, 20, 6, 6).contiguous()
+    g = torch.randn(3, 5, 1, 1) * torch.tensor([1.0, -1.0]).repeat(8).reshape(1, 1, 4, 4)
+    got = assert_conv_within_bound(x, g, dict(kernel_size=3, stride=1, padding=0, dilation=1, groups=1))
+    assert torch.all(got < 1e-6 * (x.norm() * g.norm()) ** 2)
+
+
+def test_conv_empty_batch_and_layouts():
+    x, g, args = draw_conv(CONVS[2], seed=43)
+    assert conv_ghost_norm_squared(x[:0], g[:0], **args).shape == (0,)
+    # Non-contiguous views and two dtypes: the bits of contiguous copies in the wider dtype.
+    want = conv_ghost_norm_squared(x, g, **args)
+    x_view = x.transpose(2, 3).contiguous().transpose(2, 3)
+    assert not x_view.is_contiguous()
+    assert torch.equal(conv_ghost_norm_squared(x_view, g, **args), want)
+    x16 = x.to(torch.bfloat16)
+    assert torch.equal(conv_ghost_norm_squared(x16, g, **args), conv_ghost_norm_squared(x16.float(), g, **args))
+
+
+def test_conv_threads_do_not_change_the_bits(threads):
+    x, g, args = draw_conv(((9, 12, 10, 10), 20, 3, 1, 1, 1, 1), seed=44)
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        results.append(conv_ghost_norm_squared(x, g, **args))
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def core_conv_ghost_norm(x, g, args, capability=None):
+    """The core kernel on a 2-d convolution without groups."""
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    pair = [[v, v] if isinstance(v, int) else list(v)
+            for v in (args["kernel_size"], args["stride"], args["padding"], args["dilation"])]
+    geometry = [*x.shape, *g.shape[1:], *[v for values in pair for v in values]]
+    _backend.core.conv_ghost_norm(str(x.dtype).removeprefix("torch."), x.data_ptr(), g.data_ptr(), geometry,
+                                  out.data_ptr(), capability)
+    return out
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [CONVS[0], CONVS[4], CONVS[6], CONVS[8], ((2, 140, 9, 9), 20, 3, 2, 1, 1, 1)])
+def test_conv_simd_paths_give_the_portable_bits(case, dtype, path):
+    if CPU_PATHS.index(path) > CPU_PATHS.index(CPU_BEST):
+        pytest.skip(f"this CPU has no {path} (its best path is {CPU_BEST})")
+    x, g, args = draw_conv(case, dtype, seed=45)
+    assert x.ndim == 4 and args["groups"] == 1  # what the core kernel takes
+    assert (core_conv_ghost_norm(x, g, args, path).numpy().tobytes()
+            == core_conv_ghost_norm(x, g, args, "default").numpy().tobytes())
+
+
+def test_conv_non_finite_inputs():
+    x, g, args = draw_conv(CONVS[0], seed=46)
+    x, g = x.repeat(2, 1, 1, 1), g.repeat(2, 1, 1, 1)  # 4 samples
+    x[1, 2, 3, 4] = math.nan
+    g[2, 1, 0, 0] = math.inf
+    x[3] = 1e20  # finite, but its float32 Gram entries overflow
+    got = conv_ghost_norm_squared(x, g, **args)
+    assert math.isnan(got[1]) and got[2] == math.inf and got[3] == math.inf and math.isfinite(got[0])
+
+
+def test_conv_bad_input_names_the_argument():
+    x, g, args = draw_conv(CONVS[0], seed=47)
+    with pytest.raises(TypeError, match="inputs must be a torch tensor"):
+        conv_ghost_norm_squared(x.tolist(), g, **args)
+    with pytest.raises(TypeError, match="output_grads must have dtype"):
+        conv_ghost_norm_squared(x, g.long(), **args)
+    with pytest.raises(ValueError, match="output_grads has spatial size"):
+        conv_ghost_norm_squared(x, g[:, :, :3], **args)
+    with pytest.raises(ValueError, match="kernel_size must be"):
+        conv_ghost_norm_squared(x, g, **{**args, "kernel_size": (3, 3, 3)})
+    with pytest.raises(ValueError, match="groups=3 must divide"):
+        conv_ghost_norm_squared(x, g, **{**args, "groups": 3})
+    big = torch.zeros(1, 1, 1, MAX_PIXELS + 1)
+    with pytest.raises(ValueError, match="pixels a channel"):
+        conv_ghost_norm_squared(big, torch.zeros(1, 1, 1, MAX_PIXELS + 1), 1)
+    with pytest.raises(ValueError, match="privleak::conv_ghost_norm takes"):
+        torch.ops.privleak.conv_ghost_norm(x, g.double(), [3, 3], [1, 1], [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="conv_ghost_norm: the output gradient's size"):
+        core_conv_ghost_norm(x, g[:, :, :3].contiguous(), args)
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 
 
@@ -303,6 +462,16 @@ def test_cuda_gives_the_cpu_bits(shape, dtype):
     cpu = embedding_ghost_norm_squared(ids, g)
     gpu = embedding_ghost_norm_squared(ids.cuda(), g.cuda())
     assert cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
+@pytest.mark.parametrize("case", CONVS + [((3, 7, 20, 20), 9, 3, 1, 1, 1, 1), ((2, 3, 130), 5, 5, 1, 2, 1, 1)])
+def test_cuda_conv_gives_the_cpu_bits(case, dtype):
+    x, g, args = draw_conv(case, dtype, seed=48)
+    cpu = conv_ghost_norm_squared(x, g, **args)
+    gpu = conv_ghost_norm_squared(x.cuda(), g.cuda(), **args)
+    assert gpu.device.type == "cuda" and cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
 
 
 @requires_cuda

@@ -152,6 +152,19 @@ PYBIND11_MODULE(_core, m) {
       py::arg("d"), py::arg("p"), py::arg("out"), py::arg("capability") = py::none());
 
   m.def(
+      "conv_ghost_norm",
+      [](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads, const std::array<int64_t, 15>& geometry,
+         std::uintptr_t out, const std::optional<std::string>& capability) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
+        const privleak::cpu::CpuCapability path = cpu_path(capability);
+        py::gil_scoped_release release;
+        privleak::cpu::conv_ghost_norm(t, as_pointer(x), as_pointer(output_grads), g, as_pointer<double>(out), path);
+      },
+      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"),
+      py::arg("capability") = py::none());
+
+  m.def(
       "embedding_ghost_norm",
       [](const std::string& dtype, std::uintptr_t ids, std::uintptr_t output_grads, int64_t batch, int64_t length,
          int64_t p, std::uintptr_t out) {

@@ -165,6 +165,22 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("dtype"), py::arg("activations"), py::arg("output_grads"), py::arg("batch"), py::arg("length"),
       py::arg("d"), py::arg("p"), py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
+  m.def("conv_ghost_norm_workspace_bytes", &privleak::cuda::conv_ghost_norm_workspace_bytes, py::arg("batch"),
+        py::arg("pixels"), py::arg("length"));
+
+  m.def(
+      "conv_ghost_norm",
+      [](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads, const std::array<int64_t, 15>& geometry,
+         std::uintptr_t out, std::uintptr_t workspace, int device, std::uintptr_t stream) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
+        py::gil_scoped_release release;
+        privleak::cuda::conv_ghost_norm(t, as_pointer(x), as_pointer(output_grads), g, as_pointer<double>(out),
+                                        as_pointer(workspace), device, as_pointer(stream));
+      },
+      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"),
+      py::arg("workspace"), py::arg("device"), py::arg("stream"));
+
   m.def("embedding_ghost_norm_workspace_bytes", &privleak::cuda::embedding_ghost_norm_workspace_bytes,
         py::arg("batch"), py::arg("length"));
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "common/fp_math.h"
 #include "common/hostdevice.h"
@@ -51,25 +52,25 @@ constexpr int64_t kConvMaxScratch = int64_t(1) << 34;
 // Throws std::invalid_argument unless the sizes describe a convolution: positive kernel, stride
 // and dilation, non-negative padding, g's spatial size the one x gives, and scratch within
 // kConvMaxScratch.
-inline void check_conv_geometry(const ConvGeometry& c) {
+inline void check_conv_geometry(const ConvGeometry& c, const std::string& op = "conv_weight_grads") {
   if (c.batch < 0 || c.channels < 1 || c.height < 1 || c.width < 1 || c.outputs < 1)
-    throw std::invalid_argument("conv_weight_grads: batch must be >= 0 and channels, sizes and outputs >= 1");
+    throw std::invalid_argument(op + ": batch must be >= 0 and channels, sizes and outputs >= 1");
   if (c.kernel_h < 1 || c.kernel_w < 1 || c.stride_h < 1 || c.stride_w < 1 || c.dilation_h < 1 ||
       c.dilation_w < 1 || c.pad_h < 0 || c.pad_w < 0)
-    throw std::invalid_argument("conv_weight_grads: kernel, stride and dilation must be >= 1 and padding >= 0");
+    throw std::invalid_argument(op + ": kernel, stride and dilation must be >= 1 and padding >= 0");
   constexpr int64_t limit = int64_t(1) << 31;
   for (int64_t v : {c.channels, c.height, c.width, c.outputs, c.out_height, c.out_width, c.kernel_h, c.kernel_w,
                     c.stride_h, c.stride_w, c.pad_h, c.pad_w, c.dilation_h, c.dilation_w})
-    if (v >= limit) throw std::invalid_argument("conv_weight_grads: every size, stride, padding and dilation must be "
+    if (v >= limit) throw std::invalid_argument(op + ": every size, stride, padding and dilation must be "
                                                 "below 2^31");
   const double padded = double(c.padded_height()) * double(c.padded_width()) * double(c.channels + 32);
   const double grad = double(c.kernel_size() * c.channels + 16) * double(c.outputs + 32);
   if (padded > double(kConvMaxScratch) || grad > double(kConvMaxScratch))
-    throw std::invalid_argument("conv_weight_grads: a sample's padded input or gradient exceeds 2^34 elements");
+    throw std::invalid_argument(op + ": a sample's padded input or gradient exceeds 2^34 elements");
   const int64_t oh = conv_out_size(c.height, c.kernel_h, c.stride_h, c.pad_h, c.dilation_h);
   const int64_t ow = conv_out_size(c.width, c.kernel_w, c.stride_w, c.pad_w, c.dilation_w);
   if (oh < 1 || ow < 1 || oh != c.out_height || ow != c.out_width)
-    throw std::invalid_argument("conv_weight_grads: the output gradient's size is not the convolution's");
+    throw std::invalid_argument(op + ": the output gradient's size is not the convolution's");
 }
 
 // A result as stored: the canonical quiet NaN for any NaN (common/conv_grads.h's top).

@@ -21,12 +21,22 @@
 //   into kEmbeddingLanes lanes (coordinate j into lane j mod kEmbeddingLanes, fma in order of j),
 //   and the lanes are added in lane order. The other positions' rows are 0. The sample total is
 //   the same ordered sum of rows.
+// - Convolution form (a Conv1d/Conv2d's weight, groups folded into the samples, a Conv1d of
+//   height 1): a_t is output position t's patch, so a_t . a_s = sum_k x_{u_k(t)} . x_{u_k(s)} over
+//   the kernel offsets k, where u_k(t) = conv_pixel(t, k) is the input pixel under offset k (none in
+//   the padding, whose terms are 0). The pixel Gram entries P_uv = x_u . x_v (C channels) are Gram
+//   entries by the first rule; the patch Gram entry is sum_k P_{u_k(t) u_k(s)}, added to a double
+//   from +0 in order of k, offsets in the padding skipped; the g side and everything after are the
+//   dense form's. For s <= t, u_k(s) <= u_k(t) (pixels and positions are both row-major and the
+//   offsets shift both alike), so the lower triangle of P is all that is read. This does
+//   N^2 C / 2 multiply-adds for a sample's N pixels where the patches' Gram does T^2 k C / 2.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
 
+#include "common/conv_grads.h"
 #include "common/element.h"
 #include "common/fp_math.h"
 #include "common/hostdevice.h"
@@ -89,6 +99,36 @@ PRIVLEAK_HOST_DEVICE double embedding_lanes_total(const double* lanes) {
   double q = 0.0;
   for (int l = 0; l < kEmbeddingLanes; ++l) q += lanes[l];
   return q;
+}
+
+// The input pixel (row-major in the sample's height x width) under kernel offset k (row-major in
+// the kernel) of output position t (row-major), or -1 where that offset falls in the padding.
+PRIVLEAK_HOST_DEVICE int64_t conv_pixel(const ConvGeometry& c, int64_t t, int64_t k) {
+  const int64_t y = t / c.out_width * c.stride_h - c.pad_h + k / c.kernel_w * c.dilation_h;
+  const int64_t x = t % c.out_width * c.stride_w - c.pad_w + k % c.kernel_w * c.dilation_w;
+  return y >= 0 && y < c.height && x >= 0 && x < c.width ? y * c.width + x : -1;
+}
+
+// a_t . a_s for s <= t from a sample's pixel Gram (its lower triangle, gram[u N + v], v <= u < N),
+// in the order common/ghost_norm.h gives.
+PRIVLEAK_HOST_DEVICE double conv_patch_gram(const ConvGeometry& c, const double* gram, int64_t t, int64_t s) {
+  const int64_t pixels = c.height * c.width;
+  double sum = 0.0;
+  for (int64_t k = 0; k < c.kernel_size(); ++k) {
+    const int64_t u = conv_pixel(c, t, k), v = conv_pixel(c, s, k);
+    if (u >= 0 && v >= 0) sum += gram[u * pixels + v];
+  }
+  return sum;
+}
+
+// Pixels a sample of the convolution form may have: its pixel Gram (N^2 doubles) is stored whole.
+constexpr int64_t kConvGhostMaxPixels = int64_t(1) << 14;
+
+inline void check_conv_ghost_geometry(const ConvGeometry& c) {
+  check_conv_geometry(c, "conv_ghost_norm");
+  if (c.height * c.width > kConvGhostMaxPixels)
+    throw std::invalid_argument("conv_ghost_norm: an input of more than 2^14 pixels (its pixel Gram would take over "
+                                "2 GiB); use ghost_norm on its patches");
 }
 
 // Calls f(In{}) with In the element type of the activations and output gradients.

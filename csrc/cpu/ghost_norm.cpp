@@ -342,21 +342,12 @@ PRIVLEAK_SIMD_CLONES void add_below(const double* aa, const double* gg, int64_t 
   }
 }
 
-// Rows of block q of one sample (packed a and g panels) into rows_out[t]; `scratch` holds its
-// Gram tiles (2L x T doubles of each).
-template <class P>
-void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t length, int64_t d, int64_t p,
-                 int64_t q, std::vector<double>& scratch, double* rows_out) {
-  constexpr int L = P::L;
-  const int64_t panels = ceil_div(length, L), row0 = 2 * q * L;
-  const int np = static_cast<int>(std::min<int64_t>(2, panels - 2 * q));
+// Rows t = row0 + i of block q (rows of two panels from row0 = 2 q L) into rows_out[t], from the
+// block's Gram stripes of a and g (entry (t, s) at [s 2L + i], s < (2q + np) L; common/ghost_norm.h).
+template <int L>
+void block_rows(const double* aa, const double* gg, int64_t length, int64_t q, int np, double* rows_out) {
+  const int64_t row0 = 2 * q * L, cols = 2 * q + np, tile = L * 2 * L;
   const int rows = static_cast<int>(std::min<int64_t>(np * L, length - row0));
-  const int64_t cols = 2 * q + np, tile = L * 2 * L;
-  scratch.resize(static_cast<size_t>(2 * cols * tile));
-  double* aa = scratch.data();
-  double* gg = aa + cols * tile;
-  gram_stripe<P>(pa, d, q, cols, np, aa);
-  gram_stripe<P>(pg, p, q, cols, np, gg);
   double below[2 * L] = {};
   for (int64_t col = 0; col < cols; ++col) {
     const int64_t col0 = col * L;
@@ -367,6 +358,28 @@ void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t l
     const int64_t diagonal = (row0 + i) * 2 * L + i;  // row t = row0 + i against column t of the stripe
     rows_out[row0 + i] = ghost_row_total(below[i], aa[diagonal], gg[diagonal]);
   }
+}
+
+// Panels in block q of a sample of `length` rows: two, or one at the end.
+template <int L>
+int block_panels(int64_t length, int64_t q) {
+  return static_cast<int>(std::min<int64_t>(2, ceil_div(length, L) - 2 * q));
+}
+
+// Rows of block q of one sample (packed a and g panels) into rows_out[t]; `scratch` holds its
+// Gram tiles (2L x T doubles of each).
+template <class P>
+void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t length, int64_t d, int64_t p,
+                 int64_t q, std::vector<double>& scratch, double* rows_out) {
+  constexpr int L = P::L;
+  const int np = block_panels<L>(length, q);
+  const int64_t cols = 2 * q + np, tile = L * 2 * L;
+  scratch.resize(static_cast<size_t>(2 * cols * tile));
+  double* aa = scratch.data();
+  double* gg = aa + cols * tile;
+  gram_stripe<P>(pa, d, q, cols, np, aa);
+  gram_stripe<P>(pg, p, q, cols, np, gg);
+  block_rows<L>(aa, gg, length, q, np, rows_out);
 }
 
 // Where each sample's packed panels go: a's panels, then g's, panel_stride apart.
@@ -445,6 +458,127 @@ void ghost_norm_path(const In* a, const In* g, int64_t batch, int64_t length, in
   for (int64_t b = 0; b < batch; ++b) out[b] = ghost_sample_total(rows.data() + b * length, length);
 }
 
+// ---------------------------------------------------------------------------------- Convolution
+
+// Rows [panel L, panel L + L) of a channels-first sample (coordinate k of row r at x[k rows + r])
+// into out[k L + r], rows past the end zero: the panels pack_portable makes, without transposing.
+template <int L, class In, class Acc>
+void pack_channels_first(const In* x, int64_t rows, int64_t n, int64_t panel, Acc* out) {
+  const int64_t row0 = panel * L;
+  const int count = static_cast<int>(std::min<int64_t>(L, rows - row0));
+  for (int64_t k = 0; k < n; ++k) {
+    const In* src = x + k * rows + row0;
+    Acc* dst = out + k * L;
+    for (int r = 0; r < count; ++r) dst[r] = static_cast<Acc>(Element<In>::load(src[r]));
+    for (int r = count; r < L; ++r) dst[r] = Acc(0);
+  }
+}
+
+// The lower triangle of a sample's pixel Gram, gram[u N + v] for v <= u < N, from its packed
+// pixel panels (n channels each).
+template <class P>
+void pixel_gram(const typename P::Acc* packed, int64_t pixels, int64_t n, std::vector<double>& scratch,
+                double* gram) {
+  constexpr int L = P::L;
+  for (int64_t q = 0; 2 * q * L < pixels; ++q) {
+    const int np = block_panels<L>(pixels, q);
+    const int64_t cols = 2 * q + np, row0 = 2 * q * L;
+    scratch.resize(static_cast<size_t>(cols * L * 2 * L));
+    gram_stripe<P>(packed, n, q, cols, np, scratch.data());
+    for (int64_t u = row0; u < std::min(pixels, row0 + np * L); ++u)
+      for (int64_t v = 0; v <= u; ++v) gram[u * pixels + v] = scratch[v * 2 * L + u - row0];
+  }
+}
+
+// The output columns [first, last) whose pixels under a kernel column lie in the input's width.
+struct ColumnRun {
+  int64_t first, last, offset;  // offset: the pixel column of output column 0 (+ stride per column)
+};
+
+ColumnRun column_run(const ConvGeometry& c, int64_t kernel_column) {
+  const int64_t offset = kernel_column * c.dilation_w - c.pad_w;
+  // x = sx s + offset in [0, W): sx >= ceil(-offset / s), sx <= floor((W - 1 - offset) / s).
+  const int64_t first = offset >= 0 ? 0 : (-offset + c.stride_w - 1) / c.stride_w;
+  const int64_t last = c.width - 1 - offset < 0 ? 0 : std::min(c.out_width, (c.width - 1 - offset) / c.stride_w + 1);
+  return {first, std::max(first, last), offset};
+}
+
+// patch[s] = a_t . a_s for s <= t: conv_patch_gram's sums for a whole row, k outermost (so each
+// entry's terms still come in order of k), the pixels of each output row's run of valid columns
+// read as one strided run of the Gram row (contiguous at stride 1).
+PRIVLEAK_SIMD_CLONES void patch_gram_row(const double* gram, const ConvGeometry& c, const ColumnRun* runs, int64_t t,
+                                         double* patch) {
+  const int64_t pixels = c.height * c.width, ty = t / c.out_width, tx = t % c.out_width;
+  std::fill(patch, patch + t + 1, 0.0);
+  for (int64_t k = 0; k < c.kernel_size(); ++k) {
+    const int64_t u = conv_pixel(c, t, k);
+    if (u < 0) continue;
+    const ColumnRun run = runs[k % c.kernel_w];
+    const double* row = gram + u * pixels + run.offset;
+    for (int64_t sy = 0; sy <= ty; ++sy) {
+      const int64_t y = sy * c.stride_h - c.pad_h + k / c.kernel_w * c.dilation_h;
+      if (y < 0 || y >= c.height) continue;
+      const int64_t last = sy == ty ? std::min(run.last, tx + 1) : run.last;
+      const double* pixel_row = row + y * c.width;
+      double* out = patch + sy * c.out_width;
+      for (int64_t sx = run.first; sx < last; ++sx) out[sx] += pixel_row[sx * c.stride_w];
+    }
+  }
+}
+
+// Rows of block q of one sample: the g side from its packed panels (n coordinates), the a side
+// from its pixel Gram.
+template <class P>
+void conv_block(const typename P::Acc* pg, const double* gram, const ConvGeometry& c, const ColumnRun* runs, int64_t q,
+                std::vector<double>& scratch, std::vector<double>& patch, double* rows_out) {
+  constexpr int L = P::L;
+  const int64_t length = c.positions();
+  const int np = block_panels<L>(length, q);
+  const int64_t cols = 2 * q + np, tile = L * 2 * L, row0 = 2 * q * L;
+  scratch.assign(static_cast<size_t>(2 * cols * tile), 0.0);
+  double* aa = scratch.data();
+  double* gg = aa + cols * tile;
+  gram_stripe<P>(pg, c.outputs, q, cols, np, gg);
+  for (int64_t t = row0; t < std::min(length, row0 + np * L); ++t) {
+    patch_gram_row(gram, c, runs, t, patch.data());
+    for (int64_t s = 0; s <= t; ++s) aa[s * 2 * L + t - row0] = patch[s];
+  }
+  block_rows<L>(aa, gg, length, q, np, rows_out);
+}
+
+// Samples (groups folded in) go whole to threads: their pixel Grams are the threads' own.
+template <class P, class In>
+void conv_ghost_norm_path(const In* x, const In* g, const ConvGeometry& c, double* out) {
+  using Acc = typename P::Acc;
+  constexpr int L = P::L;
+  const int64_t pixels = c.height * c.width, length = c.positions(), kernel = c.kernel_size();
+  const int64_t x_stride = panel_stride(c.channels, L), g_stride = panel_stride(c.outputs, L);
+  std::vector<ColumnRun> runs;
+  for (int64_t j = 0; j < c.kernel_w; ++j) runs.push_back(column_run(c, j));
+  std::vector<double> rows(static_cast<size_t>(c.batch * length));
+  // Vector FMAs of the two Grams, about, and the patch Gram's gathers.
+  const int64_t work = c.batch * (pixels * pixels * c.channels / 32 + length * length * (c.outputs / 32 + kernel));
+#pragma omp parallel if (work >= kMinParallelWork)
+  {
+    std::vector<Acc> px(static_cast<size_t>(ceil_div(pixels, L) * x_stride));
+    std::vector<Acc> pg(static_cast<size_t>(ceil_div(length, L) * g_stride));
+    std::vector<double> gram(static_cast<size_t>(pixels * pixels)), scratch, patch(static_cast<size_t>(length));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const In* sample_x = x + b * c.channels * pixels;
+      const In* sample_g = g + b * c.outputs * length;
+      for (int64_t panel = 0; panel * L < pixels; ++panel)
+        pack_channels_first<L>(sample_x, pixels, c.channels, panel, px.data() + panel * x_stride);
+      for (int64_t panel = 0; panel * L < length; ++panel)
+        pack_channels_first<L>(sample_g, length, c.outputs, panel, pg.data() + panel * g_stride);
+      pixel_gram<P>(px.data(), pixels, c.channels, scratch, gram.data());
+      for (int64_t q = 0; 2 * q * L < length; ++q)
+        conv_block<P>(pg.data(), gram.data(), c, runs.data(), q, scratch, patch, rows.data() + b * length);
+    }
+  }
+  for (int64_t b = 0; b < c.batch; ++b) out[b] = ghost_sample_total(rows.data() + b * length, length);
+}
+
 // ------------------------------------------------------------------------------------ Embedding
 
 // An Embedding group's row: members[0 .. count) are its positions, in order; v holds p doubles.
@@ -491,14 +625,18 @@ void embedding_typed(const int64_t* ids, const In* g, int64_t batch, int64_t len
   }
 }
 
+void check_path(CpuCapability path, const char* op) {
+  if (static_cast<int>(path) > static_cast<int>(cpu_best_capability()))
+    throw std::invalid_argument(std::string(op) + ": this CPU cannot run the " + capability_name(path) +
+                                " path (it has " + capability_name(cpu_best_capability()) + ")");
+}
+
 }  // namespace
 
 void ghost_norm(NoiseDType dtype, const void* activations, const void* output_grads, int64_t batch, int64_t length,
                 int64_t d, int64_t p, double* out, CpuCapability path) {
   check_ghost_sizes(batch, length, d, p);
-  if (static_cast<int>(path) > static_cast<int>(cpu_best_capability()))
-    throw std::invalid_argument(std::string("ghost_norm: this CPU cannot run the ") + capability_name(path) +
-                                " path (it has " + capability_name(cpu_best_capability()) + ")");
+  check_path(path, "ghost_norm");
   if (batch == 0) return;
   dispatch_ghost_dtype(dtype, [&](auto zero) {
     using In = decltype(zero);
@@ -512,6 +650,27 @@ void ghost_norm(NoiseDType dtype, const void* activations, const void* output_gr
       if (path == CpuCapability::avx2) return ghost_norm_path<Avx2>(a, g, batch, length, d, p, out);
 #endif
       ghost_norm_path<Portable<float>>(a, g, batch, length, d, p, out);
+    }
+  });
+}
+
+void conv_ghost_norm(NoiseDType dtype, const void* x, const void* output_grads, const ConvGeometry& geometry,
+                     double* out, CpuCapability path) {
+  check_conv_ghost_geometry(geometry);
+  check_path(path, "conv_ghost_norm");
+  if (geometry.batch == 0) return;
+  dispatch_ghost_dtype(dtype, [&](auto zero) {
+    using In = decltype(zero);
+    const auto* xs = static_cast<const In*>(x);
+    const auto* g = static_cast<const In*>(output_grads);
+    if constexpr (std::is_same_v<In, double>) {
+      conv_ghost_norm_path<Portable<double>>(xs, g, geometry, out);
+    } else {
+#if defined(PRIVLEAK_X86_AVX2)
+      if (path == CpuCapability::avx512) return conv_ghost_norm_path<Avx512>(xs, g, geometry, out);
+      if (path == CpuCapability::avx2) return conv_ghost_norm_path<Avx2>(xs, g, geometry, out);
+#endif
+      conv_ghost_norm_path<Portable<float>>(xs, g, geometry, out);
     }
   });
 }

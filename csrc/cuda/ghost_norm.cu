@@ -9,6 +9,11 @@
 // past n only adds fma(0, 0, acc) = acc + 0 to the last chunk, which can turn a -0 chain into +0;
 // adding the chunk to its double (which starts at +0) gives the same +0 either way.
 //
+// Convolution form: one block per (sample, 64 x 64 tile of the pixel Gram's lower triangle) stores
+// the pixel Gram in the workspace by the same tile code (the input read channels-first); then
+// blocks as in the dense form, each thread summing its 4 x 4 entries a_t . a_s from it by
+// conv_patch_gram.
+//
 // Embedding form: one thread per (sample, position) finds whether the position leads its group
 // and the next position with its id; one warp per leading position sums its group's rows, lane l
 // taking coordinates j = l mod 32 as the CPU's lanes do; the lanes are added in order.
@@ -38,10 +43,12 @@ template <class Acc>
 constexpr int kStep = 64 / static_cast<int>(sizeof(Acc));
 static_assert(kGhostChunk % kStep<float> == 0 && kGhostChunk % kStep<double> == 0, "steps must tile chunks");
 
-// tot[i][j] = Gram entry (t0 + ty + 16 i, s0 + tx + 16 j) of x (length rows of n coordinates).
+// tot[i][j] = Gram entry (t0 + ty + 16 i, s0 + tx + 16 j) of x (length rows of n coordinates;
+// coordinate k of row r at x[r row_stride + k coord_stride]: row-major, or channels-first).
 template <class In, class Acc>
-__device__ void gram_tile(const In* x, int64_t length, int64_t n, int64_t t0, int64_t s0,
-                          Acc (*rows)[kTile + 1], Acc (*cols)[kTile + 1], double (&tot)[kSub][kSub]) {
+__device__ void gram_tile(const In* x, int64_t length, int64_t n, int64_t row_stride, int64_t coord_stride,
+                          int64_t t0, int64_t s0, Acc (*rows)[kTile + 1], Acc (*cols)[kTile + 1],
+                          double (&tot)[kSub][kSub]) {
   constexpr int K = kStep<Acc>;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 #pragma unroll
@@ -57,10 +64,15 @@ __device__ void gram_tile(const In* x, int64_t length, int64_t n, int64_t t0, in
       for (int j = 0; j < kSub; ++j) acc[i][j] = Acc(0);
     for (int64_t k0 = c0; k0 < c1; k0 += K) {
       for (int e = threadIdx.x; e < kTile * K; e += kThreads) {
-        const int r = e / K, kk = e % K;
+        // Neighbouring threads read neighbouring addresses: along a row, or along the rows.
+        const int r = coord_stride == 1 ? e / K : e % kTile, kk = coord_stride == 1 ? e % K : e / kTile;
         const int64_t k = k0 + kk;
-        rows[kk][r] = k < c1 && t0 + r < length ? static_cast<Acc>(Element<In>::load(x[(t0 + r) * n + k])) : Acc(0);
-        cols[kk][r] = k < c1 && s0 + r < length ? static_cast<Acc>(Element<In>::load(x[(s0 + r) * n + k])) : Acc(0);
+        rows[kk][r] = k < c1 && t0 + r < length
+                          ? static_cast<Acc>(Element<In>::load(x[(t0 + r) * row_stride + k * coord_stride]))
+                          : Acc(0);
+        cols[kk][r] = k < c1 && s0 + r < length
+                          ? static_cast<Acc>(Element<In>::load(x[(s0 + r) * row_stride + k * coord_stride]))
+                          : Acc(0);
       }
       __syncthreads();
 #pragma unroll
@@ -84,6 +96,31 @@ __device__ void gram_tile(const In* x, int64_t length, int64_t n, int64_t t0, in
   }
 }
 
+// A tile pair's products w_ts into `below` of row t0 + threadIdx.x (threads < kTile), in order of
+// s, and the diagonal's Gram entries into diag_a and diag_g.
+__device__ void add_products(const double (&aa)[kSub][kSub], const double (&gg)[kSub][kSub], int64_t t0, int64_t s0,
+                             double (*products)[kTile + 1], double* diag_a, double* diag_g, double& below) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int r = ty + 16 * i, c = tx + 16 * j;
+      products[r][c] = aa[i][j] * gg[i][j];
+      if (s0 + c == t0 + r) {
+        diag_a[r] = aa[i][j];
+        diag_g[r] = gg[i][j];
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kTile) {
+    const int64_t t = t0 + threadIdx.x;
+    for (int c = 0; c < kTile && s0 + c < t; ++c) below += products[threadIdx.x][c];
+  }
+  __syncthreads();
+}
+
 // rows[b length + t] = ghost_row_total of row t of sample b = blockIdx.x, t in block blockIdx.y.
 template <class In, class Acc>
 __global__ void __launch_bounds__(kThreads)
@@ -95,30 +132,66 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t b = blockIdx.x, t0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const In* sample_a = a + b * length * d;
   const In* sample_g = g + b * length * p;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   double below = 0.0;  // row t0 + threadIdx.x's, for threadIdx.x < kTile
   for (int64_t s0 = 0; s0 <= t0; s0 += kTile) {
     double aa[kSub][kSub], gg[kSub][kSub];
-    gram_tile(sample_a, length, d, t0, s0, tile_rows, tile_cols, aa);
-    gram_tile(sample_g, length, p, t0, s0, tile_rows, tile_cols, gg);
+    gram_tile(sample_a, length, d, d, 1, t0, s0, tile_rows, tile_cols, aa);
+    gram_tile(sample_g, length, p, p, 1, t0, s0, tile_rows, tile_cols, gg);
+    add_products(aa, gg, t0, s0, products, diag_a, diag_g, below);
+  }
+  if (threadIdx.x < kTile && t0 + threadIdx.x < length)
+    rows[b * length + t0 + threadIdx.x] = ghost_row_total(below, diag_a[threadIdx.x], diag_g[threadIdx.x]);
+}
+
+// The lower triangle of sample blockIdx.x's pixel Gram, tile (blockIdx.y, blockIdx.z) (entries
+// (u, v), v <= u), into gram[b N^2 + u N + v]; x is channels-first, (channels, N) per sample.
+template <class In, class Acc>
+__global__ void __launch_bounds__(kThreads)
+    pixel_gram(const In* x, int64_t channels, int64_t pixels, double* gram) {
+  constexpr int K = kStep<Acc>;
+  __shared__ Acc tile_rows[K][kTile + 1], tile_cols[K][kTile + 1];
+  const int64_t b = blockIdx.x, u0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t v0 = static_cast<int64_t>(blockIdx.z) * kTile;
+  if (v0 > u0) return;  // the whole block: above the diagonal
+  double tot[kSub][kSub];
+  gram_tile(x + b * channels * pixels, pixels, channels, 1, pixels, u0, v0, tile_rows, tile_cols, tot);
+  double* sample_gram = gram + b * pixels * pixels;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 #pragma unroll
-    for (int i = 0; i < kSub; ++i) {
+  for (int i = 0; i < kSub; ++i)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int64_t u = u0 + ty + 16 * i, v = v0 + tx + 16 * j;
+      if (u < pixels && v <= u) sample_gram[u * pixels + v] = tot[i][j];
+    }
+}
+
+// ghost_rows for the convolution form: the a side from the pixel Grams, the g side channels-first
+// (outputs, positions) per sample.
+template <class In, class Acc>
+__global__ void __launch_bounds__(kThreads)
+    conv_ghost_rows(const double* gram, const In* g, ConvGeometry c, double* rows) {
+  constexpr int K = kStep<Acc>;
+  __shared__ Acc tile_rows[K][kTile + 1], tile_cols[K][kTile + 1];
+  __shared__ double products[kTile][kTile + 1];
+  __shared__ double diag_a[kTile], diag_g[kTile];
+  const int64_t b = blockIdx.x, t0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t length = c.positions(), pixels = c.height * c.width;
+  const double* sample_gram = gram + b * pixels * pixels;
+  const In* sample_g = g + b * c.outputs * length;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  double below = 0.0;
+  for (int64_t s0 = 0; s0 <= t0; s0 += kTile) {
+    double aa[kSub][kSub], gg[kSub][kSub];
+#pragma unroll
+    for (int i = 0; i < kSub; ++i)
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        const int r = ty + 16 * i, c = tx + 16 * j;
-        products[r][c] = aa[i][j] * gg[i][j];
-        if (s0 + c == t0 + r) {
-          diag_a[r] = aa[i][j];
-          diag_g[r] = gg[i][j];
-        }
+        const int64_t t = t0 + ty + 16 * i, s = s0 + tx + 16 * j;
+        aa[i][j] = s <= t && t < length ? conv_patch_gram(c, sample_gram, t, s) : 0.0;
       }
-    }
-    __syncthreads();
-    if (threadIdx.x < kTile) {
-      const int64_t t = t0 + threadIdx.x;
-      for (int c = 0; c < kTile && s0 + c < t; ++c) below += products[threadIdx.x][c];
-    }
-    __syncthreads();
+    gram_tile(sample_g, length, c.outputs, 1, length, t0, s0, tile_rows, tile_cols, gg);
+    add_products(aa, gg, t0, s0, products, diag_a, diag_g, below);
   }
   if (threadIdx.x < kTile && t0 + threadIdx.x < length)
     rows[b * length + t0 + threadIdx.x] = ghost_row_total(below, diag_a[threadIdx.x], diag_g[threadIdx.x]);
@@ -207,6 +280,38 @@ void ghost_norm(NoiseDType dtype, const void* activations, const void* output_gr
   });
   sample_totals<<<blocks_for(batch), kThreads, 0, s>>>(rows, batch, length, out);
   check(cudaGetLastError(), "ghost_norm: sample_totals launch");
+}
+
+int64_t conv_ghost_norm_workspace_bytes(int64_t batch, int64_t pixels, int64_t length) {
+  return batch * (pixels * pixels + length) * static_cast<int64_t>(sizeof(double));
+}
+
+void conv_ghost_norm(NoiseDType dtype, const void* x, const void* output_grads, const ConvGeometry& geometry,
+                     double* out, void* workspace, int device, void* stream) {
+  check_conv_ghost_geometry(geometry);
+  check_batch(geometry.batch);
+  const int64_t length = geometry.positions(), pixels = geometry.height * geometry.width;
+  const int64_t tiles = (length + kTile - 1) / kTile, pixel_tiles = (pixels + kTile - 1) / kTile;
+  if (tiles > 65535) throw std::invalid_argument("conv_ghost_norm: the output positions must be at most 65535 * 64 on CUDA");
+  if (geometry.batch == 0) return;
+  const DeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream);
+  auto* gram = static_cast<double*>(workspace);
+  double* rows = gram + geometry.batch * pixels * pixels;
+  const auto batch = static_cast<unsigned>(geometry.batch);
+  dispatch_ghost_dtype(dtype, [&](auto zero) {
+    using In = decltype(zero);
+    using Acc = typename GhostAcc<In>::type;
+    const auto pt = static_cast<unsigned>(pixel_tiles);
+    pixel_gram<In, Acc><<<dim3(batch, pt, pt), kThreads, 0, s>>>(static_cast<const In*>(x), geometry.channels, pixels,
+                                                                 gram);
+    check(cudaGetLastError(), "conv_ghost_norm: pixel_gram launch");
+    conv_ghost_rows<In, Acc><<<dim3(batch, static_cast<unsigned>(tiles)), kThreads, 0, s>>>(
+        gram, static_cast<const In*>(output_grads), geometry, rows);
+    check(cudaGetLastError(), "conv_ghost_norm: conv_ghost_rows launch");
+  });
+  sample_totals<<<blocks_for(geometry.batch), kThreads, 0, s>>>(rows, geometry.batch, length, out);
+  check(cudaGetLastError(), "conv_ghost_norm: sample_totals launch");
 }
 
 int64_t embedding_ghost_norm_workspace_bytes(int64_t batch, int64_t length) {

@@ -97,6 +97,15 @@ def conv_weight_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_s
             modes to ``inputs`` first.
         groups: the convolution's groups; C and O must be multiples of it.
     """
+    checked = checked_arguments(inputs, output_grads, kernel_size, stride, padding, dilation, groups)
+    return per_sample_conv_grads(inputs, output_grads, *checked)
+
+
+def checked_arguments(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: Size, stride: Size,
+                      padding: Size, dilation: Size, groups: int) -> tuple:
+    """(kernel, strides, pads, dilations, groups), one int of each size per spatial dim, for the
+    arguments of :func:`conv_weight_grads` (or of a function that takes the same), checked: a
+    ValueError names the argument that is wrong."""
     view_x = validation.tensor(inputs, "inputs", dtypes=INPUT_DTYPES)
     view_g = validation.tensor(output_grads, "output_grads", dtypes=INPUT_DTYPES)
     _arrays.require_same_device(view_g, "output_grads", view_x, "inputs")
@@ -120,7 +129,23 @@ def conv_weight_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_s
     if min(expected) < 1 or list(output_grads.shape[2:]) != expected:
         raise ValueError(f"output_grads has spatial size {tuple(output_grads.shape[2:])}, but this convolution of "
                          f"inputs {tuple(inputs.shape)} gives {tuple(expected)}")
-    return per_sample_conv_grads(inputs, output_grads, kernel, strides, pads, dilations, groups)
+    return kernel, strides, pads, dilations, groups
+
+
+def folded(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: list[int], strides: list[int],
+           pads: list[int], dilations: list[int], groups: int) -> tuple:
+    """(x, g, kernel, strides, pads, dilations) of the 2-d convolution without groups that the
+    kernels take: groups folded into the samples, (B, C) -> (B G, C / G), a view of a contiguous
+    tensor; a Conv1d as a Conv2d of height 1; one dtype, the wider of the two (exact)."""
+    batch, channels = inputs.shape[:2]
+    outputs = output_grads.shape[1]
+    dtype = torch.promote_types(inputs.dtype, output_grads.dtype)
+    x = inputs.detach().to(dtype).contiguous().reshape(batch * groups, channels // groups, *inputs.shape[2:])
+    g = output_grads.detach().to(dtype).contiguous().reshape(batch * groups, outputs // groups,
+                                                             *output_grads.shape[2:])
+    if inputs.ndim == 3:
+        return x.unsqueeze(2), g.unsqueeze(2), [1] + kernel, [1] + strides, [0] + pads, [1] + dilations
+    return x, g, kernel, strides, pads, dilations
 
 
 def per_sample_conv_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: list[int], strides: list[int],
@@ -128,17 +153,9 @@ def per_sample_conv_grads(inputs: torch.Tensor, output_grads: torch.Tensor, kern
     """:func:`conv_weight_grads` of arguments it has checked, the sizes as one int per spatial dim
     (book-keeping's convolution layers call it with their modules' own, skipping the checks)."""
     batch, channels = inputs.shape[:2]
-    outputs, dims = output_grads.shape[1], inputs.ndim - 2
-    dtype = torch.promote_types(inputs.dtype, output_grads.dtype)
-    # Groups fold into the samples: (B, C) -> (B G, C / G) is a view of a contiguous tensor.
-    x = inputs.detach().to(dtype).contiguous().reshape(batch * groups, channels // groups, *inputs.shape[2:])
-    g = output_grads.detach().to(dtype).contiguous().reshape(batch * groups, outputs // groups,
-                                                             *output_grads.shape[2:])
-    if dims == 1:  # a Conv1d is a Conv2d of height 1
-        x, g = x.unsqueeze(2), g.unsqueeze(2)
-        kernel, strides, pads, dilations = [1] + kernel, [1] + strides, [0] + pads, [1] + dilations
-    grads = torch.ops.privleak.conv_weight_grads(x, g, kernel, strides, pads, dilations)
-    return grads.reshape(batch, outputs, channels // groups, *kernel[-dims:])
+    grads = torch.ops.privleak.conv_weight_grads(*folded(inputs, output_grads, kernel, strides, pads, dilations,
+                                                        groups))
+    return grads.reshape(batch, output_grads.shape[1], channels // groups, *kernel)
 
 
 def conv_weight_grads_reference(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: Size,

@@ -44,10 +44,13 @@ import torch
 
 from privleak import _arrays, _backend, _ops, validation
 from privleak import mechanisms as _mechanisms
+from privleak.dpsgd import conv_grads
 
 #: Input dtypes of the kernels. Activations and output gradients of different dtypes are both
 #: converted to the wider one first (torch.promote_types), which is exact.
 INPUT_DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: Input pixels a channel :func:`conv_ghost_norm_squared` takes (csrc/common/ghost_norm.h).
+MAX_PIXELS = 2**14
 _ID_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
 
 
@@ -75,6 +78,37 @@ def _ghost_norm_op(activations: torch.Tensor, output_grads: torch.Tensor) -> tor
 @_ghost_norm_op.register_fake
 def _(activations, output_grads):
     return activations.new_empty(activations.shape[0], dtype=torch.float64)
+
+
+@_ops.operator("conv_ghost_norm")
+def _conv_ghost_norm_op(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: list[int], stride: list[int],
+                        padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """The convolution kernel: (N,) float64 sum_{t,s} (a_t . a_s)(g_t . g_s), a_t the patches of a
+    2-d convolution without groups, for inputs (N, C, H, W) and output_grads (N, O, H_out, W_out)
+    of one dtype and device."""
+    x, g = inputs.contiguous(), output_grads.contiguous()
+    if (x.ndim != 4 or g.ndim != 4 or x.shape[0] != g.shape[0] or x.dtype != g.dtype or x.device != g.device
+            or _dtype_name(x) not in INPUT_DTYPES):
+        raise ValueError("privleak::conv_ghost_norm takes inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) "
+                         "of one float dtype and device; conv_ghost_norm_squared checks and converts any other input")
+    for name, sizes in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding),
+                        ("dilation", dilation)):
+        if len(sizes) != 2:  # the core reads 2 of each: other lengths would shift its fields
+            raise ValueError(f"privleak::conv_ghost_norm takes 2 values of {name}, got {list(sizes)}")
+    (batch, channels, height, width), (outputs, out_height, out_width) = x.shape, g.shape[1:]
+    out = torch.empty(batch, dtype=torch.float64, device=x.device)
+    if batch:
+        geometry = [batch, channels, height, width, outputs, out_height, out_width,
+                    *kernel_size, *stride, *padding, *dilation]
+        _backend.call("conv_ghost_norm", x, _dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr(),
+                      workspace=lambda module: module.conv_ghost_norm_workspace_bytes(batch, height * width,
+                                                                                      out_height * out_width))
+    return out
+
+
+@_conv_ghost_norm_op.register_fake
+def _(inputs, output_grads, kernel_size, stride, padding, dilation):
+    return inputs.new_empty(inputs.shape[0], dtype=torch.float64)
 
 
 @_ops.operator("embedding_ghost_norm")
@@ -141,6 +175,52 @@ def ghost_norm_squared(activations: torch.Tensor, output_grads: torch.Tensor) ->
     return torch.ops.privleak.ghost_norm(a, g)
 
 
+def pixel_gram_pays(pixels: int, positions: int, kernel: int) -> bool:
+    """Whether :func:`conv_ghost_norm_squared` (a pixel Gram, N^2 C / 2 multiply-adds for N input
+    pixels of C channels) should replace the Gram of the T patches (T^2 k C / 2 for k kernel
+    offsets): when it does no more of them, N^2 <= T^2 k, the patches overlapping enough (a
+    stride-1 convolution with a kernel of k > 1 has N ~ T). Measured (one thread, B 64, 8 x 8 and
+    16 x 16 inputs, 64-512 channels): 1.3-12x faster where this holds, 0.6-0.8x where N^2 = 16 T^2 k
+    (a 1 x 1 convolution of stride 2)."""
+    return pixels <= MAX_PIXELS and pixels * pixels <= positions * positions * kernel
+
+
+def conv_ghost_norm_squared(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: conv_grads.Size,
+                            stride: conv_grads.Size = 1, padding: conv_grads.Size = 0, dilation: conv_grads.Size = 1,
+                            groups: int = 1) -> torch.Tensor:
+    """(B,) float64 squared per-sample norms of a Conv1d's or Conv2d's weight gradient,
+    sum_{t,s} (a_t . a_s)(g_t . g_s) per sample with a_t output position t's patch of the input
+    (its C / groups channels under the kernel's k offsets; groups add their squared norms), without
+    forming the patches: a_t . a_s = sum_k P[u_k(t), u_k(s)] over the input's pixel Gram
+    P[u, v] = x_u . x_v, u_k(t) the pixel under offset k (padding: 0). That is N^2 C / 2
+    multiply-adds for N input pixels where the patches' Gram takes T^2 k C / 2, k times fewer for a
+    stride-1 convolution (its patches overlap k-fold).
+
+    Args: as :func:`privleak.dpsgd.conv_grads.conv_weight_grads`'s: ``inputs`` (B, C, L) or (B, C,
+        H, W), ``output_grads`` (B, O, L_out) or (B, O, H_out, W_out), and the convolution's
+        ``kernel_size``, ``stride``, zero ``padding``, ``dilation`` and ``groups``. At most 2^14
+        input pixels (the pixel Gram, N^2 doubles per sample, is held whole).
+
+    Accuracy: the module docstring's bound with d = min(C / groups, 128): each P entry is a Gram
+    entry of C / groups coordinates (csrc/common/ghost_norm.h), and |sum_k P_k| <= |a_t| |a_s|.
+    Non-finite inputs as for :func:`ghost_norm_squared`.
+    """
+    checked = conv_grads.checked_arguments(inputs, output_grads, kernel_size, stride, padding, dilation, groups)
+    if math.prod(inputs.shape[2:]) > MAX_PIXELS:
+        raise ValueError(f"inputs has {math.prod(inputs.shape[2:])} pixels a channel; conv_ghost_norm_squared takes "
+                         f"at most {MAX_PIXELS} (use ghost_norm_squared on the patches)")
+    return conv_ghost_norms(inputs, output_grads, *checked)
+
+
+def conv_ghost_norms(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: list[int], strides: list[int],
+                     pads: list[int], dilations: list[int], groups: int) -> torch.Tensor:
+    """:func:`conv_ghost_norm_squared` of arguments it has checked, the sizes as one int per
+    spatial dim (book-keeping's convolution layers call it with their modules' own)."""
+    norms = torch.ops.privleak.conv_ghost_norm(*conv_grads.folded(inputs, output_grads, kernel, strides, pads,
+                                                                   dilations, groups))
+    return norms.view(-1, groups).sum(1)
+
+
 def embedding_ghost_norm_squared(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
     """(B,) float64 squared per-sample norms of an Embedding's weight gradient:
     sum_{t,s} [id_t == id_s](g_t . g_s) = sum_v |sum_{t: id_t = v} g_t|^2 per sample (module
@@ -169,6 +249,30 @@ def ghost_norm_squared_reference(activations: torch.Tensor, output_grads: torch.
     output gradients (B, T, p), from the two T x T Gram matrices in float64."""
     a, g = activations.double(), output_grads.double()
     return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+
+
+def conv_ghost_norm_squared_reference(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: conv_grads.Size,
+                                      stride: conv_grads.Size = 1, padding: conv_grads.Size = 0,
+                                      dilation: conv_grads.Size = 1, groups: int = 1) -> torch.Tensor:
+    """(B,) float64 :func:`conv_ghost_norm_squared` from the patches (F.unfold) of each group and
+    :func:`ghost_norm_squared_reference`."""
+    x, g = inputs.double(), output_grads.double()
+    if x.ndim == 3:  # a Conv1d as a Conv2d of height 1
+        x, g = x.unsqueeze(2), g.unsqueeze(2)
+
+        def as_2d(value, low):
+            return [low] + ([value] if isinstance(value, int) else list(value))
+        kernel_size, stride, padding, dilation = (as_2d(kernel_size, 1), as_2d(stride, 1), as_2d(padding, 0),
+                                                  as_2d(dilation, 1))
+    batch, groups_in = x.shape[0], x.shape[1] // groups
+    total = x.new_zeros(batch)
+    for group in range(groups):
+        patches = torch.nn.functional.unfold(x[:, group * groups_in:(group + 1) * groups_in], kernel_size,
+                                             dilation=dilation, padding=padding, stride=stride)  # (B, C k, T)
+        outputs = g.shape[1] // groups
+        g_group = g[:, group * outputs:(group + 1) * outputs].flatten(2)  # (B, O, T)
+        total += ghost_norm_squared_reference(patches.transpose(1, 2), g_group.transpose(1, 2))
+    return total
 
 
 def embedding_ghost_norm_squared_reference(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:

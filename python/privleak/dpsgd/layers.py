@@ -416,15 +416,42 @@ class ConvLayer(Layer):
         if self.reduced or not self.trains(m.weight):  # all formed: rows()
             return {}
         ghost = self._ghost(norm_type)
-        # Patches (G L d per sample, and g made contiguous) or per-sample gradients.
-        transient = (self._positions() * (m.weight[0].numel() * m.groups + m.out_channels) if ghost
-                     else m.weight.numel())
+        pixels = self._pixels()
+        # Per sample: the pixel Grams (G N^2 doubles) or the patches (G L d), and g made
+        # contiguous; or the per-sample gradients.
+        if ghost:
+            held = 2 * pixels * pixels if pixels else self._positions() * m.weight[0].numel()
+            transient = m.groups * held + self._positions() * m.out_channels
+        else:
+            transient = m.weight.numel()
         step = samples_per_chunk(self._held_per_sample(), transient)
-        norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
+        if ghost and pixels:
+            norms = self._pixel_ghost_norms
+        else:
+            norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
         return {id(m.weight): torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])}
 
+    def _pixels(self) -> int:
+        """N, the input pixels a channel, when the ghost norms come from the input's pixel Gram
+        (:func:`~privleak.dpsgd.ghost_norm.pixel_gram_pays`; one call: the pixel Gram of two
+        calls' inputs would be needed for their cross terms); else 0."""
+        if len(self.calls) != 1:
+            return 0
+        m = self.module
+        pixels = math.prod(_conv_padding(m, self.calls[0][:1])[0].shape[2:])
+        pays = ghost_norm.pixel_gram_pays(pixels, self._positions(), math.prod(m.kernel_size))
+        return pixels if pays else 0
+
+    def _pixel_ghost_norms(self, samples: slice) -> torch.Tensor:
+        """Ghost norms of the weight for a slice of the batch, from the pixel Gram
+        (:func:`~privleak.dpsgd.ghost_norm.conv_ghost_norms`)."""
+        m = self.module
+        x, padding = _conv_padding(m, self.calls[0][samples])
+        return ghost_norm.conv_ghost_norms(x, self.grads[0][samples], list(m.kernel_size), list(m.stride), padding,
+                                           list(m.dilation), m.groups)
+
     def _ghost_norms(self, samples: slice) -> torch.Tensor:
-        """Ghost norms of the weight for a slice of the batch."""
+        """Ghost norms of the weight for a slice of the batch, from the patches."""
         m = self.module
         outputs = m.out_channels // m.groups
         a = [self._patches(x[samples]) for x in self.calls]
