@@ -34,6 +34,25 @@ privleak::cpu::CpuCapability cpu_path(const std::optional<std::string>& capabili
   return path;
 }
 
+// A convolution kernel (x, output gradients, geometry, out) as the module's `name`.
+template <class Out>
+void def_conv_kernel(py::module_& m, const char* name,
+                     void (*kernel)(privleak::NoiseDType, const void*, const void*, const privleak::ConvGeometry&, Out*,
+                                    privleak::cpu::CpuCapability)) {
+  m.def(
+      name,
+      [kernel](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads,
+               const std::array<int64_t, 15>& geometry, std::uintptr_t out, const std::optional<std::string>& capability) {
+        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
+        const privleak::cpu::CpuCapability path = cpu_path(capability);
+        py::gil_scoped_release release;
+        kernel(t, as_pointer(x), as_pointer(output_grads), g, as_pointer<Out>(out), path);
+      },
+      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"),
+      py::arg("capability") = py::none());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -151,18 +170,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("dtype"), py::arg("activations"), py::arg("output_grads"), py::arg("batch"), py::arg("length"),
       py::arg("d"), py::arg("p"), py::arg("out"), py::arg("capability") = py::none());
 
-  m.def(
-      "conv_ghost_norm",
-      [](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads, const std::array<int64_t, 15>& geometry,
-         std::uintptr_t out, const std::optional<std::string>& capability) {
-        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
-        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
-        const privleak::cpu::CpuCapability path = cpu_path(capability);
-        py::gil_scoped_release release;
-        privleak::cpu::conv_ghost_norm(t, as_pointer(x), as_pointer(output_grads), g, as_pointer<double>(out), path);
-      },
-      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"),
-      py::arg("capability") = py::none());
+  def_conv_kernel(m, "conv_ghost_norm", &privleak::cpu::conv_ghost_norm);
 
   m.def(
       "embedding_ghost_norm",
@@ -176,18 +184,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("dtype"), py::arg("ids"), py::arg("output_grads"), py::arg("batch"), py::arg("length"), py::arg("p"),
       py::arg("out"));
 
-  m.def(
-      "conv_weight_grads",
-      [](const std::string& dtype, std::uintptr_t x, std::uintptr_t output_grads, const std::array<int64_t, 15>& geometry,
-         std::uintptr_t out, const std::optional<std::string>& capability) {
-        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
-        const privleak::ConvGeometry g = marshal::conv_geometry(geometry);
-        const privleak::cpu::CpuCapability path = cpu_path(capability);
-        py::gil_scoped_release release;
-        privleak::cpu::conv_weight_grads(t, as_pointer(x), as_pointer(output_grads), g, as_pointer(out), path);
-      },
-      py::arg("dtype"), py::arg("x"), py::arg("output_grads"), py::arg("geometry"), py::arg("out"),
-      py::arg("capability") = py::none());
+  def_conv_kernel(m, "conv_weight_grads", &privleak::cpu::conv_weight_grads);
 
   m.def(
       "chacha20_block",

@@ -49,24 +49,30 @@ def _conv_weight_grads_op(inputs: torch.Tensor, output_grads: torch.Tensor, kern
     """The kernel on 2-d convolutions without groups: (N, O, C, k_h, k_w), float32 (float64 for
     float64 inputs), for inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) of one dtype
     and device."""
+    x, g, geometry = op_arguments("conv_weight_grads", inputs, output_grads, kernel_size, stride, padding, dilation)
+    batch, channels = x.shape[:2]
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.empty(batch, g.shape[1], channels, *kernel_size, dtype=accumulate, device=x.device)
+    if batch:
+        _backend.call("conv_weight_grads", x, _dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr())
+    return out
+
+
+def op_arguments(op: str, inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: list[int],
+                 stride: list[int], padding: list[int], dilation: list[int]) -> tuple:
+    """(x, g, geometry) for the core's convolution kernel ``op``: the tensors contiguous, and the
+    15 sizes it reads; a ValueError for what the kernel cannot read (the public functions check
+    and convert their arguments first)."""
     x, g = inputs.contiguous(), output_grads.contiguous()
     if (x.ndim != 4 or g.ndim != 4 or x.shape[0] != g.shape[0] or x.dtype != g.dtype or x.device != g.device
             or x.device.type not in ("cpu", "cuda") or _dtype_name(x) not in INPUT_DTYPES):
-        raise ValueError("privleak::conv_weight_grads takes inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) "
-                         "of one float dtype and device (cpu or cuda); conv_weight_grads checks and converts any "
-                         "other input")
+        raise ValueError(f"privleak::{op} takes inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) of one float "
+                         "dtype and device (cpu or cuda); the public functions check and convert any other input")
     for name, sizes in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding),
                         ("dilation", dilation)):
         if len(sizes) != 2:  # the core reads 2 of each: other lengths would shift its fields
-            raise ValueError(f"privleak::conv_weight_grads takes 2 values of {name}, got {list(sizes)}")
-    (batch, channels, height, width), (outputs, out_height, out_width) = x.shape, g.shape[1:]
-    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = torch.empty(batch, outputs, channels, *kernel_size, dtype=accumulate, device=x.device)
-    if batch:
-        geometry = [batch, channels, height, width, outputs, out_height, out_width,
-                    *kernel_size, *stride, *padding, *dilation]
-        _backend.call("conv_weight_grads", x, _dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr())
-    return out
+            raise ValueError(f"privleak::{op} takes 2 values of {name}, got {list(sizes)}")
+    return x, g, [*x.shape, *g.shape[1:], *kernel_size, *stride, *padding, *dilation]
 
 
 @_conv_weight_grads_op.register_fake

@@ -86,23 +86,13 @@ def _conv_ghost_norm_op(inputs: torch.Tensor, output_grads: torch.Tensor, kernel
     """The convolution kernel: (N,) float64 sum_{t,s} (a_t . a_s)(g_t . g_s), a_t the patches of a
     2-d convolution without groups, for inputs (N, C, H, W) and output_grads (N, O, H_out, W_out)
     of one dtype and device."""
-    x, g = inputs.contiguous(), output_grads.contiguous()
-    if (x.ndim != 4 or g.ndim != 4 or x.shape[0] != g.shape[0] or x.dtype != g.dtype or x.device != g.device
-            or _dtype_name(x) not in INPUT_DTYPES):
-        raise ValueError("privleak::conv_ghost_norm takes inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) "
-                         "of one float dtype and device; conv_ghost_norm_squared checks and converts any other input")
-    for name, sizes in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding),
-                        ("dilation", dilation)):
-        if len(sizes) != 2:  # the core reads 2 of each: other lengths would shift its fields
-            raise ValueError(f"privleak::conv_ghost_norm takes 2 values of {name}, got {list(sizes)}")
-    (batch, channels, height, width), (outputs, out_height, out_width) = x.shape, g.shape[1:]
+    x, g, geometry = conv_grads.op_arguments("conv_ghost_norm", inputs, output_grads, kernel_size, stride, padding,
+                                             dilation)
+    batch, pixels, positions = x.shape[0], x.shape[2] * x.shape[3], g.shape[2] * g.shape[3]
     out = torch.empty(batch, dtype=torch.float64, device=x.device)
     if batch:
-        geometry = [batch, channels, height, width, outputs, out_height, out_width,
-                    *kernel_size, *stride, *padding, *dilation]
         _backend.call("conv_ghost_norm", x, _dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr(),
-                      workspace=lambda module: module.conv_ghost_norm_workspace_bytes(batch, height * width,
-                                                                                      out_height * out_width))
+                      workspace=lambda module: module.conv_ghost_norm_workspace_bytes(batch, pixels, positions))
     return out
 
 
