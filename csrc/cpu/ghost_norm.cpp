@@ -17,9 +17,16 @@
 // vectors by 8). Every path computes each Gram entry by the same fma chain and each row's sum in
 // the same order, so all give the same bits; float64 inputs take the portable path.
 //
-// Threads take whole samples when there are enough of them to share evenly; otherwise work items
-// (sample, block) are spread over threads (heaviest first) within groups of samples whose packed
-// panels fit kPackBudget, packed in parallel over (sample, matrix, panel) first.
+// Convolution form: the input's pixels are the rows (channels-first, so packing is a copy), the
+// pixel Gram's lower triangle is kept whole per sample (N^2 doubles, the thread's own), the
+// output gradients' Gram comes in stripes as above, and each row's patch Gram entries a_t . a_s
+// are sums over the kernel offsets of pixel Gram entries, read as runs of a Gram row. Threads
+// take whole samples.
+//
+// The dense form's threads take whole samples when there are enough of them to share evenly;
+// otherwise work items (sample, block) are spread over threads (heaviest first) within groups of
+// samples whose packed panels fit kPackBudget, packed in parallel over (sample, matrix, panel)
+// first.
 #include "cpu/ghost_norm.h"
 
 #include <algorithm>
@@ -514,14 +521,13 @@ PRIVLEAK_SIMD_CLONES void patch_gram_row(const double* gram, const ConvGeometry&
     const int64_t u = conv_pixel(c, t, k);
     if (u < 0) continue;
     const ColumnRun run = runs[k % c.kernel_w];
-    const double* row = gram + u * pixels + run.offset;
+    const double* row = gram + u * pixels;
     for (int64_t sy = 0; sy <= ty; ++sy) {
       const int64_t y = sy * c.stride_h - c.pad_h + k / c.kernel_w * c.dilation_h;
       if (y < 0 || y >= c.height) continue;
-      const int64_t last = sy == ty ? std::min(run.last, tx + 1) : run.last;
-      const double* pixel_row = row + y * c.width;
+      const int64_t last = sy == ty ? std::min(run.last, tx + 1) : run.last, start = y * c.width + run.offset;
       double* out = patch + sy * c.out_width;
-      for (int64_t sx = run.first; sx < last; ++sx) out[sx] += pixel_row[sx * c.stride_w];
+      for (int64_t sx = run.first; sx < last; ++sx) out[sx] += row[start + sx * c.stride_w];
     }
   }
 }
@@ -556,7 +562,7 @@ void conv_ghost_norm_path(const In* x, const In* g, const ConvGeometry& c, doubl
   std::vector<ColumnRun> runs;
   for (int64_t j = 0; j < c.kernel_w; ++j) runs.push_back(column_run(c, j));
   std::vector<double> rows(static_cast<size_t>(c.batch * length));
-  // Vector FMAs of the two Grams, about, and the patch Gram's gathers.
+  // Vector FMAs of the two Grams, about, and the patch Gram's sums.
   const int64_t work = c.batch * (pixels * pixels * c.channels / 32 + length * length * (c.outputs / 32 + kernel));
 #pragma omp parallel if (work >= kMinParallelWork)
   {
