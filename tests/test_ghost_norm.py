@@ -13,6 +13,7 @@ from privleak.dpsgd.ghost_norm import (
     MAX_PIXELS,
     conv_ghost_norm_squared,
     conv_ghost_norm_squared_reference,
+    conv_patches_reference,
     embedding_ghost_norm_squared,
     embedding_ghost_norm_squared_reference,
     ghost_norm_squared,
@@ -316,20 +317,8 @@ def draw_conv(case, dtype=torch.float32, seed=0):
 def conv_error_bound(x, g, args):
     """:func:`error_bound` for the patches a_t of each group: d is the group's channels, not its
     patch length (conv_ghost_norm_squared's docstring)."""
-    x2, g2 = (x.unsqueeze(2), g.unsqueeze(2)) if x.ndim == 3 else (x, g)
-
-    def pair(v, low=1):  # a Conv1d as a Conv2d of height 1
-        return ([low, v] if isinstance(v, int) else [low, *v]) if x.ndim == 3 else ([v, v] if isinstance(v, int) else v)
-
-    groups = args["groups"]
-    channels, outputs = x.shape[1] // groups, g.shape[1] // groups
-    scale = x.new_zeros(x.shape[0], dtype=torch.float64)
-    for group in range(groups):
-        patches = torch.nn.functional.unfold(x2[:, group * channels:(group + 1) * channels].double(),
-                                             pair(args["kernel_size"]), dilation=pair(args["dilation"]),
-                                             padding=pair(args["padding"], 0), stride=pair(args["stride"]))
-        g_group = g2[:, group * outputs:(group + 1) * outputs].double().flatten(2)
-        scale += (patches.norm(dim=1) * g_group.norm(dim=1)).sum(1) ** 2
+    scale = sum((a.norm(dim=-1) * g_t.norm(dim=-1)).sum(1) ** 2 for a, g_t in conv_patches_reference(x, g, **args))
+    channels, outputs = x.shape[1] // args["groups"], g.shape[1] // args["groups"]
     unit = 2.0**-53 if x.dtype == torch.float64 else 2.0**-24
     return ((min(channels, CHUNK) + min(outputs, CHUNK) + 2) * unit + 2.0**-45) * scale
 

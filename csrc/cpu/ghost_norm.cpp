@@ -541,9 +541,10 @@ void conv_block(const typename P::Acc* pg, const double* gram, const ConvGeometr
   const int64_t length = c.positions();
   const int np = block_panels<L>(length, q);
   const int64_t cols = 2 * q + np, tile = L * 2 * L, row0 = 2 * q * L;
-  scratch.assign(static_cast<size_t>(2 * cols * tile), 0.0);
+  scratch.resize(static_cast<size_t>(2 * cols * tile));
   double* aa = scratch.data();
   double* gg = aa + cols * tile;
+  std::fill(aa, gg, 0.0);  // entries above the diagonal stay 0 (gram_stripe fills gg itself)
   gram_stripe<P>(pg, c.outputs, q, cols, np, gg);
   for (int64_t t = row0; t < std::min(length, row0 + np * L); ++t) {
     patch_gram_row(gram, c, runs, t, patch.data());

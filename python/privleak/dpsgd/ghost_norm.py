@@ -241,11 +241,11 @@ def ghost_norm_squared_reference(activations: torch.Tensor, output_grads: torch.
     return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
 
 
-def conv_ghost_norm_squared_reference(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: conv_grads.Size,
-                                      stride: conv_grads.Size = 1, padding: conv_grads.Size = 0,
-                                      dilation: conv_grads.Size = 1, groups: int = 1) -> torch.Tensor:
-    """(B,) float64 :func:`conv_ghost_norm_squared` from the patches (F.unfold) of each group and
-    :func:`ghost_norm_squared_reference`."""
+def conv_patches_reference(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: conv_grads.Size,
+                           stride: conv_grads.Size = 1, padding: conv_grads.Size = 0, dilation: conv_grads.Size = 1,
+                           groups: int = 1) -> list:
+    """Per group, float64 (patches (B, T, C / groups k), output gradients (B, T, O / groups)) of a
+    Conv1d or Conv2d, the patches from F.unfold."""
     x, g = inputs.double(), output_grads.double()
     if x.ndim == 3:  # a Conv1d as a Conv2d of height 1
         x, g = x.unsqueeze(2), g.unsqueeze(2)
@@ -254,15 +254,19 @@ def conv_ghost_norm_squared_reference(inputs: torch.Tensor, output_grads: torch.
             return [low] + ([value] if isinstance(value, int) else list(value))
         kernel_size, stride, padding, dilation = (as_2d(kernel_size, 1), as_2d(stride, 1), as_2d(padding, 0),
                                                   as_2d(dilation, 1))
-    batch, groups_in = x.shape[0], x.shape[1] // groups
-    total = x.new_zeros(batch)
-    for group in range(groups):
-        patches = torch.nn.functional.unfold(x[:, group * groups_in:(group + 1) * groups_in], kernel_size,
-                                             dilation=dilation, padding=padding, stride=stride)  # (B, C k, T)
-        outputs = g.shape[1] // groups
-        g_group = g[:, group * outputs:(group + 1) * outputs].flatten(2)  # (B, O, T)
-        total += ghost_norm_squared_reference(patches.transpose(1, 2), g_group.transpose(1, 2))
-    return total
+    channels, outputs = x.shape[1] // groups, g.shape[1] // groups
+    return [(torch.nn.functional.unfold(x[:, group * channels:(group + 1) * channels], kernel_size, dilation=dilation,
+                                        padding=padding, stride=stride).transpose(1, 2),
+             g[:, group * outputs:(group + 1) * outputs].flatten(2).transpose(1, 2)) for group in range(groups)]
+
+
+def conv_ghost_norm_squared_reference(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: conv_grads.Size,
+                                      stride: conv_grads.Size = 1, padding: conv_grads.Size = 0,
+                                      dilation: conv_grads.Size = 1, groups: int = 1) -> torch.Tensor:
+    """(B,) float64 :func:`conv_ghost_norm_squared` from the patches of each group
+    (:func:`conv_patches_reference`) and :func:`ghost_norm_squared_reference`."""
+    pairs = conv_patches_reference(inputs, output_grads, kernel_size, stride, padding, dilation, groups)
+    return sum(ghost_norm_squared_reference(a, g) for a, g in pairs)
 
 
 def embedding_ghost_norm_squared_reference(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:

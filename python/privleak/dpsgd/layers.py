@@ -416,19 +416,18 @@ class ConvLayer(Layer):
         if self.reduced or not self.trains(m.weight):  # all formed: rows()
             return {}
         ghost = self._ghost(norm_type)
-        pixels = self._pixels()
-        # Per sample: the pixel Grams (G N^2 doubles) or the patches (G L d), and g made
-        # contiguous; or the per-sample gradients.
+        pixels = self._pixels() if ghost else 0
+        # What a sample takes while its norm is made: the per-sample gradient; or the pixel Grams
+        # (G N^2 doubles) or the patches (G L d), and g made contiguous.
+        if not ghost:
+            norms, transient = functools.partial(self._gradient_norms, norm_type=norm_type), m.weight.numel()
+        elif pixels:
+            norms, transient = self._pixel_ghost_norms, m.groups * 2 * pixels * pixels
+        else:
+            norms, transient = self._ghost_norms, m.groups * self._positions() * m.weight[0].numel()
         if ghost:
-            held = 2 * pixels * pixels if pixels else self._positions() * m.weight[0].numel()
-            transient = m.groups * held + self._positions() * m.out_channels
-        else:
-            transient = m.weight.numel()
+            transient += self._positions() * m.out_channels
         step = samples_per_chunk(self._held_per_sample(), transient)
-        if ghost and pixels:
-            norms = self._pixel_ghost_norms
-        else:
-            norms = self._ghost_norms if ghost else functools.partial(self._gradient_norms, norm_type=norm_type)
         return {id(m.weight): torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])}
 
     def _pixels(self) -> int:
