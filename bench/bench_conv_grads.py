@@ -51,7 +51,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device, batch = args.device, args.batch
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    where = torch.cuda.get_device_name() if device == "cuda" else (
+    # privleak's kernel computes in float32; torch's cuDNN convolutions default to TF32 (10-bit
+    # mantissas) on Ampere and later: float32 for every side, like for like.
+    torch.backends.cudnn.allow_tf32 = False
+    where = f"{torch.cuda.get_device_name()}, cuDNN TF32 off" if device == "cuda" else (
         f"{cpu_name()}, privleak path {privleak.info()['cpu_capability']}, {args.threads} threads")
     print(f"privleak {privleak.__version__}, torch {torch.__version__}, {where}; B = {batch}\n")
     rows = []

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
 from privleak.dpsgd import bookkeeping, layers
@@ -199,6 +200,20 @@ def test_every_layer_matches_the_materialised_update(case, mechanism, per_layer)
     compare(case, mechanism, per_layer)
 
 
+@requires_cuda
+@pytest.mark.parametrize("mechanism", list(CONFIGS))
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_every_layer_on_cuda_matches_the_materialised_update_on_the_cpu(case, mechanism):
+    model, x, target = setting(case)
+    grads = materialised_grads(model, x, target)
+    config = CONFIGS[mechanism](clip_between(grads, False), False)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+        got = book_kept(model.cuda(), x.cuda(), target.cuda(), config, 4.5, M.NoiseGenerator(7))
+    assert all(g.is_cuda for g in got)
+    assert_same_update([g.cpu() for g in got], want)
+
+
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])
 @pytest.mark.parametrize("case", ["linear-sequence", "linear-twice", "conv1d", "conv2d", "groupnorm"])
 def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
@@ -307,14 +322,17 @@ def data(kind, n, generator):
     return images, labels, lambda out, y: F.cross_entropy(out, y, reduction="none")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("kind, mechanism, per_layer", [
     ("transformer", "gaussian", False), ("transformer", "vmf", True), ("cnn", "gaussian", True), ("cnn", "vmf", False)])
-def test_training_with_poisson_batches_matches_the_materialised_path(kind, mechanism, per_layer):
+def test_training_with_poisson_batches_matches_the_materialised_path(kind, mechanism, per_layer, device):
     """Four steps of SGD with momentum on Poisson batches, one of them empty (once with a forward pass
-    of zero samples, once without any): the same updates and the same parameters after every step."""
+    of zero samples, once without any): the same updates and the same parameters after every step.
+    On CUDA: book-keeping and the batches on the GPU, the materialised reference on the CPU (the
+    noise streams give the same bits on both)."""
     torch.manual_seed(3)
-    model = TinyTransformer() if kind == "transformer" else small_cnn()
-    reference = copy.deepcopy(model)
+    reference = TinyTransformer() if kind == "transformer" else small_cnn()
+    model = copy.deepcopy(reference).to(device)
     inputs, targets, loss = data(kind, 24, torch.Generator().manual_seed(4))
     clip = [0.3] * len(list(model.parameters())) if per_layer else 0.5
     config = CONFIGS[mechanism](clip, per_layer)
@@ -323,24 +341,28 @@ def test_training_with_poisson_batches_matches_the_materialised_path(kind, mecha
                            M.NoiseGenerator(11))
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), config,
                            expected_batch_size=expected, generator=M.NoiseGenerator(11))
-    sampler = torch.Generator().manual_seed(5)
+    sampler = torch.Generator(device).manual_seed(5)
     batches = [dpsgd.sample_batch(24, 4, "poisson", sampler), torch.arange(0), dpsgd.sample_batch(24, 4, "poisson",
                                                                                                    sampler), None]
+    assert all(batch.device.type == device for batch in batches[::2])
     for batch in batches:
         if batch is None:  # an empty batch whose loop skips the forward pass
-            batch, losses = torch.arange(0), torch.zeros(0)
+            batch, losses = torch.arange(0), torch.zeros(0, device=device)
         else:
-            losses = loss(model(inputs[batch]), targets[batch])
+            with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+                losses = loss(model(inputs.to(device)[batch]), targets.to(device)[batch])
+        batch = batch.cpu()
         if len(batch):
             grads = dpsgd.per_sample_gradients(reference, lambda out, y: loss(out, y).sum(), inputs[batch],
                                                targets[batch])
         else:  # torch.func cannot vmap nn.MultiheadAttention over zero samples
             grads = [torch.zeros(0, *p.shape) for p in reference.parameters()]
         want = dp.step(grads)
-        got = bk.step(losses)
-        assert_same_update(got, want)
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            got = bk.step(losses)
+        assert_same_update([g.cpu() for g in got], want)
         for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6)
     assert bk.steps == dp.steps == 4
     assert bk.privacy_report(24, 1e-5) == dp.privacy_report(24, 1e-5)
 

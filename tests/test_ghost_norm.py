@@ -369,6 +369,18 @@ def test_conv_empty_batch_and_layouts():
     assert torch.equal(conv_ghost_norm_squared(x16, g, **args), conv_ghost_norm_squared(x16.float(), g, **args))
 
 
+def test_conv_groups_add_in_order_of_group():
+    # A grouped convolution's norm is its groups' norms (each its own ungrouped convolution) added
+    # in order of group: a fixed order, so that CPU and CUDA (whose sums over a dim differ) agree.
+    x, g, args = draw_conv(((16, 32, 5, 5), 48, 3, 1, 1, 1, 16), seed=47)
+    per_group = [conv_ghost_norm_squared(x_j, g_j, **{**args, "groups": 1})
+                 for x_j, g_j in zip(x.chunk(16, 1), g.chunk(16, 1))]
+    in_order = per_group[0]
+    for norm in per_group[1:]:
+        in_order = in_order + norm
+    assert torch.equal(conv_ghost_norm_squared(x, g, **args), in_order)
+
+
 def test_conv_threads_do_not_change_the_bits(threads):
     x, g, args = draw_conv(((9, 12, 10, 10), 20, 3, 1, 1, 1, 1), seed=44)
     results = []

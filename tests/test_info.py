@@ -5,7 +5,7 @@ import sys
 
 import privleak
 import pytest
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, requires_cuda
 
 
 def test_info_reports_the_build():
@@ -29,7 +29,14 @@ def test_import_needs_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="checks the error on machines without a usable GPU")
+@requires_cuda
+def test_a_gpu_torch_sees_is_usable_by_privleak():
+    report = privleak.info()
+    assert report["cuda_usable"] and report["cuda_devices"] >= 1, report["cuda_error"]
+    assert report["gpu_name"]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error on machines without a GPU")
 def test_asking_for_cuda_without_a_gpu_says_why():
     from privleak import _backend
 

@@ -37,6 +37,10 @@ DeviceGuard::DeviceGuard(int device) : previous_(0) {
   if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
 }
 
-DeviceGuard::~DeviceGuard() { cudaSetDevice(previous_); }
+// A destructor cannot throw: a failed restore is cleared, so that the next launch's check does
+// not report it as its own.
+DeviceGuard::~DeviceGuard() {
+  if (cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+}
 
 }  // namespace privleak::cuda

@@ -198,8 +198,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void sample_totals(const double* rows, int64_t batch, int64_t length, double* out) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b < batch) out[b] = ghost_sample_total(rows + b * length, length);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;  // blocks_for caps the grid
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < batch; b += stride)
+    out[b] = ghost_sample_total(rows + b * length, length);
 }
 
 // head[e] = whether position t of sample b (e = b length + t) is its id's first; next[e] = the

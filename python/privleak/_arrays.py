@@ -160,6 +160,15 @@ def empty(like: ArrayView, shape: tuple[int, ...], dtype: str) -> Any:
     return np.empty(shape, dtype=dtype)
 
 
+def quotient(x: Any, divisor: float) -> Any:
+    """x / divisor, each element rounded once, for an array of either kind on any device. CUDA
+    divides a tensor by a Python number as a product with its reciprocal (two roundings), which
+    would break the same bits on CPU and CUDA; a 0-dim divisor tensor on x's device is divided by."""
+    if is_tensor(x):
+        return x / _loaded_torch().tensor(divisor, dtype=x.dtype, device=x.device)
+    return x / divisor
+
+
 def convert_like(x: Any, name: str, like: ArrayView) -> ArrayView:
     """``x`` as a contiguous array of ``like``'s kind, dtype and device (a copy only if needed).
 

@@ -507,12 +507,13 @@ def _add(distribution: str, x, scale: float, scale_name: str, generator, key, of
     for dtype in {t.dtype for t in tensors}:
         _check_noise_range(distribution, scale, scale_name, dtype, secure)
     op_distribution, op_scale, grid = _op_parameters(distribution, scale, generator)
-    for t, name in zip(tensors, names):
-        if grid and t.numel():  # secure mode computes round(x / 2^grid) in int64
-            largest = float(t.detach().abs().max())
-            if not math.isfinite(largest):
+    sized = [(t, name) for t, name in zip(tensors, names) if t.numel()] if grid else []
+    if sized:  # secure mode computes round(x / 2^grid) in int64; one host sync for all the tensors
+        largest = torch.stack([t.detach().abs().amax().double() for t, _ in sized]).tolist()
+        for value, (_, name) in zip(largest, sized):
+            if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite for secure noise")
-            if largest >= 2.0 ** (grid + 61):
+            if value >= 2.0 ** (grid + 61):
                 raise ValueError(f"{name} is too large for secure noise of scale {scale}: |{name}| must stay below "
                                  "2^61 grid steps")
     words, offset = _resolve_stream(sum(t.numel() for t in tensors), generator, key, offset)
@@ -583,8 +584,7 @@ def vmf_sample(mu: torch.Tensor, kappa: float, n: int = 1, *, generator: Optiona
     scaled, norm = special.scaled_norm(mu.detach().double())
     if not math.isfinite(norm) or norm == 0:
         raise ValueError(f"mu must be finite and non-zero, got norm {norm}")
-    # A divisor tensor on mu's device: CUDA divides by a CPU scalar as a multiply by its reciprocal.
-    unit = (scaled / torch.tensor(norm, dtype=torch.float64, device=mu.device)).to(mu.dtype).contiguous()
+    unit = _arrays.quotient(scaled, norm).to(mu.dtype).contiguous()
     if isinstance(generator, SecureNoiseGenerator):
         raise ValueError("vmf_sample has no secure mode yet: pass a NoiseGenerator or a key")
     words, offset = _resolve_stream(n, generator, key, offset)
@@ -640,7 +640,7 @@ def vmf_log_density(y: torch.Tensor, mu: torch.Tensor, kappa: float) -> torch.Te
         worst = float((norms - 1.0).abs().max())
         raise ValueError(f"y must lie on the unit sphere S^(p-1): | |y| - 1 | <= {tolerance:.3g} for {y.dtype}, "
                          f"got {worst:.3g}")
-    unit = scaled_mu / torch.tensor(mu_norm, dtype=torch.float64, device=y.device)
+    unit = _arrays.quotient(scaled_mu, mu_norm)
     dot, dot_error = special.compensated_sum(*special.two_product(y64, unit))
     head, low = special.two_sum(dot, -1.0)
     cos_minus_one = head + (low + dot_error)  # mu.y - 1 to about 1 ulp

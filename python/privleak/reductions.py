@@ -182,7 +182,7 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
         _check_magnitude(column_stats(q.array, stats=("max", "min")), "queries", q.dtype, p)
     center = None
     if metric == "squared_l2":
-        center = _arrays.convert_like(input_stats.sum / n_inputs, "center", x)
+        center = _arrays.convert_like(_arrays.quotient(input_stats.sum, n_inputs), "center", x)
 
     out = Nearest(_arrays.empty(q, (n_queries,), "float64"), _arrays.empty(q, (n_queries,), "int64"))
     _backend.call("nearest", q, metric, q.dtype, q.address, n_queries, q.strides[0], x.address, n_inputs,

@@ -38,6 +38,7 @@ gives +inf; finite inputs never give NaN. The caller treats a non-finite norm as
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -208,7 +209,14 @@ def conv_ghost_norms(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: l
     spatial dim (book-keeping's convolution layers call it with their modules' own)."""
     norms = torch.ops.privleak.conv_ghost_norm(*conv_grads.folded(inputs, output_grads, kernel, strides, pads,
                                                                    dilations, groups))
-    return norms.view(-1, groups).sum(1)
+    return group_totals(norms, groups)
+
+
+def group_totals(norms: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B,): the (B G,) norms of a grouped layer's groups (sample-major) added per sample in order
+    of group. torch's sum over a dim adds in an order of its own on each device (vector lanes on
+    the CPU, a warp tree on CUDA), which would give the kernels' same CPU and CUDA bits up."""
+    return functools.reduce(torch.add, norms.view(-1, groups).unbind(1))
 
 
 def embedding_ghost_norm_squared(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:

@@ -40,16 +40,19 @@ def sample_batch(num_examples: int, batch_size: int, sampling: str = "poisson",
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Indices of one DP-SGD batch: Poisson sampling (each example independently with rate
     batch_size / num_examples; the batch size varies, the accountant's assumption for
-    amplification by subsampling) or a fixed-size sample without replacement."""
+    amplification by subsampling) or a fixed-size sample without replacement. The indices are on
+    ``generator``'s device (a CUDA generator draws on its GPU), else on the CPU."""
     num_examples = validation.integer(num_examples, "num_examples", low=1)
     batch_size = validation.integer(batch_size, "batch_size", low=1)
     if batch_size > num_examples:
         raise ValueError(f"batch_size must be <= num_examples, got {batch_size} and {num_examples}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise validation.ArgumentTypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    device = generator.device if generator is not None else None
     if _check_sampling(sampling) == "poisson":
-        return torch.nonzero(torch.rand(num_examples, generator=generator) < batch_size / num_examples).flatten()
-    return torch.randperm(num_examples, generator=generator)[:batch_size]
+        draws = torch.rand(num_examples, generator=generator, device=device)
+        return torch.nonzero(draws < batch_size / num_examples).flatten()
+    return torch.randperm(num_examples, generator=generator, device=device)[:batch_size]
 
 
 def _check_sampling(sampling: str) -> str:
