@@ -215,7 +215,7 @@ def conv_ghost_norms(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: l
 def group_totals(norms: torch.Tensor, groups: int) -> torch.Tensor:
     """(B,): the (B G,) norms of a grouped layer's groups (sample-major) added per sample in order
     of group. torch's sum over a dim adds in an order of its own on each device (vector lanes on
-    the CPU, a warp tree on CUDA), which would give the kernels' same CPU and CUDA bits up."""
+    the CPU, a warp tree on CUDA): the kernels' CPU and CUDA bits would differ after it."""
     return functools.reduce(torch.add, norms.view(-1, groups).unbind(1))
 
 

@@ -270,7 +270,7 @@ class LinearLayer(Layer):
         super().finish()
         # The ghost-norm kernel and the clipped sum's GEMM read g as (B T, p) rows: copy a strided
         # g once here, not in each (a transformer head's logit gradient comes transposed from a
-        # cross-entropy over dim 1: three copies of it took 4% of the step).
+        # cross-entropy over dim 1; the bench transformer's head norm and sum, B 32: 21 -> 18 ms).
         self.grads = [g.contiguous() for g in self.grads]
         if self.calls and self.trains(self.module.bias):
             self.per_sample[id(self.module.bias)] = bias_rows(self.grads, channels_last=True)
