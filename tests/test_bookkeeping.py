@@ -270,6 +270,30 @@ def test_autocast_to_bfloat16_gives_the_float32_update_to_bfloat16_precision(cas
         torch.testing.assert_close(g, w, rtol=0.0, atol=0.08 * scale)
 
 
+@pytest.mark.parametrize("mechanism", ["gaussian", "laplace"])  # L2: the clipped sum; L1: the norms' rows too
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_embedding_adds_its_tokens_in_float32(mechanism, dtype):
+    # 3000 tokens of 5 ids a sample: rounding the sums to 8 or 11 bits at every add would be off by
+    # far more than float32's accumulation error, and in the clip factors of the L1 norms as well.
+    batch, length = 2, 3000
+    generator = torch.Generator().manual_seed(8)
+    model = nn.Embedding(5, 3).to(dtype)
+    ids = torch.randint(0, 5, (batch, length), generator=generator)
+    direction = torch.rand(batch, length, 3, generator=generator).to(dtype)  # g = direction: loss = <emb, g>
+    grads = torch.stack([torch.zeros(5, 3, dtype=torch.float64).index_add_(0, i, d.double())
+                         for i, d in zip(ids, direction)])
+    norm_type = 1 if mechanism == "laplace" else 2
+    norms = grads.flatten(1).norm(p=norm_type, dim=1)
+    clip = float(norms.min()) / 2  # every sample clipped: its factor depends on its norm
+    want = (grads * (clip / norms).view(-1, 1, 1)).sum(0) / batch
+    # Laplace needs some noise: 1e-12 of the clip norm, far below the tolerance.
+    config = dpsgd.DPSGDConfig(clip, mechanism, noise_multiplier=0.0 if mechanism == "gaussian" else 1e-12)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=batch)
+    (got,) = bk.step((model(ids).float() * direction.float()).sum((1, 2)))
+    scale = float(grads.abs().sum((0, 1)).max())  # the largest total of |g| that one entry sums
+    assert torch.all((got.double() - want).abs() <= 4 * length * 2.0**-24 * scale)
+
+
 def test_secure_gaussian_noise_matches_on_the_same_key():
     model, x, target = setting("conv2d")
     grads = materialised_grads(model, x, target)

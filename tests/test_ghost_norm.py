@@ -369,16 +369,17 @@ def test_conv_empty_batch_and_layouts():
     assert torch.equal(conv_ghost_norm_squared(x16, g, **args), conv_ghost_norm_squared(x16.float(), g, **args))
 
 
-def test_conv_groups_add_in_order_of_group():
+@pytest.mark.parametrize("groups", [2, 3, 16])
+def test_conv_groups_add_in_a_fixed_tree(groups):
     # A grouped convolution's norm is its groups' norms (each its own ungrouped convolution) added
-    # in order of group: a fixed order, so that CPU and CUDA (whose sums over a dim differ) agree.
-    x, g, args = draw_conv(((16, 32, 5, 5), 48, 3, 1, 1, 1, 16), seed=47)
-    per_group = [conv_ghost_norm_squared(x_j, g_j, **{**args, "groups": 1})
-                 for x_j, g_j in zip(x.chunk(16, 1), g.chunk(16, 1))]
-    in_order = per_group[0]
-    for norm in per_group[1:]:
-        in_order = in_order + norm
-    assert torch.equal(conv_ghost_norm_squared(x, g, **args), in_order)
+    # pairwise, (0 + 1) + (2 + 3), ...: a fixed order, so that CPU and CUDA (whose sums over a dim
+    # add in different orders) agree.
+    x, g, args = draw_conv(((16, 2 * groups, 5, 5), 3 * groups, 3, 1, 1, 1, groups), seed=47)
+    level = [conv_ghost_norm_squared(x_j, g_j, **{**args, "groups": 1})
+             for x_j, g_j in zip(x.chunk(groups, 1), g.chunk(groups, 1))]
+    while len(level) > 1:
+        level = [sum(level[j:j + 2]) for j in range(0, len(level), 2)]
+    assert torch.equal(conv_ghost_norm_squared(x, g, **args), level[0])
 
 
 def test_conv_threads_do_not_change_the_bits(threads):

@@ -38,10 +38,10 @@ gives +inf; finite inputs never give NaN. The caller treats a non-finite norm as
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from privleak import _arrays, _backend, _ops, validation
 from privleak import mechanisms as _mechanisms
@@ -213,10 +213,16 @@ def conv_ghost_norms(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: l
 
 
 def group_totals(norms: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B,): the (B G,) norms of a grouped layer's groups (sample-major) added per sample in order
-    of group. torch's sum over a dim adds in an order of its own on each device (vector lanes on
-    the CPU, a warp tree on CUDA): the kernels' CPU and CUDA bits would differ after it."""
-    return functools.reduce(torch.add, norms.view(-1, groups).unbind(1))
+    """(B,): the (B G,) norms of a grouped layer's groups (sample-major) added per sample in a
+    fixed tree: groups 2j and 2j + 1, then pairs of those sums, and so on (a zero after an odd
+    count), log2 G elementwise adds. torch's sum over a dim adds in an order of its own on each
+    device (vector lanes on the CPU, a warp tree on CUDA): the kernels' CPU and CUDA bits would
+    differ after it."""
+    totals = norms.view(-1, groups)
+    while totals.shape[1] > 1:
+        totals = F.pad(totals, [0, totals.shape[1] % 2])
+        totals = totals[:, 0::2] + totals[:, 1::2]
+    return totals[:, 0]
 
 
 def embedding_ghost_norm_squared(ids: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:

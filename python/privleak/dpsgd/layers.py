@@ -477,8 +477,9 @@ class ConvLayer(Layer):
 @layer_kind(nn.Embedding)
 class EmbeddingLayer(Layer):
     """nn.Embedding: the input is one-hot, so the ghost norm needs only token equality
-    (:func:`~privleak.dpsgd.ghost_norm.embedding_ghost_norm_squared`) and the clipped sum is an
-    index_add of the scaled output gradients. Positions at ``padding_idx`` get no gradient."""
+    (:func:`~privleak.dpsgd.ghost_norm.embedding_ghost_norm_squared`) and the clipped sum is the
+    Embedding's weight gradient of the scaled output gradients. Positions at ``padding_idx`` get
+    no gradient."""
 
     def __init__(self, name: str, module: nn.Module):
         super().__init__(name, module)
@@ -503,6 +504,8 @@ class EmbeddingLayer(Layer):
         # L1 needs the rows of the per-sample gradient: the g of equal tokens summed at the
         # position of the token's first occurrence in its sample.
         batch, length = ids.shape
+        if length == 0:  # no tokens: argmax has no dim to reduce
+            return {id(self.module.weight): torch.zeros(batch, dtype=torch.float64, device=g.device)}
         first = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.uint8).argmax(2)
         first += torch.arange(0, batch * length, length, device=ids.device).unsqueeze(1)
         return {id(self.module.weight): row_norms(_rows_added(g, first, batch * length).view(g.shape), 1)}
@@ -516,10 +519,12 @@ class EmbeddingLayer(Layer):
 
 
 def _rows_added(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows, p): out[r] = the sum of the rows of ``values`` (..., p) whose ``index`` is r, by
-    torch's Embedding weight gradient: sorted on CUDA (index_add_ and scatter_add_ add with float
-    atomics there, in an order that changes from run to run), and on the CPU the same bits as
-    index_add_, 1.1-5x faster (2048 tokens of 256, 4096 of 768)."""
+    """(rows, p), float32 at least: out[r] = the sum of the rows of ``values`` (..., p) whose
+    ``index`` is r, by torch's Embedding weight gradient, deterministic on CUDA (index_add_ and
+    scatter_add_ add with float atomics there, in an order that varies from run to run) and faster
+    than index_add_ on the CPU (docs/benchmarks.md). It adds in the values' dtype: half types are
+    widened first, or each add would round to 8 or 11 bits."""
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
     return torch.ops.aten.embedding_dense_backward(values.reshape(-1, values.shape[-1]), index.reshape(-1), rows,
                                                    -1, False)
 

@@ -41,7 +41,7 @@ def sample_batch(num_examples: int, batch_size: int, sampling: str = "poisson",
     """Indices of one DP-SGD batch: Poisson sampling (each example independently with rate
     batch_size / num_examples; the batch size varies, the accountant's assumption for
     amplification by subsampling) or a fixed-size sample without replacement. The indices are on
-    ``generator``'s device (a CUDA generator draws on its GPU), else on the CPU."""
+    ``generator``'s device (a CUDA generator draws on its GPU), else on torch's default device."""
     num_examples = validation.integer(num_examples, "num_examples", low=1)
     batch_size = validation.integer(batch_size, "batch_size", low=1)
     if batch_size > num_examples:
