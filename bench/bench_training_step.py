@@ -24,7 +24,9 @@ drifts between rounds). Peak memory: each side runs --memory-steps steps in a fr
 process, the median of --memory-repeats such processes; on the CPU the growth of peak RSS
 (VmHWM, reset after building the model, data and wrappers) over the RSS then, with glibc's
 malloc mapping every block of 128 KiB or more on its own (FIXED_MALLOC), on a GPU
-torch.cuda.max_memory_allocated over what was allocated before the steps. A side whose
+torch.cuda.max_memory_allocated over what was allocated before the steps. "after step 1": the
+ratio of the peaks of the later steps over the memory in use after the first, which leaves out
+what the first step makes for good on every side alike (caches, workspaces). A side whose
 per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --max-gb is not
 run. --quick runs the smallest settings with few repeats, as a smoke test.
 """
@@ -205,29 +207,38 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
-    """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON)."""
-    model, x, y, criterion_class = setting(name, batch, device)
-    step = make_side(side, model, criterion_class, batch, x)
+def start_peak(device: str) -> int:
+    """Reset the peak to the memory in use now, and return that."""
     if device == "cuda":
-        # cuBLAS's handle and workspace belong to the process, made at its first matrix product and
-        # kept: made here, so that no side's peak counts them (they would pull every ratio to 1).
-        a = torch.ones(8, 8, device=device)
-        torch.addmm(a, a, a)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        reset_peak_rss()
-        base = status_bytes("VmRSS")
-    for _ in range(steps):
-        step(x, y)
+        return torch.cuda.memory_allocated()
+    reset_peak_rss()
+    return status_bytes("VmRSS")
+
+
+def peak_since_start(device: str) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = status_bytes("VmHWM") - base
-    print(json.dumps({"peak": peak}))
+        return torch.cuda.max_memory_allocated()
+    return status_bytes("VmHWM")
+
+
+def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
+    """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON), over
+    the memory in use with the model built ("peak", the issue's measure) and over the memory in use
+    after the first step ("later": what a step adds once the first has made what stays for good,
+    such as oneDNN's caches or cuBLAS's workspace, which are the same on every side)."""
+    model, x, y, criterion_class = setting(name, batch, device)
+    step = make_side(side, model, criterion_class, batch, x)
+    base = start_peak(device)
+    step(x, y)
+    first = peak_since_start(device) - base
+    after_first = start_peak(device)
+    for _ in range(steps - 1):
+        step(x, y)
+    later = peak_since_start(device)
+    print(json.dumps({"peak": max(first, later - base), "later": later - after_first}))
 
 
 # glibc's malloc serves a large block from the heap once a block that size was freed (its mmap
@@ -238,17 +249,17 @@ def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
-def peak_memory(side: str, name: str, batch: int, args) -> float:
-    """The median over --memory-repeats fresh processes (allocator and thread-pool state still
-    move peak RSS by a little from run to run)."""
+def peak_memory(side: str, name: str, batch: int, args) -> dict:
+    """:func:`child`'s peaks, each the median over --memory-repeats fresh processes (allocator and
+    thread-pool state still move peak RSS by a little from run to run)."""
     command = [sys.executable, __file__, "--child", side, name, str(batch), "--device", args.device,
                "--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
-    peaks = []
+    runs = []
     for _ in range(args.memory_repeats):
         done = subprocess.run(command, capture_output=True, text=True, check=True,
                               env={**os.environ, **FIXED_MALLOC})
-        peaks.append(json.loads(done.stdout.strip().splitlines()[-1])["peak"])
-    return statistics.median(peaks)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def main() -> None:
@@ -305,11 +316,13 @@ def main() -> None:
                     row["ms"] = f"{times[side] * 1e3:.1f}"
                     row["x non-private"] = f"{ratio_by_round(by_round, side, 'non-private'):.2f}x"
                     if side in memory:
-                        row["peak MiB"] = f"{memory[side] / 2**20:.0f}"
-                        row["mem x non-private"] = f"{memory[side] / max(memory['non-private'], 1):.2f}x"
+                        peaks, floor = memory[side], memory["non-private"]
+                        row["peak MiB"] = f"{peaks['peak'] / 2**20:.0f}"
+                        row["mem x non-private"] = f"{peaks['peak'] / max(floor['peak'], 1):.2f}x"
+                        row["after step 1"] = f"{peaks['later'] / max(floor['later'], 1):.2f}x"
                 rows.append(row)
             print(table(rows[-len(SIDES):], ["model", "params", "batch", "side", "ms", "x non-private", "peak MiB",
-                                             "mem x non-private"]), flush=True)
+                                             "mem x non-private", "after step 1"]), flush=True)
             print()
 
 
