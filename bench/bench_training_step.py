@@ -285,8 +285,9 @@ def main() -> None:
         child(side, name, int(batch), args.device, args.memory_steps)
         return
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    # torch's precision settings as the user has them, for every side (cuDNN's TF32 is on by default)
     where = (f"{torch.cuda.get_device_name()}, cuDNN TF32 {torch.backends.cudnn.allow_tf32}, matmul TF32 "
-             f"{torch.backends.cuda.matmul.allow_tf32} (torch's defaults: every side's convolutions in TF32)"
+             f"{torch.backends.cuda.matmul.allow_tf32}"
              if args.device == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} torch threads")
     print(f"torch {torch.__version__}, {where}; clip {CLIP}, noise multiplier {SIGMA}, flat clipping\n")
     names = [n for n in args.models if not (n == "large" and (args.skip_large or args.quick))]
