@@ -228,12 +228,16 @@ def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
     """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON), over
     the memory in use with the model built ("peak", the issue's measure) and over the memory in use
     after the first step ("later": what a step adds once the first has made what stays for good,
-    such as oneDNN's caches or cuBLAS's workspace, which are the same on every side)."""
+    such as oneDNN's caches or cuBLAS's workspace, which are the same on every side). The
+    parameters' .grad go before that base: torch's optimizers keep them between steps where
+    book-keeping frees its update, and in the base they would leave P floats out of one side only."""
     model, x, y, criterion_class = setting(name, batch, device)
     step = make_side(side, model, criterion_class, batch, x)
     base = start_peak(device)
     step(x, y)
     first = peak_since_start(device) - base
+    for p in model.parameters():
+        p.grad = None
     after_first = start_peak(device)
     for _ in range(steps - 1):
         step(x, y)
