@@ -228,7 +228,7 @@ def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
     """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON), over
     the memory in use with the model built ("peak", the issue's measure) and over the memory in use
     after the first step ("later": what a step adds once the first has made what stays for good,
-    such as oneDNN's caches or cuBLAS's workspace, which are the same on every side). The
+    such as library caches or cuBLAS's workspace, which are the same on every side). The
     parameters' .grad go before that base: torch's optimizers keep them between steps where
     book-keeping frees its update, and in the base they would leave P floats out of one side only."""
     model, x, y, criterion_class = setting(name, batch, device)
