@@ -25,8 +25,9 @@ process, the median of --memory-repeats such processes; on the CPU the growth of
 (VmHWM, reset after building the model, data and wrappers) over the RSS then, with glibc's
 malloc mapping every block of 128 KiB or more on its own (FIXED_MALLOC), on a GPU
 torch.cuda.max_memory_allocated over what was allocated before the steps. "after step 1": the
-ratio of the peaks of the later steps over the memory in use after the first, which leaves out
-what the first step makes for good on every side alike (caches, workspaces). A side whose
+ratio of the peaks of the later steps over the memory in use after the first, the parameters'
+.grad freed, which leaves out what the first step makes for good on every side alike (caches,
+workspaces). A side whose
 per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --max-gb is not
 run. --quick runs the smallest settings with few repeats, as a smoke test.
 """
