@@ -553,6 +553,54 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         make(nn.MultiheadAttention(4, 2))
 
 
+class Checkpointed(nn.Module):
+    """An Embedding, a block of layers under activation checkpointing (``reentrant`` None: none),
+    and a head: a transformer's usual layout."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Embedding(9, 4)
+        self.block = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.reentrant is not None:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        else:
+            h = self.block(h)
+        return self.head(h)
+
+
+def test_non_reentrant_activation_checkpointing_gives_the_update_without_it():
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=False)
+    plain = copy.deepcopy(model)
+    plain.reentrant = None
+    generator = torch.Generator().manual_seed(1)
+    x, target = ids((6, 5))(generator), torch.randn(6, 5, 3, generator=generator)
+    grads = materialised_grads(plain, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.7)
+    want = dpsgd.privatize(grads, config, 6.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(model, x, target, config, 6.0, M.NoiseGenerator(3)), want)
+
+
+def test_reentrant_activation_checkpointing_is_refused():
+    """Its forward runs without grad, so the hooks see nothing of the block: without the check its
+    parameters got the noise alone (and the others' clip factors left out the block's norms)."""
+    x = ids((4, 5))(torch.Generator().manual_seed(1))
+    model = Checkpointed(reentrant=True)
+    bk = make(model)
+    with pytest.raises(ValueError, match=r"graph of per_sample_losses has reentrant activation checkpointing"):
+        bk.step(model(x).pow(2).flatten(1).sum(1))
+    # Nothing recorded below the block, so the backward to the recorded layers would not reach it:
+    h = torch.randn(4, 5, 4, requires_grad=True)
+    out = model.head(torch.utils.checkpoint.checkpoint(model.block, h, use_reentrant=True))
+    with pytest.raises(ValueError, match=r"use_reentrant=False"):
+        bk.step(out.pow(2).flatten(1).sum(1))
+
+
 def test_a_layer_called_with_its_input_as_a_keyword_is_recorded():
     model, x, target = setting("linear")
     config = dpsgd.DPSGDConfig(0.3)

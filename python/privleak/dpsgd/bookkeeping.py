@@ -73,7 +73,10 @@ class BookKeeping:
     Refused with an error naming the module or parameter: a parameter shared by two modules
     (tied weights) and a parameter used outside its module's forward (the hooks cannot see that
     use; checked every step on the autograd graph); BatchNorm in training mode; dropout inside a
-    module that must be recomputed per sample.
+    module that must be recomputed per sample; reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=True)``: its forward runs without grad, out of
+    the hooks' sight). Non-reentrant checkpointing works, but the inputs the layers record stay
+    alive until the step: it saves only the memory of the other activations.
 
     Every forward pass with grad since the previous step belongs to the step's batch.
     """
@@ -272,7 +275,7 @@ class BookKeeping:
         """Every use of a trainable parameter in the loss's autograd graph must be one a hooked
         layer recorded; any other (a parameter used outside its module's forward, e.g.
         ``F.linear(x, other_module.weight)``) would escape clipping."""
-        used = count_uses([losses.grad_fn], self.params)
+        used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses")
         seen = [0] * len(self.params)
         for layer in self.layers:
             for uses in layer.uses:

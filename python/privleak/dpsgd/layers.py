@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import CheckpointFunction
 
 from privleak.dpsgd import conv_grads, ghost_norm
 
@@ -625,7 +626,8 @@ class FunctionalLayer(Layer):
         self.refuse_randomness()
         leaves, spec = tree_flatten((args, kwargs))
         inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
-        self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs))
+        self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
+                                    graph=f"the output of {self.describe()}"))
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         self.calls.append(([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast))
@@ -724,10 +726,14 @@ class BatchNormLayer(FunctionalLayer):
         return super().record(args, kwargs, output) if self.parameters else []
 
 
-def count_uses(roots: list, parameters: list, stop: frozenset = frozenset()) -> list[int]:
+def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss") -> list[int]:
     """How many autograd edges of the graph under the nodes ``roots`` reach each of ``parameters``
     (each use of a parameter in the forward is one edge into its AccumulateGrad node); the walk
-    does not go below the nodes in ``stop`` (a call's inputs)."""
+    does not go below the nodes in ``stop`` (a call's inputs).
+
+    Raises on reentrant activation checkpointing in the graph (named ``graph`` in the message): its
+    node hides the parameters it uses (they are no edges of the graph) and its forward runs without
+    grad, so the hooks record nothing, and the parameters would get the noise alone."""
     wanted = {id(p): i for i, p in enumerate(parameters)}
     counts = [0] * len(parameters)
     seen, stack = set(stop), [n for n in roots if n is not None]
@@ -736,6 +742,10 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset()) -> 
         if node in seen:
             continue
         seen.add(node)
+        if getattr(node, "_forward_cls", None) is CheckpointFunction:
+            raise ValueError(f"the graph of {graph} has reentrant activation checkpointing (torch.utils.checkpoint "
+                             "with use_reentrant=True), whose forward runs without grad, out of the book-keeping "
+                             "hooks' sight: its parameters would get no clipped gradient; use use_reentrant=False")
         for child, _ in node.next_functions:
             if child is None:
                 continue
