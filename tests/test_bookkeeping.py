@@ -601,6 +601,32 @@ def test_reentrant_activation_checkpointing_is_refused():
         bk.step(out.pow(2).flatten(1).sum(1))
 
 
+class InPlaceResidual(nn.Module):
+    """x += layer(x): the layer's recorded input changes after its forward call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        h += self.inner(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("inner", [nn.Linear(4, 4), Scale(4)], ids=["book-kept", "fallback"])
+def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
+    """Autograd refuses a backward through a saved tensor changed in place; book-keeping reads its
+    own recorded inputs in step(), and took the changed one silently."""
+    model = InPlaceResidual(inner)
+    bk = make(model)
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"an input of module 'inner' \(\w+\) was modified in place"):
+        bk.step(model(x).pow(2).sum(1))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as plain torch
+        model(x).pow(2).sum().backward()
+
+
 def test_a_layer_called_with_its_input_as_a_keyword_is_recorded():
     model, x, target = setting("linear")
     config = dpsgd.DPSGDConfig(0.3)

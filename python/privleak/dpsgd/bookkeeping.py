@@ -75,7 +75,8 @@ class BookKeeping:
     use; checked every step on the autograd graph); BatchNorm in training mode; dropout inside a
     module that must be recomputed per sample; reentrant activation checkpointing
     (``torch.utils.checkpoint(..., use_reentrant=True)``: its forward runs without grad, out of
-    the hooks' sight). Non-reentrant checkpointing works, but the inputs the layers record stay
+    the hooks' sight); a layer input changed in place after the layer's call (``h += layer(h)``).
+    Non-reentrant checkpointing works, but the inputs the layers record stay
     alive until the step: it saves only the memory of the other activations.
 
     Every forward pass with grad since the previous step belongs to the step's batch.
@@ -194,6 +195,8 @@ class BookKeeping:
             raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
                              "(it has no autograd graph)")
         self._check_uses(losses)
+        for layer in self.layers:
+            layer.check_inputs()
         edges = [edge for layer in self.layers for edge in layer.edges]
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "

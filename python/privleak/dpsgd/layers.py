@@ -134,16 +134,32 @@ class Layer:
         self.grads: list = []  # per call, the gradients of its recorded outputs (None until they come)
         self.reduced = 0  # calls that reduce() replaced by per-sample gradients
         self.per_sample: dict = {}  # per parameter id, the (B, *shape) per-sample gradients formed
+        self.versions: list = []  # (recorded input, its version counter then), to find in-place changes
 
     def trains(self, parameter: Optional[torch.Tensor]) -> bool:
         return parameter is not None and parameter.requires_grad
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """x detached (its storage, not a copy) for the step, noting its version."""
+        kept = x.detach()
+        self.versions.append((kept, kept._version))
+        return kept
+
+    def check_inputs(self) -> None:
+        """Raise if a recorded input was changed in place since its forward call (autograd raises
+        for the tensors it saves; book-keeping reads its own in the step)."""
+        for x, version in self.versions:
+            if x._version != version:
+                raise ValueError(f"an input of {self.describe()} was modified in place after its forward call "
+                                 "(e.g. `x += layer(x)`), and book-keeping reads it in step(): write `x = x + "
+                                 "layer(x)`")
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         """Keep the input of one forward call and the gradient edge of its output; returns the
         outputs whose gradients :meth:`take_grad` wants, in order."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return []  # run without grad (evaluation): nothing to train
-        self.calls.append((args[0] if args else next(iter(kwargs.values()))).detach())
+        self.calls.append(self.keep(args[0] if args else next(iter(kwargs.values()))))
         self.edges.append(get_gradient_edge(output))
         self.grads.append([None])
         self.uses.append([self.uses_per_call] * len(self.parameters))
@@ -630,7 +646,7 @@ class FunctionalLayer(Layer):
                                     graph=f"the output of {self.describe()}"))
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        self.calls.append(([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast))
+        self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast))
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.grads.append([None] * len(live))
         return [outputs[i] for i in live]
