@@ -391,14 +391,51 @@ def test_training_with_poisson_batches_matches_the_materialised_path(kind, mecha
     assert bk.privacy_report(24, 1e-5) == dp.privacy_report(24, 1e-5)
 
 
-def test_an_empty_batch_releases_the_noise_alone():
+@pytest.mark.parametrize("given", ["losses", "none"])
+def test_an_empty_batch_releases_the_noise_alone(given):
     model, _, _ = setting("linear")
     config = dpsgd.DPSGDConfig(1.0, noise_multiplier=2.0)
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=5.0,
                            generator=M.NoiseGenerator(2))
-    got = bk.step(regression(model(torch.zeros(0, 5)), torch.zeros(0, 3)))
+    got = bk.step(regression(model(torch.zeros(0, 5)), torch.zeros(0, 3)) if given == "losses" else None)
     noise = M.gaussian_noise(sum(p.numel() for p in model.parameters()), std=2.0, generator=M.NoiseGenerator(2))
     torch.testing.assert_close(torch.cat([g.flatten() for g in got]), noise / 5.0)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+@pytest.mark.parametrize("mechanism", ["gaussian", "vmf"])
+@pytest.mark.parametrize("case", ["linear-sequence", "conv2d", "embedding", "groupnorm", "fallback"])
+def test_physical_batches_give_the_update_of_the_whole_batch(case, mechanism, per_layer):
+    """accumulate() over physical batches of 2, 0 and 3 samples, then step() with the last one's
+    losses or with none: the materialised update of all 6 samples at once, one noise draw."""
+    model, x, target = setting(case)
+    grads = materialised_grads(model, x, target)
+    config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    for last in ("losses", "none"):
+        bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4.5,
+                               generator=M.NoiseGenerator(7))
+        for part in ((0, 2), (2, 2), (2, 5)):
+            bk.accumulate(regression(model(x[slice(*part)]), target[slice(*part)]))
+        tail = regression(model(x[5:]), target[5:])
+        got = bk.step(tail) if last == "losses" else (bk.accumulate(tail), bk.step())[1]
+        assert_same_update(got, want)
+        assert bk.steps == 1
+        bk.remove()
+
+
+def test_a_step_without_losses_after_a_forward_pass_with_grad_is_refused():
+    model, x, target = setting("linear")
+    alone = copy.deepcopy(model)
+    want = make(alone, generator=M.NoiseGenerator(4)).step(regression(alone(x[:3]), target[:3]))
+    bk = make(model, generator=M.NoiseGenerator(4))
+    bk.accumulate(regression(model(x[:3]), target[:3]))
+    model(x[3:])
+    with pytest.raises(ValueError, match="step\\(\\) got no per_sample_losses, but the model ran a forward pass"):
+        bk.step()
+    with torch.no_grad():
+        model(x[3:])  # evaluation records nothing
+    assert_same_update(bk.step(), want)  # the accumulated batch; the refused forward pass is dropped
 
 
 def test_the_optimizer_steps_with_the_update():

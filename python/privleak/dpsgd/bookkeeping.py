@@ -79,7 +79,15 @@ class BookKeeping:
     Non-reentrant checkpointing works, but the inputs the layers record stay
     alive until the step: it saves only the memory of the other activations.
 
-    Every forward pass with grad since the previous step belongs to the step's batch.
+    A logical batch too large for memory goes through in physical batches, the noise added once::
+
+        for logical in batches:                    # one Poisson sample of the dataset each
+            for x, y in zip(logical[0].split(16), logical[1].split(16)):
+                bk.accumulate(F.cross_entropy(model(x), y, reduction="none"))
+            update = bk.step()                     # noise once; an empty logical batch: the noise alone
+
+    Every forward pass with grad since the previous step() or accumulate() belongs to the
+    per-sample losses given next.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, *, expected_batch_size: float,
@@ -100,6 +108,7 @@ class BookKeeping:
         self._recording = True
         self._collecting = False
         self._clip_norm_cache = None  # ((column order, config id), clip norms) of the last step
+        self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._hooks = [layer.module.register_forward_hook(self._hook(layer), with_kwargs=True)
                        for layer in self.layers]
 
@@ -133,6 +142,7 @@ class BookKeeping:
             hook.remove()
         self._hooks = []
         self._clear()
+        self._accumulated = None
 
     def _hook(self, layer: Layer):
         def record(module, args, kwargs, output):
@@ -154,11 +164,14 @@ class BookKeeping:
         for layer in self.layers:
             layer.clear()
 
-    def step(self, per_sample_losses: torch.Tensor) -> list:
-        """Privatise the batch whose per-sample losses (B,) are given and step the optimizer with
-        the update as the parameters' ``.grad`` (reset to None after the step, so the next forward
-        pass does not hold it); returns the update (what the server sees), one float32 tensor per
-        parameter in the optimizer's order."""
+    def accumulate(self, per_sample_losses: torch.Tensor) -> None:
+        """Clip the per-sample gradients of one physical batch, whose per-sample losses (B,) are
+        given, and add their clipped sum to the step's; :meth:`step` adds the noise once, to the
+        sum over every physical batch since the last step. A logical batch too large for memory
+        (a Poisson sample of the dataset) is so taken a few samples at a time, as Opacus's
+        BatchMemoryManager does: each sample's clip factor needs only its own gradient, so the
+        update is the one of the whole batch at once (float32 rounding aside), and the privacy
+        accounting is the logical batch's. Holds one float32 sum per parameter between calls."""
         losses = _check_losses(per_sample_losses)
         self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
         try:
@@ -166,6 +179,32 @@ class BookKeeping:
         finally:
             self._recording = True
             self._clear()
+        if sums is None:
+            return
+        if self._accumulated is None:
+            self._accumulated = sums
+        else:
+            for total, s in zip(self._accumulated, sums):
+                total.add_(s)
+
+    def step(self, per_sample_losses: Optional[torch.Tensor] = None) -> list:
+        """Privatise the batch and step the optimizer with the update as the parameters' ``.grad``
+        (reset to None after the step, so the next forward pass does not hold it); returns the
+        update (what the server sees), one float32 tensor per parameter in the optimizer's order.
+
+        The batch is the one whose per-sample losses (B,) are given, with the physical batches
+        given to :meth:`accumulate` since the last step; without losses, those alone (none: an
+        empty batch, the update is the noise alone)."""
+        if per_sample_losses is not None:
+            self.accumulate(per_sample_losses)
+        elif any(layer.calls for layer in self.layers):
+            self._clear()
+            raise ValueError("step() got no per_sample_losses, but the model ran a forward pass with grad since the "
+                             "last step or accumulate(): pass that batch's per-sample losses (run an evaluation "
+                             "under torch.no_grad())")
+        sums, self._accumulated = self._accumulated, None
+        if sums is None:  # an empty batch
+            sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
         config = self.config
         clipping = config.clipping(len(self.params))
         mechanism = config.mechanism
@@ -180,11 +219,11 @@ class BookKeeping:
             p.grad = None
         return update
 
-    def _clipped_sums(self, losses: torch.Tensor) -> list:
-        """sum_i f_i g_i per parameter, float32, in the optimizer's order."""
+    def _clipped_sums(self, losses: torch.Tensor) -> Optional[list]:
+        """sum_i f_i g_i per parameter, float32, in the optimizer's order; None for no samples."""
         batch = losses.shape[0]
-        if batch == 0:  # an empty Poisson batch: the update is the noise alone
-            return [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
+        if batch == 0:
+            return None
         for layer in self.layers:
             for size in layer.batch_sizes():
                 if size != batch:
