@@ -3,6 +3,7 @@ materialised path and Opacus, in one run.
 
     python bench/bench_training_step.py [--quick] [--models paper-cnn cifar-cnn transformer large]
                                         [--skip-large] [--device cpu|cuda] [--threads 1] [--max-gb 16]
+                                        [--batches 64 256] [--physical 16]
 
 A step is forward, backward, clipping, noise and the optimizer step (SGD) on one batch, clip norm
 1, noise multiplier 1, flat clipping. Sides: "non-private" is plain torch (mean loss, backward,
@@ -29,7 +30,10 @@ ratio of the peaks of the later steps over the memory in use after the first, th
 .grad freed, which leaves out what the first step makes for good on every side alike (caches,
 workspaces). A side whose
 per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --max-gb is not
-run. --quick runs the smallest settings with few repeats, as a smoke test.
+run. --quick runs the smallest settings with few repeats, as a smoke test. --physical N takes
+each batch in physical batches of N samples, as a logical batch too large for memory is taken:
+non-private torch accumulates the gradients of the batch's mean loss, book-keeping calls
+accumulate() per physical batch and step() once (the other sides are not run).
 """
 from __future__ import annotations
 
@@ -142,10 +146,14 @@ MODELS = {
 }
 
 
-def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor):
-    """A function running one training step of ``side`` on ``model`` (which it owns) and the batch."""
+def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0):
+    """A function running one training step of ``side`` on ``model`` (which it owns) and the batch;
+    with ``physical``, the batch in physical batches of that many samples (non-private: gradient
+    accumulation of the batch's mean loss; book-keeping: accumulate())."""
     criterion = criterion_class()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if physical:
+        return physical_side(side, model, optimizer, criterion_class, batch, physical)
     if side == "non-private":
         def step(x, y):
             optimizer.zero_grad(set_to_none=True)
@@ -178,6 +186,29 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
         dp_optimizer.zero_grad(set_to_none=True)
         loss_fn(wrapped(x), y).backward()
         dp_optimizer.step()
+    return step
+
+
+def physical_side(side: str, model: nn.Module, optimizer, criterion_class, batch: int, physical: int):
+    """:func:`make_side`'s step in physical batches (the two sides that take them)."""
+    if side == "non-private":
+        total = criterion_class(reduction="sum")
+
+        def step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            for xs, ys in zip(x.split(physical), y.split(physical)):
+                (total(model(xs), ys) / batch).backward()
+            optimizer.step()
+        return step
+    if side != "book-keeping":
+        raise ValueError(f"--physical: only the non-private and book-keeping sides take physical batches, not {side}")
+    bk = dpsgd.BookKeeping(model, optimizer, dpsgd.DPSGDConfig(CLIP, noise_multiplier=SIGMA), expected_batch_size=batch)
+    per_sample = criterion_class(reduction="none")
+
+    def step(x, y):
+        for xs, ys in zip(x.split(physical), y.split(physical)):
+            bk.accumulate(per_sample(model(xs), ys))
+        return bk.step()
     return step
 
 
@@ -225,7 +256,7 @@ def peak_since_start(device: str) -> int:
     return status_bytes("VmHWM")
 
 
-def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
+def child(side: str, name: str, batch: int, device: str, steps: int, physical: int) -> None:
     """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON), over
     the memory in use with the model built ("peak", the issue's measure) and over the memory in use
     after the first step ("later": what a step adds once the first has made what stays for good,
@@ -233,7 +264,7 @@ def child(side: str, name: str, batch: int, device: str, steps: int) -> None:
     parameters' .grad go before that base: torch's optimizers keep them between steps where
     book-keeping frees its update, and in the base they would leave P floats out of one side only."""
     model, x, y, criterion_class = setting(name, batch, device)
-    step = make_side(side, model, criterion_class, batch, x)
+    step = make_side(side, model, criterion_class, batch, x, physical)
     base = start_peak(device)
     step(x, y)
     first = peak_since_start(device) - base
@@ -258,7 +289,8 @@ def peak_memory(side: str, name: str, batch: int, args) -> dict:
     """:func:`child`'s peaks, each the median over --memory-repeats fresh processes (allocator and
     thread-pool state still move peak RSS by a little from run to run)."""
     command = [sys.executable, __file__, "--child", side, name, str(batch), "--device", args.device,
-               "--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
+               "--threads", str(args.threads), "--memory-steps", str(args.memory_steps), "--physical",
+               str(args.physical)]
     runs = []
     for _ in range(args.memory_repeats):
         done = subprocess.run(command, capture_output=True, text=True, check=True,
@@ -279,6 +311,10 @@ def main() -> None:
     parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per side; their median")
     parser.add_argument("--no-memory", action="store_true", help="time only")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of timing, the sides in turns")
+    parser.add_argument("--physical", type=int, default=0,
+                        help="take each batch in physical batches of this many samples (non-private and "
+                             "book-keeping sides only)")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes instead of each model's own")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -287,7 +323,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     if args.child:
         side, name, batch = args.child
-        child(side, name, int(batch), args.device, args.memory_steps)
+        child(side, name, int(batch), args.device, args.memory_steps, args.physical)
         return
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     # torch's precision settings as the user has them, for every side (cuDNN's TF32 is on by default)
@@ -298,11 +334,14 @@ def main() -> None:
     names = [n for n in args.models if not (n == "large" and (args.skip_large or args.quick))]
     rows = []
     for name in names:
-        batches = MODELS[name][4] if args.quick else MODELS[name][3]
+        batches = args.batches or (MODELS[name][4] if args.quick else MODELS[name][3])
         for batch in batches:
             model, x, y, criterion_class = setting(name, batch, args.device)
             sides = [s for s in SIDES if s not in MATERIALISING or needs_gb(model, batch) <= args.max_gb]
-            steps = {side: make_side(side, copy.deepcopy(model), criterion_class, batch, x) for side in sides}
+            if args.physical:
+                sides = ["non-private", "book-keeping"]
+            steps = {side: make_side(side, copy.deepcopy(model), criterion_class, batch, x, args.physical)
+                     for side in sides}
             fns = {s: (lambda step=steps[s]: step(x, y)) for s in sides}
             # Enough calls a round that one lasts about 50 ms (a small model's step is a few ms).
             once = seconds(fns["non-private"], repeat=3, sync=sync)
@@ -317,7 +356,8 @@ def main() -> None:
             for side in SIDES:
                 row = {"model": name, "params": f"{params / 1e6:.2f}M", "batch": batch, "side": side}
                 if side not in times:
-                    row["ms"] = f"skipped: B x P = {needs_gb(model, batch):.1f} GB"
+                    row["ms"] = ("not with --physical" if args.physical else
+                                 f"skipped: B x P = {needs_gb(model, batch):.1f} GB")
                 else:
                     row["ms"] = f"{times[side] * 1e3:.1f}"
                     row["x non-private"] = f"{ratio_by_round(by_round, side, 'non-private'):.2f}x"
