@@ -223,7 +223,10 @@ def test_a_forked_child_gets_a_new_key(path):
     assert len(child) == len(parent) == 256 * (8 if path == "noise" else 4)
     child_values = np.frombuffer(child, dtype=np.float64 if path == "noise" else np.float32)
     parent_values = np.frombuffer(parent, dtype=child_values.dtype)
-    assert not np.isin(child_values, parent_values).any()
+    # A reused key gives the parent's 256 values. Secure noise is discrete (a grid of about 1e-6 of
+    # its scale), so two independent draws share a value now and then: 0.018 expected of 256 x 256
+    # pairs, at least 4 shared with probability about 1e-9.
+    assert np.isin(child_values, parent_values).sum() < 4
 
 
 def test_the_pid_check_rekeys_where_the_fork_hook_did_not_run():
