@@ -73,7 +73,8 @@ def test_secure_generator_draws_laplace():
     grads = [torch.zeros(2, 50_000)]
     released = dpsgd.privatize(grads, dpsgd.DPSGDConfig(1.0, "laplace", noise_multiplier=1.0), 2.0,
                                mechanisms.SecureNoiseGenerator())[0]
-    assert scipy.stats.kstest(released.double().numpy(), scipy.stats.laplace(scale=0.5).cdf).pvalue > 1e-3
+    # Fresh OS entropy every run: a threshold that fails falsely once in a million runs.
+    assert scipy.stats.kstest(released.double().numpy(), scipy.stats.laplace(scale=0.5).cdf).pvalue > 1e-6
 
 
 def _brute_force_rr_epsilon(epsilon: float, q: float, steps: int, delta: float) -> float:
