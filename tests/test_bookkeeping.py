@@ -424,6 +424,44 @@ def test_physical_batches_give_the_update_of_the_whole_batch(case, mechanism, pe
         bk.remove()
 
 
+def test_a_resumed_run_continues_the_steps_and_the_noise_stream():
+    """Three steps, the state saved; two more in new objects built from the saved state alone: the
+    updates and the report of five steps uninterrupted. Taking the state between accumulate()
+    and step() is refused (the accumulated sums are not in it)."""
+    model, x, target = setting("conv2d")
+    initial = copy.deepcopy(model.state_dict())
+
+    def build(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return dpsgd.BookKeeping(model, sgd, dpsgd.DPSGDConfig(0.5, noise_multiplier=0.8), expected_batch_size=4.0,
+                                 generator=M.NoiseGenerator(11))
+
+    def run(resume_at=None):
+        model.load_state_dict(initial)
+        net, bk, updates = model, build(model), []
+        for step in range(5):
+            if step == resume_at:
+                saved = copy.deepcopy((net.state_dict(), bk.optimizer.state_dict(), bk.state_dict()))
+                bk.remove()
+                net = copy.deepcopy(model)
+                bk = build(net)
+                net.load_state_dict(saved[0])
+                bk.optimizer.load_state_dict(saved[1])
+                bk.load_state_dict(saved[2])
+            part = slice(step % 3, step % 3 + 4)
+            updates.append(bk.step(regression(net(x[part]), target[part])))
+        bk.accumulate(regression(net(x[:2]), target[:2]))
+        with pytest.raises(ValueError, match=r"state_dict\(\): physical batches have been accumulated"):
+            bk.state_dict()
+        return updates, bk
+
+    whole, first = run()
+    resumed, second = run(resume_at=3)
+    for a, b in zip(whole, resumed):
+        assert_same_update(b, a)
+    assert second.steps == 5 and second.privacy_report(60, 1e-5) == first.privacy_report(60, 1e-5)
+
+
 def test_a_step_without_losses_after_a_forward_pass_with_grad_is_refused():
     model, x, target = setting("linear")
     alone = copy.deepcopy(model)

@@ -1,4 +1,5 @@
 """The DP-SGD step against a hand-written DP-SGD, and privleak inside Opacus against Opacus."""
+import copy
 import warnings
 
 import pytest
@@ -98,6 +99,59 @@ def test_an_empty_poisson_batch_is_a_step(mechanism):
     else:
         assert abs(float(update.norm()) - 1) < 1e-6
     assert optimizer.steps == 1
+
+
+def _dp_sgd_run(steps, resume_at=None, generator=None):
+    """DP-SGD with momentum on batches of 8: the updates, and the optimizer's report. With
+    ``resume_at``, the run stops there, saves the model's, optimizer's and DP state, and goes on
+    in new objects built from the saved state alone (the same seed for a new generator)."""
+    model, (x, y) = small_model(), data()
+
+    def build(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return dpsgd.DPOptimizer(sgd, dpsgd.DPSGDConfig(0.5, noise_multiplier=1.1), 8.0,
+                                 generator=generator() if generator else None)
+
+    optimizer, updates = build(model), []
+    for step in range(steps):
+        if step == resume_at:
+            saved = copy.deepcopy((model.state_dict(), optimizer.optimizer.state_dict(), optimizer.state_dict()))
+            model = small_model(seed=9)
+            M.manual_seed(3)  # as a restarted script seeds privleak's default generator again
+            optimizer = build(model)
+            model.load_state_dict(saved[0])
+            optimizer.optimizer.load_state_dict(saved[1])
+            optimizer.load_state_dict(saved[2])
+        batch = slice(8 * (step % 3), 8 * (step % 3) + 8)
+        updates.append(optimizer.step(dpsgd.per_sample_gradients(model, cross_entropy, x[batch], y[batch])))
+    return updates, optimizer
+
+
+@pytest.mark.parametrize("generator", [lambda: M.NoiseGenerator(5), None], ids=["seeded", "default"])
+def test_a_run_resumed_from_its_state_is_the_run_uninterrupted(generator):
+    """The steps carry over into the privacy report, and the generator's offset into the noise: a
+    generator seeded again would draw the first steps' noise once more."""
+    M.manual_seed(3)
+    whole, optimizer = _dp_sgd_run(5, generator=generator)
+    M.manual_seed(3)
+    resumed, again = _dp_sgd_run(5, resume_at=3, generator=generator)
+    for a, b in zip(whole, resumed):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-7)
+    assert again.steps == 5
+    assert again.privacy_report(24, 1e-5) == optimizer.privacy_report(24, 1e-5)
+
+
+def test_a_bad_dp_state_is_refused():
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0), 8.0)
+    with pytest.raises(TypeError, match="state must be a dict with the keys 'steps' and 'generator'"):
+        optimizer.load_state_dict({"steps": 3})
+    with pytest.raises(ValueError, match=r"state\['steps'\] must be >= 0"):
+        optimizer.load_state_dict({"steps": -1, "generator": None})
+    secure = dpsgd.DPOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0), 8.0,
+                               generator=M.SecureNoiseGenerator())
+    assert secure.state_dict() == {"steps": 0, "generator": None}
+    secure.load_state_dict(optimizer.state_dict())  # a secure generator keeps its own state
 
 
 def test_gradients_in_another_order_than_the_optimizers_are_rejected():

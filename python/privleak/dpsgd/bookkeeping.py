@@ -136,6 +136,19 @@ class BookKeeping:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._dp.zero_grad(set_to_none)
 
+    def state_dict(self) -> dict:
+        """:meth:`DPOptimizer.state_dict <privleak.dpsgd.DPOptimizer.state_dict>`: the steps and
+        the noise generator's state, to save with the model's and the optimizer's. Taken between
+        steps: physical batches accumulated since the last step are not in it."""
+        if self._accumulated is not None:
+            raise ValueError("state_dict(): physical batches have been accumulated since the last step; take the "
+                             "state after step()")
+        return self._dp.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state (the steps, the seeded generator's key and offset)."""
+        self._dp.load_state_dict(state)
+
     def remove(self) -> None:
         """Take the hooks off the model."""
         for hook in self._hooks:

@@ -165,6 +165,35 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> dict:
+        """The DP state to save with the model's and the optimizer's: the steps taken (the privacy
+        report counts them) and the seeded noise generator's (key, offset) (None for a
+        :class:`~privleak.mechanisms.SecureNoiseGenerator`, which takes a fresh key in every
+        process). Restored by :meth:`load_state_dict`; without it, a resumed run would report the
+        epsilon of its own steps only, and a generator seeded again would draw the first steps'
+        noise once more, which cancels between the two releases. The key is in the state: keep it
+        as secret as the seed."""
+        from privleak import mechanisms
+
+        generator = mechanisms.default_generator if self.generator is None else self.generator
+        return {"steps": self.steps,
+                "generator": generator.get_state() if isinstance(generator, mechanisms.NoiseGenerator) else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state: the steps, and the (key, offset) into this optimizer's
+        seeded generator (privleak's default one where it was built with none). A secure generator
+        on either side keeps its own state: it never repeats."""
+        from privleak import mechanisms
+
+        if not isinstance(state, dict) or set(state) != {"steps", "generator"}:
+            raise validation.ArgumentTypeError("state must be a dict with the keys 'steps' and 'generator', as "
+                                               f"state_dict() makes, got {state!r}")
+        steps = validation.integer(state["steps"], "state['steps']", low=0)
+        generator = mechanisms.default_generator if self.generator is None else self.generator
+        if state["generator"] is not None and isinstance(generator, mechanisms.NoiseGenerator):
+            generator.set_state(state["generator"])
+        self.steps = steps
+
     def step(self, per_sample_grads: Sequence[torch.Tensor]) -> list:
         per_sample_grads = _check_grads(per_sample_grads)
         if len(per_sample_grads) != len(self.params):
