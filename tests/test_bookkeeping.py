@@ -3,6 +3,7 @@ torch.func per-sample gradients through dpsgd.privatize / DPOptimizer, same conf
 stream. The clip norms are set between the samples' norms, so some samples are clipped and some not."""
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
     # torch's note on padding="same" with an even kernel, which the conv cases test on purpose
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
+    # the fallback's note on a model with parameters of its own beside its layers (own-parameters)
+    pytest.mark.filterwarnings("ignore:module '' \\(OwnParameters\\) has trainable parameters of its own"),
 ]
 
 
@@ -114,6 +117,22 @@ class Attention(nn.Module):
         return self.out(self.attention(h, h, h, need_weights=False)[0])
 
 
+class OwnParameters(nn.Module):
+    """A ViT's layout: a class token and a position embedding as parameters of the model itself,
+    beside its layers (the fallback, replaying the whole forward per sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(2, 4, 3, stride=3)
+        self.cls, self.pos = nn.Parameter(torch.randn(1, 1, 4)), nn.Parameter(torch.randn(1, 5, 4))
+        self.norm, self.head = nn.LayerNorm(4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls.expand(len(x), -1, -1), h], 1) + self.pos
+        return self.head(torch.tanh(self.norm(h))[:, 0])
+
+
 def frozen_first():
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
     model[0].weight.requires_grad_(False)
@@ -162,6 +181,7 @@ LAYER_CASES = {
                                         nn.Linear(36, 2)), normal(6, 2, 5, 5)),
     "multihead-attention": (Attention, normal(6, 5, 3)),
     "fallback": (lambda: nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Linear(4, 2)), normal(6, 5)),
+    "own-parameters": (OwnParameters, normal(6, 2, 6, 6)),
     "batchnorm-eval": (batchnorm_eval, normal(6, 5)),
 }
 
@@ -700,6 +720,17 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
         bk.step(model(x).pow(2).sum(1))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as plain torch
         model(x).pow(2).sum().backward()
+
+
+def test_parameters_of_a_module_beside_its_layers_get_a_warning():
+    """Their fallback replays the module's layers too; a module of its own replays only itself."""
+    with pytest.warns(UserWarning, match=r"module '' \(OwnParameters\) has trainable parameters of its own "
+                                         r"\(cls, pos\) .* its layers \(patch, norm, head\) included; put"):
+        make(OwnParameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Linear(4, 2)))
+        make(Attention())  # nn.MultiheadAttention accounts for its out_proj itself
 
 
 def test_a_layer_called_with_its_input_as_a_keyword_is_recorded():

@@ -630,9 +630,26 @@ class FunctionalLayer(Layer):
     Tensor arguments whose first dim is the batch size are split by sample, the others shared.
     The forward must treat samples independently and be deterministic: dropout inside it could
     not be replayed and is refused in training mode.
+
+    The replay runs the module's whole forward, children included: for a module whose parameters
+    of its own sit beside layers (a ViT's class token and position embedding on the model itself),
+    that is another forward and backward of those layers per step (the bench transformer with its
+    position embedding a bare parameter of the model: 1.66x the step time, B 32). Such a module gets a
+    warning that says to put those parameters in a small module of their own.
     """
 
     uses_per_call = None
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__(name, module)
+        layers = [child for child, sub in module.named_children() if next(sub.parameters(), None) is not None]
+        if layers and not self.claims_children:
+            own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) and no "
+                          "book-keeping rule: their per-sample gradients replay its whole forward per sample, "
+                          f"its layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) included; put "
+                          "those parameters in a small module of their own (positions in an nn.Embedding, or a "
+                          "module that adds or prepends them), so that only it is replayed", stacklevel=5)
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
