@@ -20,8 +20,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
     # torch's note on padding="same" with an even kernel, which the conv cases test on purpose
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning"),
-    # the fallback's note on a model with parameters of its own beside its layers (own-parameters)
-    pytest.mark.filterwarnings("ignore:module '' \\(OwnParameters\\) has trainable parameters of its own"),
 ]
 
 
@@ -119,7 +117,7 @@ class Attention(nn.Module):
 
 class OwnParameters(nn.Module):
     """A ViT's layout: a class token and a position embedding as parameters of the model itself,
-    beside its layers (the fallback, replaying the whole forward per sample)."""
+    beside its layers (the fallback's broadcast parameters: no replay)."""
 
     def __init__(self):
         super().__init__()
@@ -722,15 +720,67 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
         model(x).pow(2).sum().backward()
 
 
-def test_parameters_of_a_module_beside_its_layers_get_a_warning():
-    """Their fallback replays the module's layers too; a module of its own replays only itself."""
-    with pytest.warns(UserWarning, match=r"module '' \(OwnParameters\) has trainable parameters of its own "
-                                         r"\(cls, pos\) .* its layers \(patch, norm, head\) included; put"):
-        make(OwnParameters())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        make(nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Linear(4, 2)))
-        make(Attention())  # nn.MultiheadAttention accounts for its out_proj itself
+class BroadcastUses(nn.Module):
+    """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
+    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) and a bias q
+    (4,) added; "slice" and "unbatched" uses take the replay."""
+
+    def __init__(self, use, dropout=0.0):
+        super().__init__()
+        self.use = use
+        self.inp, self.out, self.drop = nn.Linear(3, 4), nn.Linear(4, 2), nn.Dropout(dropout)
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.p, self.q = nn.Parameter(torch.randn(1, 5, 4)), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = torch.cat([self.cls.expand(len(x), -1, -1), self.drop(self.inp(x))], 1)
+        h = {"add": lambda: h + self.p + self.q,
+             "alpha": lambda: torch.add(h, self.p, alpha=2.5) - self.q,
+             "subtrahend": lambda: torch.sub(self.p, h, alpha=0.5) + self.q,
+             "twice": lambda: (h + self.p) * 0.5 + self.p + self.q,
+             "slice": lambda: h + self.p[:, :h.shape[1]] + self.q,
+             "unbatched": lambda: h + (self.p + self.q)}[self.use]()
+        return self.out(torch.tanh(h)).mean(1)
+
+
+@pytest.mark.parametrize("use, replayed", [("add", False), ("alpha", False), ("subtrahend", False),
+                                            ("twice", False), ("slice", True), ("unbatched", True)])
+def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
+    """Their per-sample gradients come from the ops' output gradients; any other use replays the
+    model (with a warning naming the parameters); both give the materialised update."""
+    torch.manual_seed(0)
+    model = BroadcastUses(use)
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(6, 4, 3, generator=generator), torch.randn(6, 2, generator=generator)
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.7)
+    want = dpsgd.privatize(grads, config, 6.0, M.NoiseGenerator(5))
+    replays = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, batch: replays.append(batch) or replay(self, batch))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = book_kept(model, x, target, config, 6.0, M.NoiseGenerator(5))
+    assert_same_update(got, want)
+    assert bool(replays) == replayed
+    notes = [str(w.message) for w in caught if "replay its whole forward" in str(w.message)]
+    assert len(notes) == replayed
+    if replayed:
+        assert re.search(r"module '' \(BroadcastUses\) has trainable parameters of its own \(cls, p, q\) .* its "
+                         r"layers \(inp, out\) included; put", notes[0])
+
+
+def test_dropout_beside_broadcast_parameters_needs_no_replay():
+    """Dropout cannot be replayed; with broadcast uses nothing is, and with others it is refused."""
+    x = torch.randn(6, 4, 3)
+    model = BroadcastUses("add", dropout=0.5)
+    update = make(model).step(model(x).pow(2).sum(1))
+    assert all(torch.isfinite(u).all() for u in update)
+    model = BroadcastUses("unbatched", dropout=0.5)
+    bk = make(model)
+    with pytest.raises(ValueError, match=r"module '' \(BroadcastUses\) is recomputed per sample .* dropout 'drop'"):
+        bk.step(model(x).pow(2).sum(1))
 
 
 def test_a_layer_called_with_its_input_as_a_keyword_is_recorded():

@@ -62,8 +62,9 @@ class BookKeeping:
             optimizer's. Each supported layer (nn.Linear, nn.Conv1d/2d, nn.Embedding, nn.LayerNorm,
             nn.GroupNorm) gets book-keeping; nn.MultiheadAttention and any other module with
             trainable parameters of its own get per-sample gradients of that module alone
-            (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`). Every layer input
-            has the batch in dim 0.
+            (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for parameters
+            only added to or expanded over the batch (a ViT's class token and position
+            embedding), their ops' output gradients. Every layer input has the batch in dim 0.
         optimizer: any torch optimizer over the model's trainable parameters.
         config: :class:`~privleak.dpsgd.DPSGDConfig`; per-layer clip norms follow the optimizer's
             parameter order. An L1 mechanism (Laplace) gets its norms from each layer's
@@ -165,6 +166,8 @@ class BookKeeping:
             call = len(layer.calls) - 1
             for index, y in enumerate(outputs):
                 y.register_hook(functools.partial(self._take_grad, layer, call, index))
+            for key, node in layer.nodes(call) if outputs else ():
+                node.register_prehook(functools.partial(self._take_node_grad, layer, key))
         return record
 
     def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:
@@ -172,6 +175,12 @@ class BookKeeping:
         only (a backward the user runs is none of ours)."""
         if self._collecting:
             layer.take_grad(call, output, grad, self.config.mechanism.clip_norm_type)
+
+    def _take_node_grad(self, layer: Layer, key: tuple, grad_outputs: tuple) -> None:
+        """A pre-hook on an autograd node a layer named: its output gradient, in step()'s backward
+        only."""
+        if self._collecting:
+            layer.take_node_grad(key, grad_outputs[0])
 
     def _clear(self) -> None:
         for layer in self.layers:
@@ -258,7 +267,9 @@ class BookKeeping:
         # holding every layer's until the end; the backward still runs through all the others.
         self._collecting = True
         try:
-            torch.autograd.grad(losses, lowest(edges), grad_outputs=torch.ones_like(losses), allow_unused=True)
+            forced = [t for layer in self.layers for t in layer.forced_inputs()]
+            torch.autograd.grad(losses, lowest(edges) + forced, grad_outputs=torch.ones_like(losses),
+                                allow_unused=True)
         finally:
             self._collecting = False
         for layer in self.layers:

@@ -168,6 +168,18 @@ class Layer:
     def batch_sizes(self) -> list[int]:
         return [x.shape[0] if x.ndim else 0 for x in self.calls]
 
+    def nodes(self, call: int) -> list:
+        """(key, autograd node) pairs of call ``call`` whose output gradients :meth:`take_node_grad`
+        wants in the backward pass (none by default)."""
+        return []
+
+    def forced_inputs(self) -> list:
+        """Tensors the backward pass must reach, so that the nodes of :meth:`nodes` run."""
+        return []
+
+    def take_node_grad(self, key: tuple, grad: Optional[torch.Tensor]) -> None:
+        """The output gradient of the node of :meth:`nodes` named ``key``, during the backward pass."""
+
     def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
         """The gradient of recorded output ``output`` of call ``call``, during the backward pass."""
         grads = self.grads[call]
@@ -631,42 +643,67 @@ class FunctionalLayer(Layer):
     The forward must treat samples independently and be deterministic: dropout inside it could
     not be replayed and is refused in training mode.
 
+    **Broadcast parameters.** Where every use of the module's own parameters in a call adds one
+    to (or subtracts it from) the batch, or expands it over the batch (a ViT's class token,
+    ``cls.expand(B, -1, -1)``, and position embedding, ``x + pos``, on the model itself), each
+    sample's gradient is that op's output gradient for the sample, summed over the dims the
+    parameter is broadcast along (times the op's alpha, negated for a subtrahend): the layer takes
+    it from a hook on the op's autograd node in the backward pass, with no replay. As a layer's
+    input must, such an op's output must have the batch in dim 0; an op whose output turns out not
+    to (a smaller dim 0) and any other use take the replay.
+
     The replay runs the module's whole forward, children included: for a module whose parameters
-    of its own sit beside layers (a ViT's class token and position embedding on the model itself),
-    that is another forward and backward of those layers per step (the bench transformer with its
-    position embedding a bare parameter of the model: 1.66x the step time, B 32). Such a module gets a
-    warning that says to put those parameters in a small module of their own.
+    of its own sit beside layers, that is another forward and backward of those layers per step
+    (the bench transformer with its position embedding a parameter of the model, B 32: 290 ms a
+    step added as ``x + pos``, 494 ms added through a slice ``pos[:, :T]``, which replays). Such
+    a replay warns, saying to put those parameters in a small module of their own.
     """
 
     uses_per_call = None
 
     def __init__(self, name: str, module: nn.Module):
+        self._replay_warned = False
         super().__init__(name, module)
-        layers = [child for child, sub in module.named_children() if next(sub.parameters(), None) is not None]
-        if layers and not self.claims_children:
-            own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) and no "
-                          "book-keeping rule: their per-sample gradients replay its whole forward per sample, "
-                          f"its layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) included; put "
-                          "those parameters in a small module of their own (positions in an nn.Embedding, or a "
-                          "module that adds or prepends them), so that only it is replayed", stacklevel=5)
+
+    def clear(self) -> None:
+        super().clear()
+        self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
             return []
-        self.refuse_randomness()
         leaves, spec = tree_flatten((args, kwargs))
         inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
+        consumers: list = [[] for _ in self.parameters]
         self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
-                                    graph=f"the output of {self.describe()}"))
+                                    graph=f"the output of {self.describe()}", consumers=consumers))
+        broadcasts = _Broadcasts.of(consumers)
+        if broadcasts is None:
+            self.refuse_randomness()
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast))
+        call = len(self.calls)
+        self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast,
+                           broadcasts))
+        self.watched.append([] if broadcasts is None else
+                            [((call, i, j), node) for i, uses in enumerate(consumers) for j, (node, _) in
+                             enumerate(uses)])
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.grads.append([None] * len(live))
         return [outputs[i] for i in live]
+
+    def nodes(self, call: int) -> list:
+        return self.watched[call]
+
+    def forced_inputs(self) -> list:
+        return self.parameters if any(self.watched) else []
+
+    def take_node_grad(self, key: tuple, grad: Optional[torch.Tensor]) -> None:
+        call, parameter, use = key
+        if grad is not None:
+            self.calls[call][4].take(parameter, use, grad, self.parameters[parameter], self.batch_sizes()[call])
 
     def refuse_randomness(self) -> None:
         for name, sub in self.module.named_modules(prefix=self.name):
@@ -688,8 +725,27 @@ class FunctionalLayer(Layer):
 
     def rows(self, batch: int) -> dict:
         if self.calls and not self.per_sample:
-            self.per_sample = self.per_sample_grads(batch)
+            broadcasts = [call[4] for call in self.calls]
+            if all(b is not None and b.valid for b in broadcasts):
+                self.per_sample = {id(p): total(b.rows(i, p, batch) for b in broadcasts)
+                                   for i, p in enumerate(self.parameters)}
+            else:
+                self.refuse_randomness()
+                self.warn_of_replayed_layers()
+                self.per_sample = self.per_sample_grads(batch)
         return self.per_sample
+
+    def warn_of_replayed_layers(self) -> None:
+        layers = [child for child, sub in self.module.named_children() if next(sub.parameters(), None) is not None]
+        if layers and not self.claims_children and not self._replay_warned:
+            self._replay_warned = True
+            own = [n for n, p in self.module.named_parameters(recurse=False) if p.requires_grad]
+            warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) used other than "
+                          "added to or expanded over the batch: their per-sample gradients replay its whole forward "
+                          f"per sample, its layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) "
+                          "included; put those parameters in a small module of their own (positions in an "
+                          "nn.Embedding, or a module that adds or prepends them), so that only it is replayed",
+                          stacklevel=7)
 
     def per_sample_grads(self, batch: int) -> dict:
         from torch.func import functional_call, grad, vmap
@@ -697,7 +753,7 @@ class FunctionalLayer(Layer):
         names = {id(p): n for n, p in self.module.named_parameters(recurse=self.claims_children)}
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
-        for (leaves, spec, live, (device, autocast, dtype)), output_grads in zip(self.calls, self.grads):
+        for (leaves, spec, live, (device, autocast, dtype), _), output_grads in zip(self.calls, self.grads):
             split = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
             pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
 
@@ -759,10 +815,67 @@ class BatchNormLayer(FunctionalLayer):
         return super().record(args, kwargs, output) if self.parameters else []
 
 
-def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss") -> list[int]:
+def _node_type(op) -> type:
+    """The autograd node class of ``op`` applied to a tensor that requires grad."""
+    return type(op(torch.zeros(2, requires_grad=True)).grad_fn)
+
+
+_ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x.expand(3, 2))
+
+
+class _Broadcasts:
+    """A call's parameters whose every use is broadcast over the batch (:class:`FunctionalLayer`):
+    per use its gradient's sign and scale, and the per-sample gradients taken so far."""
+
+    def __init__(self, factors: list):
+        self.factors = factors  # per parameter, per use
+        self.taken: dict = {}  # parameter index: (B, *shape) float32 at least
+        self.valid = True
+
+    @classmethod
+    def of(cls, consumers: list) -> Optional["_Broadcasts"]:
+        """From each parameter's (node, input index) uses; None if a use is of another kind."""
+        factors = []
+        for uses in consumers:
+            factors.append([])
+            for node, position in uses:
+                if type(node) is _EXPAND:
+                    factors[-1].append(1.0)
+                elif type(node) in (_ADD, _SUB):
+                    alpha = float(node._saved_alpha) if position == 1 else 1.0
+                    factors[-1].append(-alpha if type(node) is _SUB and position == 1 else alpha)
+                else:
+                    return None
+        return cls(factors)
+
+    def take(self, parameter: int, use: int, grad: torch.Tensor, weight: torch.Tensor, batch: int) -> None:
+        """The output gradient of a use's node: the use's per-sample gradients, summed over the dims
+        ``weight`` is broadcast along, where the output has the batch in dim 0 and the parameter
+        is broadcast along it; else the call takes the replay."""
+        aligned = (1,) * (grad.ndim - weight.ndim) + tuple(weight.shape)
+        if grad.ndim < weight.ndim or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
+            self.valid = False
+            return
+        dtype = torch.promote_types(grad.dtype, torch.float32)
+        rows = grad.to(dtype).sum_to_size((batch, *aligned[1:])).reshape(batch, *weight.shape)
+        rows = rows * self.factors[parameter][use]
+        self.taken[parameter] = rows if parameter not in self.taken else self.taken[parameter] + rows
+
+    def rows(self, parameter: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
+        """(B, *shape): the parameter's per-sample gradients in this call (zeros where no use's
+        gradient came)."""
+        if parameter in self.taken:
+            return self.taken[parameter]
+        return torch.zeros(batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                           device=weight.device)
+
+
+def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss",
+               consumers: Optional[list] = None) -> list[int]:
     """How many autograd edges of the graph under the nodes ``roots`` reach each of ``parameters``
     (each use of a parameter in the forward is one edge into its AccumulateGrad node); the walk
-    does not go below the nodes in ``stop`` (a call's inputs).
+    does not go below the nodes in ``stop`` (a call's inputs). With ``consumers`` (one list per
+    parameter), each use's (node, input index) is appended to its parameter's list.
 
     Raises on reentrant activation checkpointing in the graph (named ``graph`` in the message): its
     node hides the parameters it uses (they are no edges of the graph) and its forward runs without
@@ -779,7 +892,7 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
             raise ValueError(f"the graph of {graph} has reentrant activation checkpointing (torch.utils.checkpoint "
                              "with use_reentrant=True), whose forward runs without grad, out of the book-keeping "
                              "hooks' sight: its parameters would get no clipped gradient; use use_reentrant=False")
-        for child, _ in node.next_functions:
+        for position, (child, _) in enumerate(node.next_functions):
             if child is None:
                 continue
             variable = getattr(child, "variable", None)  # AccumulateGrad: the leaf it accumulates into
@@ -787,6 +900,8 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
                 index = wanted.get(id(variable))
                 if index is not None:
                     counts[index] += 1
+                    if consumers is not None:
+                        consumers[index].append((node, position))
             elif child not in seen:
                 stack.append(child)
     return counts
