@@ -722,8 +722,9 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
 
 class BroadcastUses(nn.Module):
     """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
-    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) and a bias q
-    (4,) added; "slice" and "unbatched" uses take the replay."""
+    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or a slice of
+    a longer one (1, 7, 4), and a bias q (4,) added. A slice of a slice, a product and a sum of
+    parameters before the batch is added take the replay."""
 
     def __init__(self, use, dropout=0.0):
         super().__init__()
@@ -731,6 +732,7 @@ class BroadcastUses(nn.Module):
         self.inp, self.out, self.drop = nn.Linear(3, 4), nn.Linear(4, 2), nn.Dropout(dropout)
         self.cls = nn.Parameter(torch.randn(1, 1, 4))
         self.p, self.q = nn.Parameter(torch.randn(1, 5, 4)), nn.Parameter(torch.randn(4))
+        self.long = nn.Parameter(torch.randn(1, 7, 4))
 
     def forward(self, x):
         h = torch.cat([self.cls.expand(len(x), -1, -1), self.drop(self.inp(x))], 1)
@@ -738,13 +740,17 @@ class BroadcastUses(nn.Module):
              "alpha": lambda: torch.add(h, self.p, alpha=2.5) - self.q,
              "subtrahend": lambda: torch.sub(self.p, h, alpha=0.5) + self.q,
              "twice": lambda: (h + self.p) * 0.5 + self.p + self.q,
-             "slice": lambda: h + self.p[:, :h.shape[1]] + self.q,
+             "slice": lambda: h + self.long[:, -5:] - self.long[:, 2:3] + self.q,
+             "whole slice": lambda: h + self.p[:, :h.shape[1]] + self.q,
+             "slice of a slice": lambda: h + self.long[:, 1:][:, :5] + self.q,
+             "product": lambda: h * self.p + self.q,
              "unbatched": lambda: h + (self.p + self.q)}[self.use]()
         return self.out(torch.tanh(h)).mean(1)
 
 
 @pytest.mark.parametrize("use, replayed", [("add", False), ("alpha", False), ("subtrahend", False),
-                                            ("twice", False), ("slice", True), ("unbatched", True)])
+                                            ("twice", False), ("slice", False), ("whole slice", False),
+                                            ("slice of a slice", True), ("product", True), ("unbatched", True)])
 def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
     """Their per-sample gradients come from the ops' output gradients; any other use replays the
     model (with a warning naming the parameters); both give the materialised update."""
@@ -767,8 +773,8 @@ def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monke
     notes = [str(w.message) for w in caught if "replay its whole forward" in str(w.message)]
     assert len(notes) == replayed
     if replayed:
-        assert re.search(r"module '' \(BroadcastUses\) has trainable parameters of its own \(cls, p, q\) .* its "
-                         r"layers \(inp, out\) included; put", notes[0])
+        assert re.search(r"module '' \(BroadcastUses\) has trainable parameters of its own \(cls, p, q, long\) .* "
+                         r"its layers \(inp, out\) included; put", notes[0])
 
 
 def test_dropout_beside_broadcast_parameters_needs_no_replay():

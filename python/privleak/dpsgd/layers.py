@@ -19,7 +19,7 @@ import enum
 import functools
 import math
 import warnings
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -644,19 +644,20 @@ class FunctionalLayer(Layer):
     not be replayed and is refused in training mode.
 
     **Broadcast parameters.** Where every use of the module's own parameters in a call adds one
-    to (or subtracts it from) the batch, or expands it over the batch (a ViT's class token,
-    ``cls.expand(B, -1, -1)``, and position embedding, ``x + pos``, on the model itself), each
-    sample's gradient is that op's output gradient for the sample, summed over the dims the
-    parameter is broadcast along (times the op's alpha, negated for a subtrahend): the layer takes
-    it from a hook on the op's autograd node in the backward pass, with no replay. As a layer's
+    to (or subtracts it from) the batch, or expands it over the batch, directly or through one
+    slice (a ViT's class token, ``cls.expand(B, -1, -1)``, and position embedding, ``x + pos`` or
+    ``x + pos[:, :T]``, on the model itself), each sample's gradient is that op's output gradient
+    for the sample, summed over the dims the operand is broadcast along (times the op's alpha,
+    negated for a subtrahend; a slice's placed back where it was taken from): the layer takes it
+    from a hook on the op's autograd node in the backward pass, with no replay. As a layer's
     input must, such an op's output must have the batch in dim 0; an op whose output turns out not
     to (a smaller dim 0) and any other use take the replay.
 
     The replay runs the module's whole forward, children included: for a module whose parameters
     of its own sit beside layers, that is another forward and backward of those layers per step
-    (the bench transformer with its position embedding a parameter of the model, B 32: 290 ms a
-    step added as ``x + pos``, 494 ms added through a slice ``pos[:, :T]``, which replays). Such
-    a replay warns, saying to put those parameters in a small module of their own.
+    (the bench transformer with its position embedding a parameter of the model, B 32: 479-494 ms
+    a step replayed, 296-300 ms by the broadcast rule, as with an nn.Embedding). Such a replay
+    warns, saying to put those parameters in a small module of their own.
     """
 
     uses_per_call = None
@@ -676,10 +677,10 @@ class FunctionalLayer(Layer):
             return []
         leaves, spec = tree_flatten((args, kwargs))
         inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
-        consumers: list = [[] for _ in self.parameters]
+        consumers, parents = [[] for _ in self.parameters], {}
         self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
-                                    graph=f"the output of {self.describe()}", consumers=consumers))
-        broadcasts = _Broadcasts.of(consumers)
+                                    graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
+        broadcasts = _Broadcasts.of(consumers, parents, self.parameters)
         if broadcasts is None:
             self.refuse_randomness()
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
@@ -687,9 +688,7 @@ class FunctionalLayer(Layer):
         call = len(self.calls)
         self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast,
                            broadcasts))
-        self.watched.append([] if broadcasts is None else
-                            [((call, i, j), node) for i, uses in enumerate(consumers) for j, (node, _) in
-                             enumerate(uses)])
+        self.watched.append([] if broadcasts is None else [((call, *key), node) for key, node in broadcasts.nodes()])
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.grads.append([None] * len(live))
         return [outputs[i] for i in live]
@@ -821,44 +820,101 @@ def _node_type(op) -> type:
 
 
 _ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x.expand(3, 2))
+_SLICE, _ALIAS = _node_type(lambda x: x[1:]), _node_type(torch.ops.aten.alias)
+
+
+class _Use(NamedTuple):
+    """A use of a parameter broadcast over the batch: the node whose output gradient it takes; the
+    factor of that gradient (alpha, negated for a subtrahend); the shape of the operand broadcast
+    (the parameter's, or a slice's of it); for a slice, the parameter's flat positions of the
+    slice's elements, in order (else None)."""
+
+    node: Any
+    factor: float
+    shape: tuple
+    positions: Optional[torch.Tensor]
+
+
+def _broadcast_use(node, position: int, shape: tuple, positions: Optional[torch.Tensor]) -> Optional[_Use]:
+    """The use of an operand of ``shape`` as input ``position`` of ``node``, if it is an add, a
+    subtraction or an expand; else None."""
+    if type(node) is _EXPAND:
+        return _Use(node, 1.0, shape, positions)
+    if type(node) in (_ADD, _SUB):
+        alpha = float(node._saved_alpha) if position == 1 else 1.0
+        return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, positions)
+    return None
+
+
+def _slice_positions(node, parameter: torch.Tensor) -> Optional[torch.Tensor]:
+    """The parameter's flat positions of the elements of the slice ``node`` takes, in order: the
+    slice's backward applied to 1, 2, ..., n (exact in float64) places each where it came from."""
+    shape = tuple(node._input_metadata[0].shape)
+    count = math.prod(shape)
+    placed = node(torch.arange(1, count + 1, dtype=torch.float64).view(shape)).flatten()
+    positions = placed.nonzero().flatten()
+    if len(positions) != count:
+        return None
+    order = placed[positions].long() - 1
+    ordered = torch.empty_like(positions)
+    ordered[order] = positions
+    return ordered.to(parameter.device)
 
 
 class _Broadcasts:
     """A call's parameters whose every use is broadcast over the batch (:class:`FunctionalLayer`):
-    per use its gradient's sign and scale, and the per-sample gradients taken so far."""
+    per parameter its uses (:class:`_Use`), and the per-sample gradients taken so far."""
 
-    def __init__(self, factors: list):
-        self.factors = factors  # per parameter, per use
+    def __init__(self, uses: list):
+        self.uses = uses  # per parameter, its _Use list
         self.taken: dict = {}  # parameter index: (B, *shape) float32 at least
         self.valid = True
 
     @classmethod
-    def of(cls, consumers: list) -> Optional["_Broadcasts"]:
-        """From each parameter's (node, input index) uses; None if a use is of another kind."""
-        factors = []
-        for uses in consumers:
-            factors.append([])
-            for node, position in uses:
-                if type(node) is _EXPAND:
-                    factors[-1].append(1.0)
-                elif type(node) in (_ADD, _SUB):
-                    alpha = float(node._saved_alpha) if position == 1 else 1.0
-                    factors[-1].append(-alpha if type(node) is _SUB and position == 1 else alpha)
-                else:
+    def of(cls, consumers: list, parents: dict, parameters: list) -> Optional["_Broadcasts"]:
+        """From each parameter's (node, input index) uses and the walk's parents of each node; None
+        if a use is of another kind. A slice of a parameter (or an alias: a slice of all of it)
+        whose own uses are all broadcast counts as such uses of the parameter."""
+        uses: list = []
+        for weight, edges in zip(parameters, consumers):
+            uses.append([])
+            for node, position in edges:
+                if type(node) in (_SLICE, _ALIAS):  # a whole slice, p[:, :T] for T = p.shape[1], is an alias
+                    positions = _slice_positions(node, weight) if type(node) is _SLICE else None
+                    above = parents.get(node, [])
+                    found = [_broadcast_use(parent, at, tuple(node._input_metadata[0].shape), positions)
+                             for parent, at in above]
+                    if (type(node) is _SLICE and positions is None) or not above or None in found:
+                        return None
+                    uses[-1] += found
+                    continue
+                use = _broadcast_use(node, position, tuple(weight.shape), None)
+                if use is None:
                     return None
-        return cls(factors)
+                uses[-1].append(use)
+        return cls(uses)
+
+    def nodes(self) -> list:
+        """((parameter, use), node) for every use."""
+        return [((i, j), use.node) for i, uses in enumerate(self.uses) for j, use in enumerate(uses)]
 
     def take(self, parameter: int, use: int, grad: torch.Tensor, weight: torch.Tensor, batch: int) -> None:
         """The output gradient of a use's node: the use's per-sample gradients, summed over the dims
-        ``weight`` is broadcast along, where the output has the batch in dim 0 and the parameter
-        is broadcast along it; else the call takes the replay."""
-        aligned = (1,) * (grad.ndim - weight.ndim) + tuple(weight.shape)
-        if grad.ndim < weight.ndim or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
+        its operand is broadcast along, where the output has the batch in dim 0 and the operand
+        is broadcast along it (a slice's then placed in the parameter's shape); else the call
+        takes the replay."""
+        found = self.uses[parameter][use]
+        aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
+        if grad.ndim < len(found.shape) or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
             self.valid = False
             return
         dtype = torch.promote_types(grad.dtype, torch.float32)
-        rows = grad.to(dtype).sum_to_size((batch, *aligned[1:])).reshape(batch, *weight.shape)
-        rows = rows * self.factors[parameter][use]
+        rows = grad.to(dtype).sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
+        if found.positions is not None:
+            placed = rows.new_zeros(batch, weight.numel())
+            placed[:, found.positions] = rows
+            rows = placed
+        rows = rows.reshape(batch, *weight.shape)
         self.taken[parameter] = rows if parameter not in self.taken else self.taken[parameter] + rows
 
     def rows(self, parameter: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
@@ -871,11 +927,12 @@ class _Broadcasts:
 
 
 def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss",
-               consumers: Optional[list] = None) -> list[int]:
+               consumers: Optional[list] = None, parents: Optional[dict] = None) -> list[int]:
     """How many autograd edges of the graph under the nodes ``roots`` reach each of ``parameters``
     (each use of a parameter in the forward is one edge into its AccumulateGrad node); the walk
     does not go below the nodes in ``stop`` (a call's inputs). With ``consumers`` (one list per
-    parameter), each use's (node, input index) is appended to its parameter's list.
+    parameter), each use's (node, input index) is appended to its parameter's list; with
+    ``parents``, each node's (parent, input index) edges in the walk.
 
     Raises on reentrant activation checkpointing in the graph (named ``graph`` in the message): its
     node hides the parameters it uses (they are no edges of the graph) and its forward runs without
@@ -902,6 +959,9 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
                     counts[index] += 1
                     if consumers is not None:
                         consumers[index].append((node, position))
-            elif child not in seen:
+                continue
+            if parents is not None:
+                parents.setdefault(child, []).append((node, position))
+            if child not in seen:
                 stack.append(child)
     return counts
