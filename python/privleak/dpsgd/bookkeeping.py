@@ -77,8 +77,8 @@ class BookKeeping:
     module that must be recomputed per sample; reentrant activation checkpointing
     (``torch.utils.checkpoint(..., use_reentrant=True)``: its forward runs without grad, out of
     the hooks' sight); a layer input changed in place after the layer's call (``h += layer(h)``).
-    Non-reentrant checkpointing works, but the inputs the layers record stay
-    alive until the step: it saves only the memory of the other activations.
+    Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
+    step: it saves only the memory of the other activations.
 
     A logical batch too large for memory goes through in physical batches, the noise added once::
 
@@ -267,6 +267,8 @@ class BookKeeping:
         # holding every layer's until the end; the backward still runs through all the others.
         self._collecting = True
         try:
+            # Parameters whose gradients come from pre-hooks on the nodes using them (broadcast
+            # parameters): asking for theirs makes the backward run those nodes.
             forced = [t for layer in self.layers for t in layer.forced_inputs()]
             torch.autograd.grad(losses, lowest(edges) + forced, grad_outputs=torch.ones_like(losses),
                                 allow_unused=True)
