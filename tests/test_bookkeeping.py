@@ -722,9 +722,9 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
 
 class BroadcastUses(nn.Module):
     """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
-    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or a slice of
-    a longer one (1, 7, 4), and a bias q (4,) added. A slice of a slice, a product and a sum of
-    parameters before the batch is added take the replay."""
+    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or views of
+    a longer one (1, 7, 4) and of a transposed one (4, 5), and a bias q (4,) added. A flip (no
+    view), a product and a sum of parameters before the batch is added take the replay."""
 
     def __init__(self, use, dropout=0.0):
         super().__init__()
@@ -732,7 +732,7 @@ class BroadcastUses(nn.Module):
         self.inp, self.out, self.drop = nn.Linear(3, 4), nn.Linear(4, 2), nn.Dropout(dropout)
         self.cls = nn.Parameter(torch.randn(1, 1, 4))
         self.p, self.q = nn.Parameter(torch.randn(1, 5, 4)), nn.Parameter(torch.randn(4))
-        self.long = nn.Parameter(torch.randn(1, 7, 4))
+        self.long, self.turned = nn.Parameter(torch.randn(1, 7, 4)), nn.Parameter(torch.randn(4, 5))
 
     def forward(self, x):
         h = torch.cat([self.cls.expand(len(x), -1, -1), self.drop(self.inp(x))], 1)
@@ -742,7 +742,8 @@ class BroadcastUses(nn.Module):
              "twice": lambda: (h + self.p) * 0.5 + self.p + self.q,
              "slice": lambda: h + self.long[:, -5:] - self.long[:, 2:3] + self.q,
              "whole slice": lambda: h + self.p[:, :h.shape[1]] + self.q,
-             "slice of a slice": lambda: h + self.long[:, 1:][:, :5] + self.q,
+             "views": lambda: h + self.long[:, 1:][:, :5] + self.turned.t()[None] - self.q.unsqueeze(0)[0],
+             "flip": lambda: h + self.p.flip(1) + self.q,
              "product": lambda: h * self.p + self.q,
              "unbatched": lambda: h + (self.p + self.q)}[self.use]()
         return self.out(torch.tanh(h)).mean(1)
@@ -750,7 +751,8 @@ class BroadcastUses(nn.Module):
 
 @pytest.mark.parametrize("use, replayed", [("add", False), ("alpha", False), ("subtrahend", False),
                                             ("twice", False), ("slice", False), ("whole slice", False),
-                                            ("slice of a slice", True), ("product", True), ("unbatched", True)])
+                                            ("views", False), ("flip", True), ("product", True),
+                                            ("unbatched", True)])
 def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
     """Their per-sample gradients come from the ops' output gradients; any other use replays the
     model (with a warning naming the parameters); both give the materialised update."""
@@ -773,8 +775,8 @@ def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monke
     notes = [str(w.message) for w in caught if "replay its whole forward" in str(w.message)]
     assert len(notes) == replayed
     if replayed:
-        assert re.search(r"module '' \(BroadcastUses\) has trainable parameters of its own \(cls, p, q, long\) .* "
-                         r"its layers \(inp, out\) included; put", notes[0])
+        assert re.search(r"module '' \(BroadcastUses\) has trainable parameters of its own \(cls, p, q, long, "
+                         r"turned\) .* its layers \(inp, out\) included; put", notes[0])
 
 
 def test_dropout_beside_broadcast_parameters_needs_no_replay():

@@ -644,12 +644,12 @@ class FunctionalLayer(Layer):
     not be replayed and is refused in training mode.
 
     **Broadcast parameters.** Where every use of the module's own parameters in a call adds one
-    to (or subtracts it from) the batch, or expands it over the batch, directly or through one
-    slice (a ViT's class token, ``cls.expand(B, -1, -1)``, and position embedding, ``x + pos`` or
+    to (or subtracts it from) the batch, or expands it over the batch, directly or through views
+    (a ViT's class token, ``cls.expand(B, -1, -1)``, and position embedding, ``x + pos`` or
     ``x + pos[:, :T]``, on the model itself), each sample's gradient is that op's output gradient
     for the sample, summed over the dims the operand is broadcast along (times the op's alpha,
-    negated for a subtrahend; a slice's placed back where it was taken from): the layer takes it
-    from a hook on the op's autograd node in the backward pass, with no replay. As a layer's
+    negated for a subtrahend; a view's placed back where it came from): the layer takes it from a
+    hook on the op's autograd node in the backward pass, with no replay. As a layer's
     input must, such an op's output must have the batch in dim 0; an op whose output turns out not
     to (a smaller dim 0) and any other use take the replay.
 
@@ -815,19 +815,23 @@ class BatchNormLayer(FunctionalLayer):
 
 
 def _node_type(op) -> type:
-    """The autograd node class of ``op`` applied to a tensor that requires grad."""
-    return type(op(torch.zeros(2, requires_grad=True)).grad_fn)
+    """The autograd node class of ``op`` applied to a 2 x 2 tensor that requires grad."""
+    return type(op(torch.zeros(2, 2, requires_grad=True)).grad_fn)
 
 
-_ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x.expand(3, 2))
-_SLICE, _ALIAS = _node_type(lambda x: x[1:]), _node_type(torch.ops.aten.alias)
+_ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x[:1].expand(3, 2))
+#: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
+_VIEWS = frozenset(_node_type(view) for view in (
+    lambda x: x[1:], torch.ops.aten.alias, lambda x: x.view(4), lambda x: x.unsqueeze(0), lambda x: x[0],
+    lambda x: x[:1].squeeze(), lambda x: x[:1].squeeze(0), lambda x: x.t(), lambda x: x.transpose(0, 1),
+    lambda x: x.permute(1, 0)))
 
 
 class _Use(NamedTuple):
     """A use of a parameter broadcast over the batch: the node whose output gradient it takes; the
     factor of that gradient (alpha, negated for a subtrahend); the shape of the operand broadcast
-    (the parameter's, or a slice's of it); for a slice, the parameter's flat positions of the
-    slice's elements, in order (else None)."""
+    (the parameter's, or a view's of it); for a view, the parameter's flat positions of the view's
+    elements, in order (else None)."""
 
     node: Any
     factor: float
@@ -846,19 +850,37 @@ def _broadcast_use(node, position: int, shape: tuple, positions: Optional[torch.
     return None
 
 
-def _slice_positions(node, parameter: torch.Tensor) -> Optional[torch.Tensor]:
-    """The parameter's flat positions of the elements of the slice ``node`` takes, in order: the
-    slice's backward applied to 1, 2, ..., n (exact in float64) places each where it came from."""
+def _view_positions(node) -> Optional[torch.Tensor]:
+    """For a view ``node``, the flat position in its input of each element of its output, in order:
+    the view's backward applied to 1, 2, ..., n (exact in float64) places each where it came from;
+    None unless each lands once."""
     shape = tuple(node._input_metadata[0].shape)
     count = math.prod(shape)
     placed = node(torch.arange(1, count + 1, dtype=torch.float64).view(shape)).flatten()
     positions = placed.nonzero().flatten()
     if len(positions) != count:
         return None
-    order = placed[positions].long() - 1
     ordered = torch.empty_like(positions)
-    ordered[order] = positions
-    return ordered.to(parameter.device)
+    ordered[placed[positions].long() - 1] = positions
+    return ordered
+
+
+def _uses_from(node, position: int, shape: tuple, positions: Optional[torch.Tensor], parents: dict) -> Optional[list]:
+    """The broadcast uses (:class:`_Use`) an operand of ``shape`` (its elements at ``positions`` of
+    the parameter, None: all, in order) gets as input ``position`` of ``node``: the node's own, or
+    through views, those of their outputs; None if any use is of another kind."""
+    use = _broadcast_use(node, position, shape, positions)
+    if use is not None:
+        return [use]
+    above = parents.get(node, [])
+    if type(node) not in _VIEWS or not above:
+        return None
+    placed = _view_positions(node)
+    if placed is None:
+        return None
+    placed = placed if positions is None else positions[placed]
+    uses = [_uses_from(parent, at, tuple(node._input_metadata[0].shape), placed, parents) for parent, at in above]
+    return None if None in uses else [use for found in uses for use in found]
 
 
 class _Broadcasts:
@@ -873,25 +895,15 @@ class _Broadcasts:
     @classmethod
     def of(cls, consumers: list, parents: dict, parameters: list) -> Optional["_Broadcasts"]:
         """From each parameter's (node, input index) uses and the walk's parents of each node; None
-        if a use is of another kind. A slice of a parameter (or an alias: a slice of all of it)
-        whose own uses are all broadcast counts as such uses of the parameter."""
+        if a use is of another kind. A view of a parameter (a slice, p[None], a reshape, or views
+        of views) whose own uses are all broadcast counts as such uses of the parameter."""
         uses: list = []
         for weight, edges in zip(parameters, consumers):
-            uses.append([])
-            for node, position in edges:
-                if type(node) in (_SLICE, _ALIAS):  # a whole slice, p[:, :T] for T = p.shape[1], is an alias
-                    positions = _slice_positions(node, weight) if type(node) is _SLICE else None
-                    above = parents.get(node, [])
-                    found = [_broadcast_use(parent, at, tuple(node._input_metadata[0].shape), positions)
-                             for parent, at in above]
-                    if (type(node) is _SLICE and positions is None) or not above or None in found:
-                        return None
-                    uses[-1] += found
-                    continue
-                use = _broadcast_use(node, position, tuple(weight.shape), None)
-                if use is None:
-                    return None
-                uses[-1].append(use)
+            found = [_uses_from(node, position, tuple(weight.shape), None, parents) for node, position in edges]
+            if None in found:
+                return None
+            uses.append([use._replace(positions=None if use.positions is None else use.positions.to(weight.device))
+                         for each in found for use in each])
         return cls(uses)
 
     def nodes(self) -> list:
