@@ -152,8 +152,17 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
     accumulation of the batch's mean loss; book-keeping: accumulate())."""
     criterion = criterion_class()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    if physical:
-        return physical_side(side, model, optimizer, criterion_class, batch, physical)
+    if physical and side not in ("non-private", "book-keeping"):
+        raise ValueError(f"--physical: only the non-private and book-keeping sides take physical batches, not {side}")
+    if side == "non-private" and physical:
+        total = criterion_class(reduction="sum")
+
+        def step(x, y):
+            optimizer.zero_grad(set_to_none=True)
+            for xs, ys in zip(x.split(physical), y.split(physical)):
+                (total(model(xs), ys) / batch).backward()
+            optimizer.step()
+        return step
     if side == "non-private":
         def step(x, y):
             optimizer.zero_grad(set_to_none=True)
@@ -168,7 +177,14 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
     if side == "book-keeping":
         bk = dpsgd.BookKeeping(model, optimizer, config, expected_batch_size=batch)
         per_sample = criterion_class(reduction="none")
-        return lambda x, y: bk.step(per_sample(model(x), y))
+        if not physical:
+            return lambda x, y: bk.step(per_sample(model(x), y))
+
+        def step(x, y):
+            for xs, ys in zip(x.split(physical), y.split(physical)):
+                bk.accumulate(per_sample(model(xs), ys))
+            return bk.step()
+        return step
     from opacus import PrivacyEngine
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1].expand(4 * batch, *x.shape[1:])),
@@ -186,29 +202,6 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
         dp_optimizer.zero_grad(set_to_none=True)
         loss_fn(wrapped(x), y).backward()
         dp_optimizer.step()
-    return step
-
-
-def physical_side(side: str, model: nn.Module, optimizer, criterion_class, batch: int, physical: int):
-    """:func:`make_side`'s step in physical batches (the two sides that take them)."""
-    if side == "non-private":
-        total = criterion_class(reduction="sum")
-
-        def step(x, y):
-            optimizer.zero_grad(set_to_none=True)
-            for xs, ys in zip(x.split(physical), y.split(physical)):
-                (total(model(xs), ys) / batch).backward()
-            optimizer.step()
-        return step
-    if side != "book-keeping":
-        raise ValueError(f"--physical: only the non-private and book-keeping sides take physical batches, not {side}")
-    bk = dpsgd.BookKeeping(model, optimizer, dpsgd.DPSGDConfig(CLIP, noise_multiplier=SIGMA), expected_batch_size=batch)
-    per_sample = criterion_class(reduction="none")
-
-    def step(x, y):
-        for xs, ys in zip(x.split(physical), y.split(physical)):
-            bk.accumulate(per_sample(model(xs), ys))
-        return bk.step()
     return step
 
 

@@ -270,12 +270,17 @@ def _check_noise_range(distribution: str, scale: float, name: str, dtype: torch.
                          f"{name} must be <= {largest / unit_max:.4g}")
 
 
+def generator_in_use(generator):
+    """The generator a draw given ``generator`` takes its noise from: privleak's default one for None."""
+    return default_generator if generator is None else generator
+
+
 def _resolve_stream(n: int, generator, key: Optional[int], offset: Optional[int]) -> tuple[list[int], int]:
     """The noise stream of a draw of n elements, as (key as 32-bit words, offset)."""
     if key is None:
         if offset is not None:
             raise ValueError("offset needs an explicit key; with a generator the offset is the generator's")
-        generator = default_generator if generator is None else generator
+        generator = generator_in_use(generator)
         if not isinstance(generator, (NoiseGenerator, SecureNoiseGenerator)):
             raise TypeError("generator must be a NoiseGenerator or SecureNoiseGenerator, "
                             f"got {type(generator).__name__}")

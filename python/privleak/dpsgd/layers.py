@@ -680,7 +680,7 @@ class FunctionalLayer(Layer):
         consumers, parents = [[] for _ in self.parameters], {}
         self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
-        broadcasts = _Broadcasts.of(consumers, parents, self.parameters)
+        broadcasts = _Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
         if broadcasts is None:
             self.refuse_randomness()
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
@@ -702,7 +702,7 @@ class FunctionalLayer(Layer):
     def take_node_grad(self, key: tuple, grad: Optional[torch.Tensor]) -> None:
         call, parameter, use = key
         if grad is not None:
-            self.calls[call][4].take(parameter, use, grad, self.parameters[parameter], self.batch_sizes()[call])
+            self.calls[call][4].take(parameter, use, grad, self.parameters[parameter])
 
     def refuse_randomness(self) -> None:
         for name, sub in self.module.named_modules(prefix=self.name):
@@ -712,11 +712,7 @@ class FunctionalLayer(Layer):
                                  "p to 0 or call .eval() on it")
 
     def batch_sizes(self) -> list[int]:
-        sizes = []
-        for leaves, *_ in self.calls:
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.ndim]
-            sizes.append(tensors[0].shape[0] if tensors else 0)
-        return sizes
+        return [_batch_of(leaves) for leaves, *_ in self.calls]
 
     def finish(self) -> None:
         super().finish()
@@ -814,6 +810,12 @@ class BatchNormLayer(FunctionalLayer):
         return super().record(args, kwargs, output) if self.parameters else []
 
 
+def _batch_of(leaves: list) -> int:
+    """A call's batch size: dim 0 of its first tensor argument that has dims (0 if none has)."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.ndim]
+    return tensors[0].shape[0] if tensors else 0
+
+
 def _node_type(op) -> type:
     """The autograd node class of ``op`` applied to a 2 x 2 tensor that requires grad."""
     return type(op(torch.zeros(2, 2, requires_grad=True)).grad_fn)
@@ -887,13 +889,14 @@ class _Broadcasts:
     """A call's parameters whose every use is broadcast over the batch (:class:`FunctionalLayer`):
     per parameter its uses (:class:`_Use`), and the per-sample gradients taken so far."""
 
-    def __init__(self, uses: list):
+    def __init__(self, uses: list, batch: int):
         self.uses = uses  # per parameter, its _Use list
+        self.batch = batch
         self.taken: dict = {}  # parameter index: (B, *shape) float32 at least
         self.valid = True
 
     @classmethod
-    def of(cls, consumers: list, parents: dict, parameters: list) -> Optional["_Broadcasts"]:
+    def of(cls, consumers: list, parents: dict, parameters: list, batch: int) -> Optional["_Broadcasts"]:
         """From each parameter's (node, input index) uses and the walk's parents of each node; None
         if a use is of another kind. A view of a parameter (a slice, p[None], a reshape, or views
         of views) whose own uses are all broadcast counts as such uses of the parameter."""
@@ -904,18 +907,18 @@ class _Broadcasts:
                 return None
             uses.append([use._replace(positions=None if use.positions is None else use.positions.to(weight.device))
                          for each in found for use in each])
-        return cls(uses)
+        return cls(uses, batch)
 
     def nodes(self) -> list:
         """((parameter, use), node) for every use."""
         return [((i, j), use.node) for i, uses in enumerate(self.uses) for j, use in enumerate(uses)]
 
-    def take(self, parameter: int, use: int, grad: torch.Tensor, weight: torch.Tensor, batch: int) -> None:
+    def take(self, parameter: int, use: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
         """The output gradient of a use's node: the use's per-sample gradients, summed over the dims
         its operand is broadcast along, where the output has the batch in dim 0 and the operand
-        is broadcast along it (a slice's then placed in the parameter's shape); else the call
+        is broadcast along it (a view's then placed in the parameter's shape); else the call
         takes the replay."""
-        found = self.uses[parameter][use]
+        found, batch = self.uses[parameter][use], self.batch
         aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
         if grad.ndim < len(found.shape) or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
             self.valid = False

@@ -175,7 +175,7 @@ class DPOptimizer:
         as secret as the seed."""
         from privleak import mechanisms
 
-        generator = mechanisms.default_generator if self.generator is None else self.generator
+        generator = mechanisms.generator_in_use(self.generator)
         return {"steps": self.steps,
                 "generator": generator.get_state() if isinstance(generator, mechanisms.NoiseGenerator) else None}
 
@@ -189,7 +189,7 @@ class DPOptimizer:
             raise validation.ArgumentTypeError("state must be a dict with the keys 'steps' and 'generator', as "
                                                f"state_dict() makes, got {state!r}")
         steps = validation.integer(state["steps"], "state['steps']", low=0)
-        generator = mechanisms.default_generator if self.generator is None else self.generator
+        generator = mechanisms.generator_in_use(self.generator)
         if state["generator"] is not None and isinstance(generator, mechanisms.NoiseGenerator):
             generator.set_state(state["generator"])
         self.steps = steps
