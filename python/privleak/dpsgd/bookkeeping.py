@@ -42,7 +42,8 @@ from torch import nn
 
 from privleak import validation
 from privleak.dpsgd.clip import GRAD_DTYPES
-from privleak.dpsgd.layers import Layer, count_uses, layer_for
+from privleak.dpsgd import tied
+from privleak.dpsgd.layers import Layer, count_uses, layer_for, shared_output_uses
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
 
@@ -104,10 +105,16 @@ class BookKeeping:
             raise ValueError(f"optimizer must hold exactly the model's {len(trainable)} trainable parameters (those "
                              f"with requires_grad), each once; it holds {len(params)} tensors, not the same ones")
         self.model = model
-        self.layers = _layers_of(model)
+        self.layers, self._tied = _layers_of(model)
+        if self._tied and self.config.mechanism.clip_norm_type != 2:
+            names = {id(p): name for name, p in model.named_parameters()}
+            raise ValueError(f"config: the {type(self.config.mechanism).__name__} mechanism clips L1 norms, which do not "
+                             "split over the layers sharing a tied parameter "
+                             f"({', '.join(names[key] for key in self._tied)}); untie it or use an L2 mechanism")
         self._slots = {id(p): i for i, p in enumerate(params)}
         self._recording = True
         self._collecting = False
+        self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._clip_norm_cache = None  # ((column order, config id), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._hooks = [layer.module.register_forward_hook(self._hook(layer), with_kwargs=True)
@@ -173,7 +180,7 @@ class BookKeeping:
     def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:
         """A tensor hook on a recorded output: hand its gradient to the layer, in step()'s backward
         only (a backward the user runs is none of ours)."""
-        if self._collecting:
+        if self._collecting and (id(layer), call) not in self._shared:  # a shared output's: the batch's sum
             layer.take_grad(call, output, grad, self.config.mechanism.clip_norm_type)
 
     def _take_node_grad(self, layer: Layer, key: tuple, grad_outputs: tuple) -> None:
@@ -246,22 +253,29 @@ class BookKeeping:
         batch = losses.shape[0]
         if batch == 0:
             return None
+        shared = []  # (layer, call): calls on a batch of 1 whose output the batch may share
         for layer in self.layers:
-            for size in layer.batch_sizes():
-                if size != batch:
+            for call, size in enumerate(layer.batch_sizes()):
+                if size == 1 and layer.broadcast_calls:
+                    shared.append((layer, call))
+                elif size != batch:
                     raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
                                      f"{size} in a forward pass since the last step (every layer input must have the "
                                      "batch in dim 0, and step() takes every forward pass since the last step)")
         if losses.grad_fn is None:
             raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
                              "(it has no autograd graph)")
-        self._check_uses(losses)
+        parents = {} if shared and batch > 1 else None
+        self._check_uses(losses, parents)
         for layer in self.layers:
             layer.check_inputs()
         edges = [edge for layer in self.layers for edge in layer.edges]
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
+        shared = self._shared_outputs(shared, parents, batch) if parents is not None else []
+        handles = [node.register_prehook(functools.partial(self._take_shared_grad, uses, use))
+                   for _, _, uses in shared for (_, use), node in uses.nodes()]
         # The layers take their gradients from tensor hooks, as the backward reaches them, and may
         # reduce them there. Asking autograd only for the lowest layers' gradients keeps it from
         # holding every layer's until the end; the backward still runs through all the others.
@@ -273,7 +287,14 @@ class BookKeeping:
             torch.autograd.grad(losses, lowest(edges) + forced, grad_outputs=torch.ones_like(losses),
                                 allow_unused=True)
         finally:
-            self._collecting = False
+            self._collecting, self._shared = False, frozenset()
+            for handle in handles:
+                handle.remove()
+        for layer, call, uses in shared:
+            if not uses.valid:
+                raise ValueError(f"{layer.describe()} ran on a batch of 1 and its output is added to a tensor without "
+                                 "the batch in dim 0: give the layer inputs with the batch in dim 0")
+            layer.broadcast(call, uses.rows(0).squeeze(1), self.config.mechanism.clip_norm_type)
         for layer in self.layers:
             layer.finish()
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
@@ -290,7 +311,13 @@ class BookKeeping:
         rows, norms = {}, {}  # by slot
         for layer in self.layers:
             rows.update((self._slots[key], r) for key, r in layer.rows(batch).items())
-            norms.update((self._slots[key], n) for key, n in layer.norms(batch, norm_type).items())
+            for key, n in layer.norms(batch, norm_type).items():
+                slot = self._slots[key]
+                norms[slot] = n if slot not in norms else norms[slot] + n  # a tied parameter's layers: all of them
+        for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
+            found = [f for f in (layer.factors(self.params[self._slots[key]]) for layer in sharing) if f is not None]
+            if len(found) > 1:
+                norms[self._slots[key]] = norms[self._slots[key]] + tied.cross_terms(found)
         order = sorted(rows) + sorted(norms)  # the kernel's columns
         if sorted(order) != list(range(len(self.params))):
             raise RuntimeError("book-keeping: the layers' rows and norms do not cover each parameter once")
@@ -323,7 +350,8 @@ class BookKeeping:
                       if self._slots[key] in norms}
             if wanted:
                 for key, total in layer.clipped_sums(wanted, keep).items():
-                    sums[self._slots[key]] = total
+                    slot = self._slots[key]
+                    sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
             layer.clear()
         return sums
 
@@ -339,11 +367,34 @@ class BookKeeping:
                 device=self.params[0].device))
         return cached[1]
 
-    def _check_uses(self, losses: torch.Tensor) -> None:
+    def _shared_outputs(self, calls: list, parents: dict, batch: int) -> list:
+        """(layer, call, uses) for the layer calls on a batch of 1 (``calls``) whose output the
+        batch of ``batch`` shares (GPT-2's position embedding of position ids (1, T), added to the
+        token embeddings): each use of the output, an add or expand over the batch, will hand its
+        node's output gradient, which has each sample's, to ``uses``
+        (:func:`~privleak.dpsgd.layers.shared_output_uses`). Raises for any other use."""
+        shared = []
+        for layer, call in calls:
+            uses = shared_output_uses(layer.edges[call], parents, batch)
+            if uses is None:
+                raise ValueError(f"{layer.describe()} ran on a batch of 1 while per_sample_losses has {batch} samples, "
+                                 "and its output is used other than added to or expanded over the batch: give the "
+                                 "layer inputs with the batch in dim 0")
+            shared.append((layer, call, uses))
+        self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
+        return shared
+
+    def _take_shared_grad(self, uses, use: int, grad_outputs: tuple) -> None:
+        """A pre-hook on a node using a shared layer output: that use's per-sample gradients."""
+        if grad_outputs[0] is not None:
+            uses.take(0, use, grad_outputs[0])
+
+    def _check_uses(self, losses: torch.Tensor, parents: Optional[dict] = None) -> None:
         """Every use of a trainable parameter in the loss's autograd graph must be one a hooked
         layer recorded; any other (a parameter used outside its module's forward, e.g.
-        ``F.linear(x, other_module.weight)``) would escape clipping."""
-        used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses")
+        ``F.linear(x, other_module.weight)``) would escape clipping. With ``parents``, the walk
+        fills in each node's parents (:func:`~privleak.dpsgd.layers.count_uses`)."""
+        used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents)
         seen = [0] * len(self.params)
         for layer in self.layers:
             for uses in layer.uses:
@@ -393,9 +444,10 @@ def finite_samples(norm_sums: torch.Tensor) -> Optional[torch.Tensor]:
     return None if bool(finite.all()) else finite
 
 
-def _layers_of(model: nn.Module) -> list[Layer]:
-    """The hooked layers of ``model``, each trainable parameter in exactly one."""
-    layers, owner, covered = [], {}, set()
+def _layers_of(model: nn.Module) -> tuple[list[Layer], dict]:
+    """The hooked layers of ``model``, and the tied parameters: by id, the layers sharing each
+    trainable parameter that is in more than one (each of which gives its factors)."""
+    layers, owners, covered = [], {}, set()
     names = {id(p): name for name, p in model.named_parameters()}
     for name, module in model.named_modules():  # parents before children
         if id(module) in covered:
@@ -406,12 +458,15 @@ def _layers_of(model: nn.Module) -> list[Layer]:
         if layer.claims_children:
             covered.update(id(sub) for sub in module.modules())
         for p in layer.parameters:
-            if id(p) in owner:
-                raise ValueError(f"parameter '{names[id(p)]}' belongs to modules '{owner[id(p)].name}' and '{name}' "
-                                 "(tied weights): book-keeping needs each trainable parameter in one module")
-            owner[id(p)] = layer
+            owners.setdefault(id(p), []).append(layer)
+            sharing = owners[id(p)]
+            if len(sharing) > 1 and not all(owner.can_tie(p) for owner in sharing):
+                raise ValueError(f"parameter '{names[id(p)]}' belongs to modules "
+                                 f"{', '.join(repr(o.name) for o in sharing)} (tied weights): book-keeping ties only "
+                                 "the weights of nn.Linear, nn.Embedding and transformers' Conv1D layers; any other "
+                                 "parameter must be in one module")
         layers.append(layer)
-    return layers
+    return layers, {key: sharing for key, sharing in owners.items() if len(sharing) > 1}
 
 
 def _check_losses(losses) -> torch.Tensor:

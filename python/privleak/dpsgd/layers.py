@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
 from privleak.dpsgd import conv_grads, ghost_norm
+from privleak.dpsgd.tied import Factors
 
 
 def use_ghost_norm(positions: int, inputs: int, outputs: int) -> bool:
@@ -118,6 +119,8 @@ class Layer:
     uses_per_call: ClassVar[Optional[int]] = 1
     claims_children: ClassVar[bool] = False  #: the layer accounts for its children's parameters too
     hook_without_parameters: ClassVar[bool] = False  #: hooked even without trainable parameters (to refuse a mode)
+    #: a call on a batch of 1 whose output the batch shares may take per-sample output gradients (:meth:`broadcast`)
+    broadcast_calls: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -167,6 +170,26 @@ class Layer:
 
     def batch_sizes(self) -> list[int]:
         return [x.shape[0] if x.ndim else 0 for x in self.calls]
+
+    def broadcast(self, call: int, output_grad: torch.Tensor, norm_type: int) -> None:
+        """Call ``call`` ran on a batch of 1 (position ids of shape (1, T)) and its output was added
+        to, or expanded over, the batch of B: its input counts as each sample's, with
+        ``output_grad`` (B, ...) the per-sample gradients of its output (for :attr:`broadcast_calls`
+        layers, after the backward pass; the output's tensor hook saw their sum only)."""
+        x = self.calls[call]
+        self.calls[call] = x.expand(output_grad.shape[0], *x.shape[1:])
+        self.grads[call] = [None]
+        self.take_grad(call, 0, output_grad, norm_type)
+
+    def can_tie(self, parameter: torch.Tensor) -> bool:
+        """Whether ``parameter`` may be shared with other layers' (tied weights): the layer gives
+        its per-sample gradient's :meth:`factors` (:mod:`privleak.dpsgd.tied`)."""
+        return False
+
+    def factors(self, parameter: torch.Tensor) -> Optional[Factors]:
+        """The per-sample gradient of a tied ``parameter`` as :class:`~privleak.dpsgd.tied.Factors`,
+        of the recorded calls (None: none recorded)."""
+        return None
 
     def nodes(self, call: int) -> list:
         """(key, autograd node) pairs of call ``call`` whose output gradients :meth:`take_node_grad`
@@ -238,11 +261,12 @@ class Layer:
         return {}
 
 
-_LAYERS: dict[type, type] = {}
+_LAYERS: dict = {}  # module type, or the dotted name of one in a package privleak does not import: rule
 
 
-def layer_kind(*module_types: type):
-    """Class decorator: the rule for modules of ``module_types``."""
+def layer_kind(*module_types):
+    """Class decorator: the rule for modules of ``module_types`` (types, or dotted names of types
+    of other packages, "package.module.Class")."""
     def register(cls: type) -> type:
         for module_type in module_types:
             _LAYERS[module_type] = cls
@@ -254,8 +278,9 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
     """The rule for ``module``: the table's entry for its type or nearest base class whose
     forward it keeps; else :class:`FunctionalLayer` if it has trainable parameters of its own."""
     for base in type(module).__mro__:
-        if base in _LAYERS and type(module).forward is base.forward:
-            layer = _LAYERS[base](name, module)
+        rule = _LAYERS.get(base) or _LAYERS.get(f"{base.__module__}.{base.__qualname__}")
+        if rule is not None and type(module).forward is base.forward:
+            layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
     if any(p.requires_grad for p in module.parameters(recurse=False)):
         return FunctionalLayer(name, module)
@@ -295,6 +320,8 @@ class LinearLayer(Layer):
     sum one GEMM, (f g)^T a over all (i, t). The bias's per-sample gradients sum_t g_{i,t} are
     formed (:func:`bias_rows`)."""
 
+    broadcast_calls = True
+
     def finish(self) -> None:
         super().finish()
         # The ghost-norm kernel and the clipped sum's GEMM read g as (B T, p) rows: copy a strided
@@ -311,6 +338,16 @@ class LinearLayer(Layer):
         g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
         return _common(a[0], g[0]) if len(a) == 1 else _common(torch.cat(a, 1), torch.cat(g, 1))
 
+    def weight_factors(self, a: torch.Tensor, g: torch.Tensor) -> Factors:
+        """The weight's per-sample gradient sum_t L_t R_t^T: (p, d), L = g, R = a."""
+        return Factors(g, a)
+
+    def can_tie(self, parameter: torch.Tensor) -> bool:
+        return parameter is self.module.weight
+
+    def factors(self, parameter: torch.Tensor) -> Optional[Factors]:
+        return self.weight_factors(*self._sites()) if self.calls else None
+
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         if not self.trains(self.module.weight):
             return {}
@@ -318,12 +355,24 @@ class LinearLayer(Layer):
         return {id(self.module.weight): weight_norms(a, g, norm_type)}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        a, g = self._sites()
-        a, g = _zero_dropped(a, keep), _zero_dropped(g, keep)
+        left, right = self.weight_factors(*(_zero_dropped(t, keep) for t in self._sites()))
         f = factors[id(self.module.weight)]
-        if a.shape[-1] < g.shape[-1]:  # the factors scale the narrower of a and g
-            return {id(self.module.weight): g.reshape(-1, g.shape[-1]).T @ _scaled(a, f).reshape(-1, a.shape[-1])}
-        return {id(self.module.weight): _scaled(g, f).reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])}
+        if right.shape[-1] < left.shape[-1]:  # the factors scale the narrower side
+            right = _scaled(right, f)
+        else:
+            left = _scaled(left, f)
+        return {id(self.module.weight): left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])}
+
+
+@layer_kind("transformers.pytorch_utils.Conv1D")
+class TransposedLinearLayer(LinearLayer):
+    """Hugging Face's ``Conv1D`` (GPT-2's attention and MLP projections): a Linear layer whose
+    weight is stored transposed, (d, p), y = a W + b. Registered by name, so privleak needs no
+    transformers to import; the rule is nn.Linear's with the factors' roles swapped."""
+
+    def weight_factors(self, a: torch.Tensor, g: torch.Tensor) -> Factors:
+        """(d, p): L = a, R = g."""
+        return Factors(a, g)
 
 
 def _conv_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -510,6 +559,8 @@ class EmbeddingLayer(Layer):
     Embedding's weight gradient of the scaled output gradients. Positions at ``padding_idx`` get
     no gradient."""
 
+    broadcast_calls = True
+
     def __init__(self, name: str, module: nn.Module):
         super().__init__(name, module)
         if module.scale_grad_by_freq:
@@ -525,6 +576,13 @@ class EmbeddingLayer(Layer):
         if pad is not None:
             g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
         return ids, g
+
+    def can_tie(self, parameter: torch.Tensor) -> bool:
+        return parameter is self.module.weight
+
+    def factors(self, parameter: torch.Tensor) -> Optional[Factors]:
+        """The weight's per-sample gradient sum_t e_{id_t} g_t^T: L = the ids (one-hot), R = g."""
+        return Factors(*self._sites()) if self.calls else None
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         ids, g = self._sites()
@@ -580,7 +638,7 @@ class _AffineNorm(Layer):
         rows = {}
         if self.trains(m.weight):
             rows[id(m.weight)] = self.weight_rows(call, x, g).reshape(x.shape[0], *m.weight.shape)
-        if self.trains(m.bias):
+        if self.trains(getattr(m, "bias", None)):  # nn.RMSNorm has none
             rows[id(m.bias)] = self.channels(g).sum(1).reshape(x.shape[0], *m.bias.shape)
         return rows
 
@@ -589,11 +647,22 @@ class _AffineNorm(Layer):
 class LayerNormLayer(_AffineNorm):
     """nn.LayerNorm over the last dims of inputs of any leading shape."""
 
+    broadcast_calls = True
+
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.module.normalized_shape, eps=self.module.eps)
 
     def channels(self, y: torch.Tensor) -> torch.Tensor:
         return y.reshape(y.shape[0], -1, math.prod(self.module.normalized_shape))
+
+
+@layer_kind("torch.nn.modules.normalization.RMSNorm")  # by name: torch 2.4 added it
+class RMSNormLayer(LayerNormLayer):
+    """nn.RMSNorm (LLaMA-style models): x_hat = x / sqrt(mean(x^2) + eps) over the last dims, a
+    weight and no bias."""
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.module.normalized_shape, eps=self.module.eps)
 
 
 @layer_kind(nn.GroupNorm)
@@ -702,7 +771,7 @@ class FunctionalLayer(Layer):
     def take_node_grad(self, key: tuple, grad: Optional[torch.Tensor]) -> None:
         call, parameter, use = key
         if grad is not None:
-            self.calls[call][4].take(parameter, use, grad, self.parameters[parameter])
+            self.calls[call][4].take(parameter, use, grad)
 
     def refuse_randomness(self) -> None:
         for name, sub in self.module.named_modules(prefix=self.name):
@@ -722,7 +791,7 @@ class FunctionalLayer(Layer):
         if self.calls and not self.per_sample:
             broadcasts = [call[4] for call in self.calls]
             if all(b is not None and b.valid for b in broadcasts):
-                self.per_sample = {id(p): total(b.rows(i, p, batch) for b in broadcasts)
+                self.per_sample = {id(p): total(b.rows(i) for b in broadcasts)
                                    for i, p in enumerate(self.parameters)}
             else:
                 self.refuse_randomness()
@@ -886,11 +955,13 @@ def _uses_from(node, position: int, shape: tuple, positions: Optional[torch.Tens
 
 
 class _Broadcasts:
-    """A call's parameters whose every use is broadcast over the batch (:class:`FunctionalLayer`):
-    per parameter its uses (:class:`_Use`), and the per-sample gradients taken so far."""
+    """A call's parameters whose every use is broadcast over the batch (:class:`FunctionalLayer`),
+    or a layer output shared by the batch (:func:`shared_output_uses`): per operand its uses
+    (:class:`_Use`), and the per-sample gradients taken so far."""
 
-    def __init__(self, uses: list, batch: int):
-        self.uses = uses  # per parameter, its _Use list
+    def __init__(self, operands: list, uses: list, batch: int):
+        self.operands = operands  # the tensors broadcast (parameters), for their shape, dtype and device
+        self.uses = uses  # per operand, its _Use list
         self.batch = batch
         self.taken: dict = {}  # parameter index: (B, *shape) float32 at least
         self.valid = True
@@ -907,18 +978,18 @@ class _Broadcasts:
                 return None
             uses.append([use._replace(positions=None if use.positions is None else use.positions.to(weight.device))
                          for each in found for use in each])
-        return cls(uses, batch)
+        return cls(parameters, uses, batch)
 
     def nodes(self) -> list:
         """((parameter, use), node) for every use."""
         return [((i, j), use.node) for i, uses in enumerate(self.uses) for j, use in enumerate(uses)]
 
-    def take(self, parameter: int, use: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
+    def take(self, parameter: int, use: int, grad: torch.Tensor) -> None:
         """The output gradient of a use's node: the use's per-sample gradients, summed over the dims
         its operand is broadcast along, where the output has the batch in dim 0 and the operand
         is broadcast along it (a view's then placed in the parameter's shape); else the call
         takes the replay."""
-        found, batch = self.uses[parameter][use], self.batch
+        found, batch, weight = self.uses[parameter][use], self.batch, self.operands[parameter]
         aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
         if grad.ndim < len(found.shape) or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
             self.valid = False
@@ -932,13 +1003,26 @@ class _Broadcasts:
         rows = rows.reshape(batch, *weight.shape)
         self.taken[parameter] = rows if parameter not in self.taken else self.taken[parameter] + rows
 
-    def rows(self, parameter: int, weight: torch.Tensor, batch: int) -> torch.Tensor:
+    def rows(self, parameter: int) -> torch.Tensor:
         """(B, *shape): the parameter's per-sample gradients in this call (zeros where no use's
         gradient came)."""
         if parameter in self.taken:
             return self.taken[parameter]
-        return torch.zeros(batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+        weight = self.operands[parameter]
+        return torch.zeros(self.batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                            device=weight.device)
+
+
+def shared_output_uses(edge, parents: dict, batch: int) -> Optional[_Broadcasts]:
+    """The uses of a layer call's output, the gradient edge ``edge``, computed on a batch of 1 and
+    shared by the batch's ``batch`` samples: as broadcast parameters' (:class:`_Broadcasts`, one
+    operand), each an add, a subtraction or an expand over the batch, directly or through views,
+    found from the loss's autograd graph (``parents``: :func:`count_uses`'s); None if any use is
+    of another kind, or there is none."""
+    meta = edge.node._input_metadata[edge.output_nr]
+    output = torch.empty((), dtype=meta.dtype, device=meta.device).expand(tuple(meta.shape))  # its shape, no storage
+    consumers = parents.get(edge.node, [])
+    return _Broadcasts.of([consumers], parents, [output], batch) if consumers else None
 
 
 def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss",

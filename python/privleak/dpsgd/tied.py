@@ -1,0 +1,81 @@
+"""Tied weights in book-keeping: one parameter used by several layers (a language model's token
+embedding and its output head, ``lm_head.weight = wte.weight`` in GPT-2), with exact per-sample
+norms and no per-sample gradient formed.
+
+Each layer k that uses the parameter contributes G^k_i to sample i's gradient, and the norm that
+is clipped is that of the sum:
+
+    |sum_k G^k_i|_F^2 = sum_k |G^k_i|_F^2 + 2 sum_{k<l} <G^k_i, G^l_i>.
+
+The layers give their own squared norms (ghost norms); the cross terms come from their factors.
+A Linear-like layer's gradient of a (m, n) weight is G_i = sum_s L_{i,s} R_{i,s}^T over its
+positions s (nn.Linear: L = the output gradients g, R = the inputs a; GPT-2's transposed Conv1D:
+L = a, R = g; nn.Embedding: L = the one-hot rows of the ids, R = g), so
+
+    <G_i, G'_i> = sum_{s,t} (L_{i,s} . L'_{i,t}) (R_{i,s} . R'_{i,t}),
+
+the ghost norm's formula with two layers' factors (Goodfellow 2015; Li et al., ICLR 2022): for
+one-hot L the dot products are the other side's entries at the ids, L'_{i,t}[id_{i,s}], or the
+equality of two ids. It costs two S x T Gram matrices a sample, as a ghost norm does. The
+clipped sum is each layer's clipped sum with the one clip factor of the parameter, added.
+
+private-transformers (Li et al.) unties such a parameter instead ("ghost clipping can't handle
+parameter sharing", its FAQ). An L1 clip norm (Laplace) does not split over the layers this way,
+and is refused for a tied parameter.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+#: Values of the two S x T Gram matrices held at once while the cross terms are formed: samples
+#: are taken a few at a time beyond it (a GPT-2 at T = 1024 holds 2^20 of them a sample).
+_GRAM_BUDGET = 2**24
+
+
+class Factors(NamedTuple):
+    """A layer's per-sample gradient of a (m, n) parameter, G_i = sum_s L_{i,s} R_{i,s}^T:
+    ``left`` (B, S, m) dense, or integer ids (B, S) standing for one-hot rows of m; ``right``
+    (B, S, n)."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+    @property
+    def one_hot(self) -> bool:
+        return not self.left.is_floating_point()
+
+
+def _left_gram(first: Factors, second: Factors) -> torch.Tensor:
+    """(B, S, T): L_{i,s} . L'_{i,t}."""
+    if first.one_hot and second.one_hot:
+        return (first.left.unsqueeze(2) == second.left.unsqueeze(1)).to(first.right.dtype)
+    if first.one_hot:
+        return _left_gram(second, first).transpose(1, 2)
+    if second.one_hot:  # L_s . e_{id_t} = L_s[id_t]
+        ids = second.left.unsqueeze(1).expand(-1, first.left.shape[1], -1)
+        return first.left.gather(2, ids)
+    return torch.bmm(first.left, second.left.transpose(1, 2))
+
+
+def cross_term(first: Factors, second: Factors) -> torch.Tensor:
+    """(B,) float64: <G_i, G'_i> = sum_{s,t} (L_s . L'_t)(R_s . R'_t) for each sample i, from two
+    layers' :class:`Factors` of one parameter (the module docstring). Float32 products (float64
+    for float64 factors), summed in float64."""
+    dtype = torch.promote_types(torch.promote_types(first.right.dtype, second.right.dtype), torch.float32)
+    first, second = (Factors(f.left if f.one_hot else f.left.to(dtype), f.right.to(dtype)) for f in (first, second))
+    batch, positions = first.right.shape[0], first.right.shape[1] * second.right.shape[1]
+    step = max(1, _GRAM_BUDGET // max(2 * positions, 1))
+    terms = []
+    for i in range(0, batch, step):
+        a, b = (Factors(f.left[i:i + step], f.right[i:i + step]) for f in (first, second))
+        right = torch.bmm(a.right, b.right.transpose(1, 2))
+        terms.append((_left_gram(a, b) * right).sum((1, 2), dtype=torch.float64))
+    return torch.cat(terms) if terms else torch.zeros(0, dtype=torch.float64, device=first.right.device)
+
+
+def cross_terms(factors: list) -> torch.Tensor:
+    """(B,) float64: 2 sum_{k<l} <G^k_i, G^l_i> over the layers' :class:`Factors` of one parameter."""
+    pairs = [cross_term(factors[k], factors[l]) for k in range(len(factors)) for l in range(k + 1, len(factors))]
+    return 2 * sum(pairs[1:], pairs[0])
