@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd import tied
+from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.layers import Layer, count_uses, layer_for, shared_output_uses
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
@@ -108,8 +108,8 @@ class BookKeeping:
         self.layers, self._tied = _layers_of(model)
         if self._tied and self.config.mechanism.clip_norm_type != 2:
             names = {id(p): name for name, p in model.named_parameters()}
-            raise ValueError(f"config: the {type(self.config.mechanism).__name__} mechanism clips L1 norms, which do not "
-                             "split over the layers sharing a tied parameter "
+            raise ValueError(f"config: the {type(self.config.mechanism).__name__} mechanism clips L1 norms, which do "
+                             "not split over the layers sharing a tied parameter "
                              f"({', '.join(names[key] for key in self._tied)}); untie it or use an L2 mechanism")
         self._slots = {id(p): i for i, p in enumerate(params)}
         self._recording = True

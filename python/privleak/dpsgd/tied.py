@@ -77,5 +77,5 @@ def cross_term(first: Factors, second: Factors) -> torch.Tensor:
 
 def cross_terms(factors: list) -> torch.Tensor:
     """(B,) float64: 2 sum_{k<l} <G^k_i, G^l_i> over the layers' :class:`Factors` of one parameter."""
-    pairs = [cross_term(factors[k], factors[l]) for k in range(len(factors)) for l in range(k + 1, len(factors))]
+    pairs = [cross_term(first, second) for k, first in enumerate(factors) for second in factors[k + 1:]]
     return 2 * sum(pairs[1:], pairs[0])
