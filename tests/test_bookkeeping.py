@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import bookkeeping, layers
+from privleak.dpsgd import bookkeeping, layers, tied
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from transformers.pytorch_utils import Conv1D
@@ -151,17 +151,19 @@ class TiedEmbeddings(nn.Module):
 
 class SharedOutputs(nn.Module):
     """Layers run on a batch of 1 whose outputs the batch shares: a table of position embeddings
-    of ids (1, 10), sliced, added and (shifted by one, times 0.5) subtracted; a LayerNorm of a
-    fixed start vector (1, 1, d), expanded over the batch and prepended."""
+    of ids (1, 10), sliced, added and (shifted by one, times 0.5) subtracted; a Linear of a fixed
+    vector (1, 1, d), added at every position; a LayerNorm of it, expanded over the batch and
+    prepended."""
 
     def __init__(self):
         super().__init__()
-        self.positions, self.start_norm, self.head = nn.Embedding(10, 4), nn.LayerNorm(4), nn.Linear(4, 2)
+        self.positions, self.shift, self.start_norm = nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4)
+        self.head = nn.Linear(4, 2)
         self.register_buffer("start", torch.randn(1, 1, 4))
 
     def forward(self, x):
         table, length = self.positions(torch.arange(10)[None]), x.shape[1]
-        h = torch.sub(x + table[:, :length], table[:, 1:length + 1], alpha=0.5)
+        h = torch.sub(x + table[:, :length], table[:, 1:length + 1], alpha=0.5) + self.shift(self.start)
         h = torch.cat([self.start_norm(self.start).expand(len(x), -1, -1), h], 1)
         return self.head(torch.tanh(h))
 
@@ -304,6 +306,30 @@ def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
     for per_layer in (False, True):
         compare(case, "gaussian", per_layer)
     assert calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kinds", [("dense", "dense"), ("ids", "dense"), ("dense", "ids"), ("ids", "ids")])
+def test_the_cross_term_of_tied_layers_is_the_inner_product_of_their_gradients(kinds, dtype, monkeypatch):
+    """tied.cross_term against the float64 inner product of the two per-sample gradients formed
+    (one-hot rows for ids), a few samples at a time, and with no positions on one side."""
+    monkeypatch.setattr(tied, "_GRAM_BUDGET", 100)  # 2 samples of 4 x 7 positions at a time
+    generator, batch, rows, columns = torch.Generator().manual_seed(0), 5, 6, 3
+
+    def factors(kind, positions):
+        left = (torch.randint(0, rows, (batch, positions), generator=generator) if kind == "ids"
+                else torch.randn(batch, positions, rows, generator=generator).to(dtype))
+        return tied.Factors(left, torch.randn(batch, positions, columns, generator=generator).to(dtype))
+
+    def formed(f):
+        left = F.one_hot(f.left, rows).double() if f.one_hot else f.left.double()
+        return torch.einsum("bsm,bsn->bmn", left, f.right.double())
+
+    for first, second in [(factors(kinds[0], 4), factors(kinds[1], 7)), (factors(kinds[0], 0), factors(kinds[1], 3))]:
+        want = (formed(first) * formed(second)).sum((1, 2))
+        got = tied.cross_term(first, second)
+        assert got.dtype == torch.float64 and got.shape == (batch,)
+        torch.testing.assert_close(got, want, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=1e-5)
 
 
 def test_the_mixed_rule_is_bu_et_al():

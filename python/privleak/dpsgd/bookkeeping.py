@@ -61,23 +61,29 @@ class BookKeeping:
     Args:
         model: the module whose forward computes the losses. Its trainable parameters must be the
             optimizer's. Each supported layer (nn.Linear, nn.Conv1d/2d, nn.Embedding, nn.LayerNorm,
-            nn.GroupNorm) gets book-keeping; nn.MultiheadAttention and any other module with
-            trainable parameters of its own get per-sample gradients of that module alone
-            (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for parameters
-            only added to or expanded over the batch (a ViT's class token and position
-            embedding), their ops' output gradients. Every layer input has the batch in dim 0.
+            nn.GroupNorm, nn.RMSNorm, transformers' Conv1D) gets book-keeping; nn.MultiheadAttention
+            and any other module with trainable parameters of its own get per-sample gradients of
+            that module alone (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`),
+            or, for parameters only added to or expanded over the batch (a ViT's class token and
+            position embedding), their ops' output gradients. Every layer input has the batch in
+            dim 0, or, for a Linear, Embedding or LayerNorm, is one shared by the batch (dim 0 of
+            1, as GPT-2's position ids) whose output is only added to or expanded over it. A
+            weight tied between nn.Linear, nn.Embedding and Conv1D layers (a language model's
+            head and token embedding) is clipped as one parameter, its norm exact
+            (:mod:`privleak.dpsgd.tied`).
         optimizer: any torch optimizer over the model's trainable parameters.
         config: :class:`~privleak.dpsgd.DPSGDConfig`; per-layer clip norms follow the optimizer's
             parameter order. An L1 mechanism (Laplace) gets its norms from each layer's
             per-sample gradient (ghost norms are L2 only), one layer at a time.
         expected_batch_size, generator, sampling: as :class:`~privleak.dpsgd.DPOptimizer`.
 
-    Refused with an error naming the module or parameter: a parameter shared by two modules
-    (tied weights) and a parameter used outside its module's forward (the hooks cannot see that
-    use; checked every step on the autograd graph); BatchNorm in training mode; dropout inside a
-    module that must be recomputed per sample; reentrant activation checkpointing
-    (``torch.utils.checkpoint(..., use_reentrant=True)``: its forward runs without grad, out of
-    the hooks' sight); a layer input changed in place after the layer's call (``h += layer(h)``).
+    Refused with an error naming the module or parameter: any other parameter shared by two
+    modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
+    module's forward (the hooks cannot see that use; checked every step on the autograd graph);
+    BatchNorm in training mode; dropout inside a module that must be recomputed per sample;
+    reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``: its
+    forward runs without grad, out of the hooks' sight); a layer input changed in place after the
+    layer's call (``h += layer(h)``).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 

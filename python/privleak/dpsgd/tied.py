@@ -47,31 +47,31 @@ class Factors(NamedTuple):
         return not self.left.is_floating_point()
 
 
-def _left_gram(first: Factors, second: Factors) -> torch.Tensor:
-    """(B, S, T): L_{i,s} . L'_{i,t}."""
+def _left_gram(first: Factors, second: Factors, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S, T): L_{i,s} . L'_{i,t}, in ``dtype``. A dense side is read only at the other's ids
+    (a head's (B, T, V) logit gradients: no copy of them in another dtype)."""
     if first.one_hot and second.one_hot:
-        return (first.left.unsqueeze(2) == second.left.unsqueeze(1)).to(first.right.dtype)
+        return (first.left.unsqueeze(2) == second.left.unsqueeze(1)).to(dtype)
     if first.one_hot:
-        return _left_gram(second, first).transpose(1, 2)
+        return _left_gram(second, first, dtype).transpose(1, 2)
     if second.one_hot:  # L_s . e_{id_t} = L_s[id_t]
         ids = second.left.unsqueeze(1).expand(-1, first.left.shape[1], -1)
-        return first.left.gather(2, ids)
-    return torch.bmm(first.left, second.left.transpose(1, 2))
+        return first.left.gather(2, ids).to(dtype)
+    return torch.bmm(first.left.to(dtype), second.left.to(dtype).transpose(1, 2))
 
 
 def cross_term(first: Factors, second: Factors) -> torch.Tensor:
     """(B,) float64: <G_i, G'_i> = sum_{s,t} (L_s . L'_t)(R_s . R'_t) for each sample i, from two
     layers' :class:`Factors` of one parameter (the module docstring). Float32 products (float64
-    for float64 factors), summed in float64."""
+    for float64 factors), summed in float64; a few samples at a time."""
     dtype = torch.promote_types(torch.promote_types(first.right.dtype, second.right.dtype), torch.float32)
-    first, second = (Factors(f.left if f.one_hot else f.left.to(dtype), f.right.to(dtype)) for f in (first, second))
     batch, positions = first.right.shape[0], first.right.shape[1] * second.right.shape[1]
     step = max(1, _GRAM_BUDGET // max(2 * positions, 1))
     terms = []
     for i in range(0, batch, step):
         a, b = (Factors(f.left[i:i + step], f.right[i:i + step]) for f in (first, second))
-        right = torch.bmm(a.right, b.right.transpose(1, 2))
-        terms.append((_left_gram(a, b) * right).sum((1, 2), dtype=torch.float64))
+        right = torch.bmm(a.right.to(dtype), b.right.to(dtype).transpose(1, 2))
+        terms.append((_left_gram(a, b, dtype) * right).sum((1, 2), dtype=torch.float64))
     return torch.cat(terms) if terms else torch.zeros(0, dtype=torch.float64, device=first.right.device)
 
 
