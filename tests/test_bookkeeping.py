@@ -60,14 +60,15 @@ def clip_between(grads, per_layer):
 
 
 class Scale(nn.Module):
-    """A layer with no book-keeping rule, using its parameter twice: y = x w + x^2 w / 4."""
+    """A layer with no book-keeping rule, using its parameter twice, once through exp (not a use
+    broadcast over the batch, so the fallback replays it): y = x w + x^2 exp(w) / 4."""
 
     def __init__(self, width):
         super().__init__()
         self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
 
     def forward(self, x):
-        return x * self.weight + x.pow(2) * self.weight / 4
+        return x * self.weight + x.pow(2) * self.weight.exp() / 4
 
 
 class DroppedScale(Scale):
@@ -152,7 +153,7 @@ class TiedEmbeddings(nn.Module):
 class SharedOutputs(nn.Module):
     """Layers run on a batch of 1 whose outputs the batch shares: a table of position embeddings
     of ids (1, 10), sliced, added and (shifted by one, times 0.5) subtracted; a Linear of a fixed
-    vector (1, 1, d), added at every position; a LayerNorm of it, expanded over the batch and
+    vector (1, 1, d), multiplying every position; a LayerNorm of it, expanded over the batch and
     prepended."""
 
     def __init__(self):
@@ -163,7 +164,7 @@ class SharedOutputs(nn.Module):
 
     def forward(self, x):
         table, length = self.positions(torch.arange(10)[None]), x.shape[1]
-        h = torch.sub(x + table[:, :length], table[:, 1:length + 1], alpha=0.5) + self.shift(self.start)
+        h = torch.sub(x + table[:, :length], table[:, 1:length + 1], alpha=0.5) * self.shift(self.start)
         h = torch.cat([self.start_norm(self.start).expand(len(x), -1, -1), h], 1)
         return self.head(torch.tanh(h))
 
@@ -716,15 +717,15 @@ def test_ties_without_factors_and_l1_norms_of_tied_parameters_are_refused():
 
 
 class PositionsScaled(nn.Module):
-    """Position embeddings of ids (1, T) multiplied into the batch: their per-sample gradients
-    would need the other factor."""
+    """Position embeddings of ids (1, T), exponentiated before they meet the batch: no op the
+    batch's per-sample gradients could come from."""
 
     def __init__(self):
         super().__init__()
         self.positions, self.head = nn.Embedding(5, 3), nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.head(x * self.positions(torch.arange(x.shape[1])[None]))
+        return self.head(x + self.positions(torch.arange(x.shape[1])[None]).exp())
 
 
 def test_a_layer_output_shared_by_the_batch_other_than_added_is_refused():
@@ -839,8 +840,9 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
 class BroadcastUses(nn.Module):
     """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
     (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or views of
-    a longer one (1, 7, 4) and of a transposed one (4, 5), and a bias q (4,) added. A flip (no
-    view), a product and a sum of parameters before the batch is added take the replay."""
+    a longer one (1, 7, 4) and of a transposed one (4, 5), and a bias q (4,) added; p or q (or a
+    view) multiplying the batch. A flip (no view) and a sum or product of parameters before the
+    batch comes in take the replay."""
 
     def __init__(self, use, dropout=0.0):
         super().__init__()
@@ -861,14 +863,16 @@ class BroadcastUses(nn.Module):
              "views": lambda: h + self.long[:, 1:][:, :5] + self.turned.t()[None] - self.q.unsqueeze(0)[0],
              "flip": lambda: h + self.p.flip(1) + self.q,
              "product": lambda: h * self.p + self.q,
-             "unbatched": lambda: h + (self.p + self.q)}[self.use]()
+             "products": lambda: self.q * (h * self.long[:, 2:] * self.p) - self.q,
+             "unbatched": lambda: h + (self.p + self.q),
+             "unbatched product": lambda: h + self.p * self.q}[self.use]()
         return self.out(torch.tanh(h)).mean(1)
 
 
 @pytest.mark.parametrize("use, replayed", [("add", False), ("alpha", False), ("subtrahend", False),
                                             ("twice", False), ("slice", False), ("whole slice", False),
-                                            ("views", False), ("flip", True), ("product", True),
-                                            ("unbatched", True)])
+                                            ("views", False), ("product", False), ("products", False),
+                                            ("flip", True), ("unbatched", True), ("unbatched product", True)])
 def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
     """Their per-sample gradients come from the ops' output gradients; any other use replays the
     model (with a warning naming the parameters); both give the materialised update."""

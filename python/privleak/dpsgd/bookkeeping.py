@@ -64,10 +64,11 @@ class BookKeeping:
             nn.GroupNorm, nn.RMSNorm, transformers' Conv1D) gets book-keeping; nn.MultiheadAttention
             and any other module with trainable parameters of its own get per-sample gradients of
             that module alone (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`),
-            or, for parameters only added to or expanded over the batch (a ViT's class token and
-            position embedding), their ops' output gradients. Every layer input has the batch in
+            or, for parameters only added to, multiplied into or expanded over the batch (a ViT's
+            class token and position embedding, an RMSNorm module's weight), their ops' output
+            gradients (times the other factor of a product). Every layer input has the batch in
             dim 0, or, for a Linear, Embedding or LayerNorm, is one shared by the batch (dim 0 of
-            1, as GPT-2's position ids) whose output is only added to or expanded over it. A
+            1, as GPT-2's position ids) whose output is used only so. A
             weight tied between nn.Linear, nn.Embedding and Conv1D layers (a language model's
             head and token embedding) is clipped as one parameter, its norm exact
             (:mod:`privleak.dpsgd.tied`).
@@ -376,16 +377,16 @@ class BookKeeping:
     def _shared_outputs(self, calls: list, parents: dict, batch: int) -> list:
         """(layer, call, uses) for the layer calls on a batch of 1 (``calls``) whose output the
         batch of ``batch`` shares (GPT-2's position embedding of position ids (1, T), added to the
-        token embeddings): each use of the output, an add or expand over the batch, will hand its
-        node's output gradient, which has each sample's, to ``uses``
+        token embeddings): each use of the output, an add, product or expand over the batch, will
+        hand its node's output gradient, which has each sample's, to ``uses``
         (:func:`~privleak.dpsgd.layers.shared_output_uses`). Raises for any other use."""
         shared = []
         for layer, call in calls:
             uses = shared_output_uses(layer.edges[call], parents, batch)
             if uses is None:
                 raise ValueError(f"{layer.describe()} ran on a batch of 1 while per_sample_losses has {batch} samples, "
-                                 "and its output is used other than added to or expanded over the batch: give the "
-                                 "layer inputs with the batch in dim 0")
+                                 "and its output is used other than added to, multiplied into or expanded over the "
+                                 "batch: give the layer inputs with the batch in dim 0")
             shared.append((layer, call, uses))
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared

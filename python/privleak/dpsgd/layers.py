@@ -713,12 +713,14 @@ class FunctionalLayer(Layer):
     not be replayed and is refused in training mode.
 
     **Broadcast parameters.** Where every use of the module's own parameters in a call adds one
-    to (or subtracts it from) the batch, or expands it over the batch, directly or through views
-    (a ViT's class token, ``cls.expand(B, -1, -1)``, and position embedding, ``x + pos`` or
-    ``x + pos[:, :T]``, on the model itself), each sample's gradient is that op's output gradient
-    for the sample, summed over the dims the operand is broadcast along (times the op's alpha,
-    negated for a subtrahend; a view's placed back where it came from): the layer takes it from a
-    hook on the op's autograd node in the backward pass, with no replay. As a layer's
+    to (or subtracts it from) the batch, multiplies the batch by it, or expands it over the batch,
+    directly or through views (a ViT's class token, ``cls.expand(B, -1, -1)``, and position
+    embedding, ``x + pos`` or ``x + pos[:, :T]``, on the model itself; Hugging Face's RMSNorm
+    modules, ``weight * x_hat``; a LayerScale, ``x * gamma``), each sample's gradient is that op's
+    output gradient for the sample, times the other factor of a product (which the op's node
+    saves for its backward), summed over the dims the operand is broadcast along (times the op's
+    alpha, negated for a subtrahend; a view's placed back where it came from): the layer takes it
+    from a hook on the op's autograd node in the backward pass, with no replay. As a layer's
     input must, such an op's output must have the batch in dim 0; an op whose output turns out not
     to (a smaller dim 0) and any other use take the replay.
 
@@ -805,10 +807,11 @@ class FunctionalLayer(Layer):
             self._replay_warned = True
             own = [n for n, p in self.module.named_parameters(recurse=False) if p.requires_grad]
             warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) used other than "
-                          "added to or expanded over the batch: their per-sample gradients replay its whole forward "
-                          f"per sample, its layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) "
-                          "included; put those parameters in a small module of their own (positions in an "
-                          "nn.Embedding, or a module that adds or prepends them), so that only it is replayed",
+                          "added to, multiplied into or expanded over the batch: their per-sample gradients replay "
+                          f"its whole forward per sample, its layers ({', '.join(layers[:3])}"
+                          f"{', ...' if len(layers) > 3 else ''}) included; put those parameters in a small module of "
+                          "their own (positions in an nn.Embedding, or a module that adds or prepends them), so that "
+                          "only it is replayed",
                           stacklevel=7)
 
     def per_sample_grads(self, batch: int) -> dict:
@@ -891,6 +894,7 @@ def _node_type(op) -> type:
 
 
 _ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x[:1].expand(3, 2))
+_MUL = _node_type(lambda x: x * x)
 #: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
 _VIEWS = frozenset(_node_type(view) for view in (
     lambda x: x[1:], torch.ops.aten.alias, lambda x: x.view(4), lambda x: x.unsqueeze(0), lambda x: x[0],
@@ -902,19 +906,23 @@ class _Use(NamedTuple):
     """A use of a parameter broadcast over the batch: the node whose output gradient it takes; the
     factor of that gradient (alpha, negated for a subtrahend); the shape of the operand broadcast
     (the parameter's, or a view's of it); for a view, the parameter's flat positions of the view's
-    elements, in order (else None)."""
+    elements, in order (else None); for a product, the node's saved attribute holding the other
+    factor, which multiplies the gradient (else None)."""
 
     node: Any
     factor: float
     shape: tuple
     positions: Optional[torch.Tensor]
+    multiplier: Optional[str] = None
 
 
 def _broadcast_use(node, position: int, shape: tuple, positions: Optional[torch.Tensor]) -> Optional[_Use]:
     """The use of an operand of ``shape`` as input ``position`` of ``node``, if it is an add, a
-    subtraction or an expand; else None."""
+    subtraction, an expand or a product; else None."""
     if type(node) is _EXPAND:
         return _Use(node, 1.0, shape, positions)
+    if type(node) is _MUL:  # d(w x)/dw = x: the other factor, which the node saves for its backward
+        return _Use(node, 1.0, shape, positions, "_saved_other" if position == 0 else "_saved_self")
     if type(node) in (_ADD, _SUB):
         alpha = float(node._saved_alpha) if position == 1 else 1.0
         return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, positions)
@@ -985,17 +993,20 @@ class _Broadcasts:
         return [((i, j), use.node) for i, uses in enumerate(self.uses) for j, use in enumerate(uses)]
 
     def take(self, parameter: int, use: int, grad: torch.Tensor) -> None:
-        """The output gradient of a use's node: the use's per-sample gradients, summed over the dims
-        its operand is broadcast along, where the output has the batch in dim 0 and the operand
-        is broadcast along it (a view's then placed in the parameter's shape); else the call
-        takes the replay."""
+        """The output gradient of a use's node: the use's per-sample gradients (times the other
+        factor of a product), summed over the dims its operand is broadcast along, where the
+        output has the batch in dim 0 and the operand is broadcast along it (a view's then placed
+        in the parameter's shape); else the call takes the replay."""
         found, batch, weight = self.uses[parameter][use], self.batch, self.operands[parameter]
         aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
         if grad.ndim < len(found.shape) or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
             self.valid = False
             return
         dtype = torch.promote_types(grad.dtype, torch.float32)
-        rows = grad.to(dtype).sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
+        grad = grad.to(dtype)
+        if found.multiplier is not None:
+            grad = grad * getattr(found.node, found.multiplier).to(dtype)
+        rows = grad.sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
         if found.positions is not None:
             placed = rows.new_zeros(batch, weight.numel())
             placed[:, found.positions] = rows
