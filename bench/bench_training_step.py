@@ -16,9 +16,9 @@ backward passes). Every side gets its own copy of the same initial model and the
 Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-style CNN of about
 0.8M parameters (Conv2d + GroupNorm + Linear on 32x32x3), a 2-layer transformer of about 2.3M
 parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), a 69M transformer
-(d 768, 8 layers, sequence 128) and Hugging Face's GPT-2 small (124M, sequence 128; transformers
-needed); --skip-large leaves the last two out. A side that cannot train a model says what it
-raised.
+(d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M) and a LLaMA-style model of
+its size (sequence 128; transformers needed); --skip-large leaves the last three out. A side that
+cannot train a model says what it raised.
 
 Times: the sides run in turns, --rounds rounds of calls lasting about 50 ms each
 (bench/_measure.seconds_by_round); each side reports its median, and its ratio to non-private as
@@ -114,18 +114,25 @@ class Transformer(nn.Module):
 
 
 class HuggingFaceLM(nn.Module):
-    """A Hugging Face causal language model as users build it, returning its logits: GPT-2 small
-    (124M parameters: transformers' Conv1D projections, the head tied to the token embedding,
-    position embeddings of position ids (1, T)), random weights from its config (nothing is
-    downloaded), dropout off so that every side computes the same function."""
+    """A Hugging Face causal language model as users build it, returning its logits, random weights
+    from its config (nothing is downloaded), dropout off so that every side computes the same
+    function. "gpt2": GPT-2 small (124M parameters: transformers' Conv1D projections, the head
+    tied to the token embedding, position embeddings of position ids (1, T)). "llama": a
+    LLaMA-style model of GPT-2 small's size (12 layers, d 768, 4 key-value heads of 12, SwiGLU
+    2048, vocabulary 32000, tied head; RMSNorm modules of its own, rotary positions)."""
 
-    def __init__(self):
+    def __init__(self, kind: str):
         super().__init__()
         import transformers
 
         transformers.logging.set_verbosity_error()
-        self.lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0,
-                                                                       attn_pdrop=0.0))
+        if kind == "gpt2":
+            self.lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                           attn_pdrop=0.0))
+        else:
+            self.lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True))
 
     def forward(self, ids):
         return self.lm(ids).logits
@@ -163,9 +170,10 @@ MODELS = {
     "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
     "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
-    "gpt2": (HuggingFaceLM, tokens(50257, 128), SequenceLoss, (8,), ()),
+    "gpt2": (lambda: HuggingFaceLM("gpt2"), tokens(50257, 128), SequenceLoss, (8,), ()),
+    "llama": (lambda: HuggingFaceLM("llama"), tokens(32000, 128), SequenceLoss, (8,), ()),
 }
-LARGE = ("large", "gpt2")  #: left out by --skip-large and --quick
+LARGE = ("large", "gpt2", "llama")  #: left out by --skip-large and --quick
 
 
 def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0):
