@@ -728,6 +728,34 @@ class PositionsScaled(nn.Module):
         return self.head(x + self.positions(torch.arange(x.shape[1])[None]).exp())
 
 
+class OwnPositions(nn.Module):
+    """A position embedding that makes its own position ids (1, T), as BART's learned one: a module
+    with no rule whose output has no batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x):
+        return F.embedding(torch.arange(x.shape[1])[None], self.table)
+
+
+def test_a_replayed_module_whose_output_has_no_batch_dim_is_refused():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.positions, self.head = nn.Linear(3, 3), OwnPositions(), nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.head(h + self.positions(h))
+
+    model = Model()
+    with pytest.raises(ValueError, match=r"module 'positions' \(OwnPositions\) returned an output of shape "
+                                         r"\(1, 5, 3\), without the batch of 4 in dim 0"):
+        make(model).step(model(torch.randn(4, 5, 3)).pow(2).sum((1, 2)))
+
+
 def test_a_layer_output_shared_by_the_batch_other_than_added_is_refused():
     model = PositionsScaled()
     bk = make(model)
@@ -841,8 +869,10 @@ class BroadcastUses(nn.Module):
     """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
     (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or views of
     a longer one (1, 7, 4) and of a transposed one (4, 5), and a bias q (4,) added; p or q (or a
-    view) multiplying the batch. A flip (no view) and a sum or product of parameters before the
-    batch comes in take the replay."""
+    view) multiplying the batch, shifted by a constant first (Gemma's RMSNorm: x * (1 + w)); a
+    difference of parameters before the batch comes in (the add passes its output gradient on). A
+    flip (no view), and a sum or product of parameters of different shapes before the batch
+    comes in take the replay."""
 
     def __init__(self, use, dropout=0.0):
         super().__init__()
@@ -864,6 +894,8 @@ class BroadcastUses(nn.Module):
              "flip": lambda: h + self.p.flip(1) + self.q,
              "product": lambda: h * self.p + self.q,
              "products": lambda: self.q * (h * self.long[:, 2:] * self.p) - self.q,
+             "shifted product": lambda: h * (1.0 + self.q) + self.p,
+             "doubled": lambda: h + torch.sub(self.p, self.long[:, 2:], alpha=3.0) + self.p + self.q,
              "unbatched": lambda: h + (self.p + self.q),
              "unbatched product": lambda: h + self.p * self.q}[self.use]()
         return self.out(torch.tanh(h)).mean(1)
@@ -872,6 +904,7 @@ class BroadcastUses(nn.Module):
 @pytest.mark.parametrize("use, replayed", [("add", False), ("alpha", False), ("subtrahend", False),
                                             ("twice", False), ("slice", False), ("whole slice", False),
                                             ("views", False), ("product", False), ("products", False),
+                                            ("shifted product", False), ("doubled", False),
                                             ("flip", True), ("unbatched", True), ("unbatched product", True)])
 def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
     """Their per-sample gradients come from the ops' output gradients; any other use replays the

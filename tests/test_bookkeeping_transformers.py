@@ -2,7 +2,7 @@
 config, nothing downloaded): GPT-2 (transformers' Conv1D projections, the output head tied to the
 token embedding, position embeddings of position ids (1, T) shared by the batch), a LLaMA-style
 model (RMSNorm modules of its own, weight times the normalised batch; rotary positions; tied
-head) and BERT. The reference is
+head), Gemma (its RMSNorm the batch times 1 + weight) and BERT. The reference is
 independent of book-keeping and of torch.func: each sample's gradient from its own backward pass
 on a batch of one, through dpsgd.privatize with the same config and noise stream."""
 import pytest
@@ -29,6 +29,13 @@ def llama():
         pad_token_id=0))
 
 
+def gemma():
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0))
+
+
 def bert():
     return transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
@@ -45,7 +52,8 @@ def classify(model, ids):
     return F.cross_entropy(model(ids).logits, ids[:, 0] % 2, reduction="none")
 
 
-MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "bert": (bert, classify)}
+MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (gemma, next_token),
+          "bert": (bert, classify)}
 
 
 def one_sample_at_a_time(model, losses, ids):
@@ -67,7 +75,8 @@ def quiet_transformers():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, mechanism, per_layer, monkeypatch):
     """The same update, and no module replayed per sample: every parameter is book-kept, or (the
-    LLaMA model's RMSNorm weights) taken from the product's output gradient times its other factor."""
+    LLaMA and Gemma models' RMSNorm weights) taken from the product's output gradient times its
+    other factor."""
     build, losses = MODELS[name]
     torch.manual_seed(0)
     model = build()

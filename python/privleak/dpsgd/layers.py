@@ -16,6 +16,7 @@ at Small Cost", ICML 2023), one GEMM per layer with the output gradients scaled 
 from __future__ import annotations
 
 import enum
+import fnmatch
 import functools
 import math
 import warnings
@@ -266,7 +267,8 @@ _LAYERS: dict = {}  # module type, or the dotted name of one in a package privle
 
 def layer_kind(*module_types):
     """Class decorator: the rule for modules of ``module_types`` (types, or dotted names of types
-    of other packages, "package.module.Class")."""
+    of other packages, "package.module.Class", where a name may hold the wildcards of
+    :func:`fnmatch.fnmatchcase`)."""
     def register(cls: type) -> type:
         for module_type in module_types:
             _LAYERS[module_type] = cls
@@ -278,13 +280,20 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
     """The rule for ``module``: the table's entry for its type or nearest base class whose
     forward it keeps; else :class:`FunctionalLayer` if it has trainable parameters of its own."""
     for base in type(module).__mro__:
-        rule = _LAYERS.get(base) or _LAYERS.get(f"{base.__module__}.{base.__qualname__}")
+        rule = _LAYERS.get(base) or _named_rule(f"{base.__module__}.{base.__qualname__}")
         if rule is not None and type(module).forward is base.forward:
             layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
     if any(p.requires_grad for p in module.parameters(recurse=False)):
         return FunctionalLayer(name, module)
     return None
+
+
+def _named_rule(name: str) -> Optional[type]:
+    rule = _LAYERS.get(name)
+    if rule is None:
+        rule = next((r for key, r in _LAYERS.items() if isinstance(key, str) and fnmatch.fnmatchcase(name, key)), None)
+    return rule
 
 
 def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tensor:
@@ -605,6 +614,17 @@ class EmbeddingLayer(Layer):
                                         weight.shape[0])}
 
 
+@layer_kind("transformers.models.*.modeling_*.*ScaledWordEmbedding")
+class ScaledEmbeddingLayer(EmbeddingLayer):
+    """Hugging Face's scaled word embeddings (Gemma's, BART's, ...: an nn.Embedding whose forward
+    multiplies the lookup by ``embed_scale``, a constant): an Embedding rule whose output gradient
+    is the module's times that constant, so it can be tied to the head as an nn.Embedding can."""
+
+    def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, g = super()._sites()
+        return ids, g * float(self.module.embed_scale)
+
+
 def _rows_added(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows, p), float32 at least: out[r] = the sum of the rows of ``values`` (..., p) whose
     ``index`` is r, by torch's Embedding weight gradient, deterministic on CUDA (index_add_ and
@@ -823,6 +843,12 @@ class FunctionalLayer(Layer):
         for (leaves, spec, live, (device, autocast, dtype), _), output_grads in zip(self.calls, self.grads):
             split = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
             pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
+            for _, g in pairs:
+                if g.ndim == 0 or g.shape[0] != batch:
+                    raise ValueError(f"{self.describe()} returned an output of shape {tuple(g.shape)}, without the "
+                                     f"batch of {batch} in dim 0 (a position embedding that makes its own position "
+                                     "ids of shape (1, T)), and no book-keeping rule fits it: its per-sample "
+                                     "gradients cannot be replayed; give it inputs whose batch its output keeps")
 
             def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs):
                 values = list(leaves)
@@ -894,7 +920,7 @@ def _node_type(op) -> type:
 
 
 _ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x[:1].expand(3, 2))
-_MUL = _node_type(lambda x: x * x)
+_MUL, _CAST = _node_type(lambda x: x * x), _node_type(lambda x: x.double())
 #: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
 _VIEWS = frozenset(_node_type(view) for view in (
     lambda x: x[1:], torch.ops.aten.alias, lambda x: x.view(4), lambda x: x.unsqueeze(0), lambda x: x[0],
@@ -929,6 +955,18 @@ def _broadcast_use(node, position: int, shape: tuple, positions: Optional[torch.
     return None
 
 
+def _passed_on(node, position: int, shape: tuple) -> Optional[float]:
+    """The factor by which ``node`` hands its output gradient, unchanged in shape, to its input
+    ``position`` of ``shape``: a dtype cast (1), an add or subtraction whose output has the
+    operand's shape (alpha, negated for a subtrahend: Gemma's 1 + w; a sum of parameters of one
+    shape); else None."""
+    if type(node) is _CAST:
+        return 1.0
+    if type(node) in (_ADD, _SUB) and tuple(node._input_metadata[0].shape) == shape:
+        return _broadcast_use(node, position, shape, None).factor
+    return None
+
+
 def _view_positions(node) -> Optional[torch.Tensor]:
     """For a view ``node``, the flat position in its input of each element of its output, in order:
     the view's backward applied to 1, 2, ..., n (exact in float64) places each where it came from;
@@ -947,11 +985,16 @@ def _view_positions(node) -> Optional[torch.Tensor]:
 def _uses_from(node, position: int, shape: tuple, positions: Optional[torch.Tensor], parents: dict) -> Optional[list]:
     """The broadcast uses (:class:`_Use`) an operand of ``shape`` (its elements at ``positions`` of
     the parameter, None: all, in order) gets as input ``position`` of ``node``: the node's own, or
-    through views, those of their outputs; None if any use is of another kind."""
+    through views and ops that pass the gradient on (:func:`_passed_on`), those of their outputs;
+    None if any use is of another kind."""
+    above = parents.get(node, [])
+    factor = _passed_on(node, position, shape)
+    if factor is not None and above:
+        uses = [_uses_from(parent, at, shape, positions, parents) for parent, at in above]
+        return None if None in uses else [use._replace(factor=use.factor * factor) for found in uses for use in found]
     use = _broadcast_use(node, position, shape, positions)
     if use is not None:
         return [use]
-    above = parents.get(node, [])
     if type(node) not in _VIEWS or not above:
         return None
     placed = _view_positions(node)
