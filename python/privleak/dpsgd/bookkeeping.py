@@ -68,9 +68,9 @@ class BookKeeping:
             class token and position embedding, an RMSNorm module's weight), their ops' output
             gradients (times the other factor of a product). Every layer input has the batch in
             dim 0, or, for a Linear, Embedding or LayerNorm, is one shared by the batch (dim 0 of
-            1, as GPT-2's position ids) whose output is used only so. A
-            weight tied between nn.Linear, nn.Embedding and Conv1D layers (a language model's
-            head and token embedding) is clipped as one parameter, its norm exact
+            1, as GPT-2's position ids) whose output is used only so. A weight tied between
+            nn.Linear, nn.Embedding (or a scaled word embedding) and Conv1D layers (a language
+            model's head and token embedding) is clipped as one parameter, its norm exact
             (:mod:`privleak.dpsgd.tied`).
         optimizer: any torch optimizer over the model's trainable parameters.
         config: :class:`~privleak.dpsgd.DPSGDConfig`; per-layer clip norms follow the optimizer's
@@ -470,8 +470,8 @@ def _layers_of(model: nn.Module) -> tuple[list[Layer], dict]:
             if len(sharing) > 1 and not all(owner.can_tie(p) for owner in sharing):
                 raise ValueError(f"parameter '{names[id(p)]}' belongs to modules "
                                  f"{', '.join(repr(o.name) for o in sharing)} (tied weights): book-keeping ties only "
-                                 "the weights of nn.Linear, nn.Embedding and transformers' Conv1D layers; any other "
-                                 "parameter must be in one module")
+                                 "the weights of nn.Linear, nn.Embedding (and scaled word embeddings) and "
+                                 "transformers' Conv1D layers; any other parameter must be in one module")
         layers.append(layer)
     return layers, {key: sharing for key, sharing in owners.items() if len(sharing) > 1}
 

@@ -174,7 +174,7 @@ class Layer:
 
     def broadcast(self, call: int, output_grad: torch.Tensor, norm_type: int) -> None:
         """Call ``call`` ran on a batch of 1 (position ids of shape (1, T)) and its output was added
-        to, or expanded over, the batch of B: its input counts as each sample's, with
+        to, multiplied into or expanded over the batch of B: its input counts as each sample's, with
         ``output_grad`` (B, ...) the per-sample gradients of its output (for :attr:`broadcast_calls`
         layers, after the backward pass; the output's tensor hook saw their sum only)."""
         x = self.calls[call]
@@ -1011,7 +1011,7 @@ class _Broadcasts:
     (:class:`_Use`), and the per-sample gradients taken so far."""
 
     def __init__(self, operands: list, uses: list, batch: int):
-        self.operands = operands  # the tensors broadcast (parameters), for their shape, dtype and device
+        self.operands = operands  # the tensors broadcast (parameters, a stand-in for a shared output): shape, dtype
         self.uses = uses  # per operand, its _Use list
         self.batch = batch
         self.taken: dict = {}  # parameter index: (B, *shape) float32 at least
@@ -1070,9 +1070,9 @@ class _Broadcasts:
 def shared_output_uses(edge, parents: dict, batch: int) -> Optional[_Broadcasts]:
     """The uses of a layer call's output, the gradient edge ``edge``, computed on a batch of 1 and
     shared by the batch's ``batch`` samples: as broadcast parameters' (:class:`_Broadcasts`, one
-    operand), each an add, a subtraction or an expand over the batch, directly or through views,
-    found from the loss's autograd graph (``parents``: :func:`count_uses`'s); None if any use is
-    of another kind, or there is none."""
+    operand), each an add, a subtraction, a product or an expand over the batch, directly or
+    through views, found from the loss's autograd graph (``parents``: :func:`count_uses`'s); None
+    if any use is of another kind, or there is none."""
     meta = edge.node._input_metadata[edge.output_nr]
     output = torch.empty((), dtype=meta.dtype, device=meta.device).expand(tuple(meta.shape))  # its shape, no storage
     consumers = parents.get(edge.node, [])
