@@ -260,11 +260,11 @@ class BookKeeping:
         batch = losses.shape[0]
         if batch == 0:
             return None
-        shared = []  # (layer, call): calls on a batch of 1 whose output the batch may share
+        batch_of_one = []  # (layer, call): calls on a batch of 1, whose output the batch may share
         for layer in self.layers:
             for call, size in enumerate(layer.batch_sizes()):
                 if size == 1 and layer.broadcast_calls:
-                    shared.append((layer, call))
+                    batch_of_one.append((layer, call))
                 elif size != batch:
                     raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
                                      f"{size} in a forward pass since the last step (every layer input must have the "
@@ -272,7 +272,7 @@ class BookKeeping:
         if losses.grad_fn is None:
             raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
                              "(it has no autograd graph)")
-        parents = {} if shared and batch > 1 else None
+        parents = {} if batch_of_one and batch > 1 else None
         self._check_uses(losses, parents)
         for layer in self.layers:
             layer.check_inputs()
@@ -280,7 +280,7 @@ class BookKeeping:
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
-        shared = self._shared_outputs(shared, parents, batch) if parents is not None else []
+        shared = self._shared_outputs(batch_of_one, parents, batch) if parents is not None else []
         handles = [node.register_prehook(functools.partial(self._take_shared_grad, uses, use))
                    for _, _, uses in shared for (_, use), node in uses.nodes()]
         # The layers take their gradients from tensor hooks, as the backward reaches them, and may
@@ -299,8 +299,8 @@ class BookKeeping:
                 handle.remove()
         for layer, call, uses in shared:
             if not uses.valid:
-                raise ValueError(f"{layer.describe()} ran on a batch of 1 and its output is added to a tensor without "
-                                 "the batch in dim 0: give the layer inputs with the batch in dim 0")
+                raise ValueError(f"{layer.describe()} ran on a batch of 1 and its output meets a tensor without the "
+                                 "batch in dim 0: give the layer inputs with the batch in dim 0")
             layer.broadcast(call, uses.rows(0).squeeze(1), self.config.mechanism.clip_norm_type)
         for layer in self.layers:
             layer.finish()
