@@ -171,6 +171,77 @@ class SharedOutputs(nn.Module):
         return self.head(torch.tanh(h))
 
 
+class Lookup(nn.Module):
+    """A table looked up functionally: a module with no rule (the fallback)."""
+
+    def __init__(self, rows, width):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, width))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.table)
+
+
+class RelativeBias(nn.Module):
+    """T5's relative attention bias: an Embedding of bucket ids (T, T), one per pair of positions
+    and without the batch, permuted to (1, heads, T, T), copied, and added to attention maps'
+    scores: as it is; zeroed above the diagonal (a where of the bias's shape, before the batch);
+    zeroed at padding (a where with the batch, the bias its second operand). A second table, with
+    no rule, looked up alike: its replay takes the buckets whole. At T = 6, the batch's size, the
+    buckets look like a batch: only the outputs, broadcast over the batch, tell them apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias, self.second, self.qk, self.head = nn.Embedding(9, 2), Lookup(9, 2), nn.Linear(4, 8), nn.Linear(4, 2)
+
+    def forward(self, x):
+        length = x.shape[1]
+        buckets = (torch.arange(length)[None] - torch.arange(length)[:, None]).clamp(-4, 4) + 4
+        bias = self.bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()
+        q, k = self.qk(x).unflatten(-1, (2, 4)).transpose(1, 2).chunk(2, -1)
+        scores = q @ k.transpose(-1, -2)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        padding = x[:, None, None, :, 0] > 0.5
+        maps = [scores + bias, scores + torch.where(causal, bias, 0.0), torch.where(padding, 0.0, bias) + scores,
+                scores + self.second(buckets).permute(2, 0, 1)]
+        return self.head(torch.cat([m.softmax(-1) for m in maps], 1).mean(1) @ x)
+
+
+class LearnedPositions(nn.Embedding):
+    """BART's learned position embedding: an nn.Embedding with a forward of its own that makes
+    position ids from its input's shape, offset by 2, and returns their lookup: ids (1, T), or
+    expanded to (B, T)."""
+
+    def forward(self, x, expand=False):
+        ids = torch.arange(x.shape[1]) + 2
+        return super().forward(ids.expand(len(x), -1) if expand else ids[None])
+
+
+class OwnPositions(nn.Module):
+    """A position embedding that makes its own position ids (1, T), as BART's learned one: a module
+    with no rule whose output has no batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x):
+        return F.embedding(torch.arange(x.shape[1])[None], self.table)
+
+
+class PositionModules(nn.Module):
+    """Position embeddings as modules that make their own ids: BART's (ids (1, T) and (B, T)) and
+    one with no rule (replayed once for the batch, each sample with its output gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.expanded = LearnedPositions(9, 3), LearnedPositions(9, 3)
+        self.own, self.head = OwnPositions(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(x + self.shared(x) + self.expanded(x, expand=True) - self.own(x)))
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is the encoder's weight transposed: transformers' Conv1D
     (y = h W) holding nn.Linear's weight (y = W x): two dense factors with their roles swapped."""
@@ -232,6 +303,8 @@ LAYER_CASES = {
                 normal(6, 3, 4)),
     "transformers-conv1d": (lambda: nn.Sequential(Conv1D(6, 5), nn.Tanh(), Conv1D(3, 6)), normal(6, 7, 5)),
     "shared-outputs": (SharedOutputs, normal(6, 5, 4)),
+    "relative-bias": (RelativeBias, normal(6, 6, 4)),
+    "position-modules": (PositionModules, normal(6, 5, 3)),
     "tied-embeddings": (TiedEmbeddings, ids((6, 7))),
     "tied-autoencoder": (TiedAutoencoder, normal(6, 4, 5)),
     "groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
@@ -346,7 +419,7 @@ def test_the_mixed_rule_is_bu_et_al():
     ("linear", layers.LinearLayer), ("conv2d", layers.ConvLayer), ("embedding", layers.EmbeddingLayer),
     ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer), ("rmsnorm", layers.RMSNormLayer),
     ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", layers.MultiheadAttentionLayer),
-    ("fallback", layers.FunctionalLayer),
+    ("fallback", layers.FunctionalLayer), ("position-modules", layers.LookupEmbeddingLayer),
     ("batchnorm-eval", layers.BatchNormLayer)])
 def test_each_module_gets_its_rule(case, kind):
     model, _, _ = setting(case)
@@ -359,7 +432,8 @@ def test_each_module_gets_its_rule(case, kind):
 
 @pytest.mark.parametrize("case", ["linear-sequence", "conv1d", "conv2d", "embedding", "layernorm", "groupnorm",
                                   "rmsnorm", "transformers-conv1d", "multihead-attention", "fallback", "own-parameters",
-                                  "shared-outputs", "tied-embeddings", "tied-autoencoder"])
+                                  "shared-outputs", "relative-bias", "position-modules", "tied-embeddings",
+                                  "tied-autoencoder"])
 def test_autocast_to_bfloat16_gives_the_float32_update_to_bfloat16_precision(case):
     """Under autocast a layer's input and output gradient can have different dtypes, and the
     fallback recomputes under the autocast of its call: the update is float32 and within bfloat16
@@ -731,17 +805,6 @@ class PositionsScaled(nn.Module):
         return self.head(x + self.positions(torch.arange(x.shape[1])[None]).exp())
 
 
-class OwnPositions(nn.Module):
-    """A position embedding that makes its own position ids (1, T), as BART's learned one: a module
-    with no rule whose output has no batch dim."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(8, 3))
-
-    def forward(self, x):
-        return F.embedding(torch.arange(x.shape[1])[None], self.table)
-
 
 def test_a_replayed_module_whose_output_has_no_batch_dim_is_refused():
     class Model(nn.Module):
@@ -751,7 +814,7 @@ def test_a_replayed_module_whose_output_has_no_batch_dim_is_refused():
 
         def forward(self, x):
             h = self.inp(x)
-            return self.head(h + self.positions(h))
+            return self.head(h + self.positions(h).exp())
 
     model = Model()
     with pytest.raises(ValueError, match=r"module 'positions' \(OwnPositions\) returned an output of shape "
@@ -762,11 +825,46 @@ def test_a_replayed_module_whose_output_has_no_batch_dim_is_refused():
 def test_a_layer_output_shared_by_the_batch_other_than_added_is_refused():
     model = PositionsScaled()
     bk = make(model)
-    with pytest.raises(ValueError, match=r"module 'positions' \(Embedding\) ran on a batch of 1 while "
-                                         r"per_sample_losses has 4 samples, and its output is used other than added"):
+    with pytest.raises(ValueError, match=r"per_sample_losses has 4 samples, but module 'positions' \(Embedding\) saw "
+                                         r"a batch of 1 .* its output is not one shared by the batch"):
         bk.step(model(torch.randn(4, 5, 3)).pow(2).sum((1, 2)))
     # A batch of one sample is an ordinary batch:
     assert len(bk.step(model(torch.randn(1, 5, 3)).pow(2).sum((1, 2)))) == 3
+
+
+def test_an_unbatched_input_the_size_of_the_batch_is_told_apart_by_its_output():
+    """A Conv1d of an unbatched (C, L) input, C the batch's size, added to the batch: a layer whose
+    rule takes dim 0 for samples would clip rows of channels; it is refused. The same model with
+    that input batched trains."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = nn.Conv1d(4, 3, 1), nn.Linear(5, 2)
+            self.register_buffer("signal", torch.randn(4, 5))
+
+        def forward(self, x, batched=False):
+            signal = self.signal.expand(len(x), -1, -1) if batched else self.signal
+            return self.head(torch.tanh(x + self.conv(signal)))
+
+    model = Model()
+    bk = make(model)
+    x = torch.randn(4, 3, 5)
+    with pytest.raises(ValueError, match=r"module 'conv' \(Conv1d\) ran on inputs of dim 0 4, the batch's size, but "
+                                         r"its output is broadcast over the batch"):
+        bk.step(model(x).pow(2).sum((1, 2)))
+    assert len(bk.step(model(x, batched=True).pow(2).sum((1, 2)))) == 4
+
+
+def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
+    class Doubled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2
+
+    model = nn.Sequential(Doubled(5, 3), nn.Linear(3, 2))
+    make(model)
+    with pytest.raises(ValueError, match=r"module '0' \(Doubled\) is an nn.Embedding with a forward of its own that "
+                                         r"returns something other than its lookup"):
+        model(torch.randint(0, 5, (4, 3)))
 
 
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():

@@ -2,7 +2,9 @@
 config, nothing downloaded): GPT-2 (transformers' Conv1D projections, the output head tied to the
 token embedding, position embeddings of position ids (1, T) shared by the batch), a LLaMA-style
 model (RMSNorm modules of its own, weight times the normalised batch; rotary positions; tied
-head), Gemma (its RMSNorm the batch times 1 + weight) and BERT. The reference is
+head), Gemma (its RMSNorm the batch times 1 + weight), BERT, T5 (a relative position bias of
+buckets (T, T) added to every layer's scores), BART (learned position embeddings that make their
+own ids, (B, T) in the encoder and (1, T) in the decoder) and Falcon (FalconLinear). The reference is
 independent of book-keeping and of torch.func: each sample's gradient from its own backward pass
 on a batch of one, through dpsgd.privatize with the same config and noise stream."""
 import pytest
@@ -43,6 +45,37 @@ def bert():
         pad_token_id=0))
 
 
+def t5():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+def bart():
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, scale_embedding=True, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, decoder_start_token_id=0, forced_eos_token_id=None))
+
+
+def falcon():
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, hidden_dropout=0.0,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def padding_of(ids):
+    """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
+    return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
+
+
+def translate(model, ids):
+    """Sequence to sequence, the source padded: the ids back, one token on (teacher forcing)."""
+    logits = model(input_ids=ids, attention_mask=padding_of(ids), decoder_input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
 def next_token(model, ids):
     logits = model(ids).logits
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
@@ -53,7 +86,10 @@ def classify(model, ids):
 
 
 MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (gemma, next_token),
-          "bert": (bert, classify)}
+          "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token)}
+#: the shape of the ids: (5, 12); T5's and BART's also (5, 5), where T5's relative position buckets (T, T) have
+#: the batch's size in dim 0 (only their output, added to the batch's attention scores, tells them apart)
+SHAPES = [(name, (5, 12)) for name in MODELS] + [("t5", (5, 5)), ("bart", (5, 5))]
 
 
 def one_sample_at_a_time(model, losses, ids):
@@ -72,15 +108,18 @@ def quiet_transformers():
 
 
 @pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, mechanism, per_layer, monkeypatch):
+@pytest.mark.parametrize("name, shape", SHAPES)
+def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, shape, mechanism, per_layer,
+                                                                          monkeypatch):
     """The same update, and no module replayed per sample: every parameter is book-kept, or (the
     LLaMA and Gemma models' RMSNorm weights) taken from the product's output gradient times its
-    other factor."""
+    other factor; a layer output the batch shares (GPT-2's and BART's position embeddings, T5's
+    relative position bias, under the padding and causal masks of scaled dot-product attention)
+    takes each sample's gradient from the ops adding it to the batch."""
     build, losses = MODELS[name]
     torch.manual_seed(0)
     model = build()
-    ids = torch.randint(1, VOCAB, (5, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(1))
     grads = one_sample_at_a_time(model, losses, ids)
     norms = torch.stack([g.flatten(1).double().norm(dim=1) for g in grads], 1)
     clip = [float(c) for c in norms.median(0).values] if per_layer else float(norms.norm(dim=1).median())

@@ -260,29 +260,20 @@ class BookKeeping:
         batch = losses.shape[0]
         if batch == 0:
             return None
-        batch_of_one = []  # (layer, call): calls on a batch of 1, whose output the batch may share
-        for layer in self.layers:
-            for call, size in enumerate(layer.batch_sizes()):
-                if size == 1 and layer.broadcast_calls:
-                    batch_of_one.append((layer, call))
-                elif size != batch:
-                    raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
-                                     f"{size} in a forward pass since the last step (every layer input must have the "
-                                     "batch in dim 0, and step() takes every forward pass since the last step)")
         if losses.grad_fn is None:
             raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
                              "(it has no autograd graph)")
-        parents = {} if batch_of_one and batch > 1 else None
+        parents: dict = {}
         self._check_uses(losses, parents)
+        shared = self._shared_outputs(batch, parents)
         for layer in self.layers:
             layer.check_inputs()
         edges = [edge for layer in self.layers for edge in layer.edges]
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
-        shared = self._shared_outputs(batch_of_one, parents, batch) if parents is not None else []
         handles = [node.register_prehook(functools.partial(self._take_shared_grad, uses, use))
-                   for _, _, uses in shared for (_, use), node in uses.nodes()]
+                   for _, _, found in shared for uses in found for (_, use), node in uses.nodes()]
         # The layers take their gradients from tensor hooks, as the backward reaches them, and may
         # reduce them there. Asking autograd only for the lowest layers' gradients keeps it from
         # holding every layer's until the end; the backward still runs through all the others.
@@ -297,11 +288,8 @@ class BookKeeping:
             self._collecting, self._shared = False, frozenset()
             for handle in handles:
                 handle.remove()
-        for layer, call, uses in shared:
-            if not uses.valid:
-                raise ValueError(f"{layer.describe()} ran on a batch of 1 and its output meets a tensor without the "
-                                 "batch in dim 0: give the layer inputs with the batch in dim 0")
-            layer.broadcast(call, uses.rows(0).squeeze(1), self.config.mechanism.clip_norm_type)
+        for layer, call, found in shared:
+            layer.broadcast(call, [uses.rows(0) for uses in found], self.config.mechanism.clip_norm_type)
         for layer in self.layers:
             layer.finish()
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
@@ -374,20 +362,34 @@ class BookKeeping:
                 device=self.params[0].device))
         return cached[1]
 
-    def _shared_outputs(self, calls: list, parents: dict, batch: int) -> list:
-        """(layer, call, uses) for the layer calls on a batch of 1 (``calls``) whose output the
-        batch of ``batch`` shares (GPT-2's position embedding of position ids (1, T), added to the
-        token embeddings): each use of the output, an add, product or expand over the batch, will
-        hand its node's output gradient, which has each sample's, to ``uses``
-        (:func:`~privleak.dpsgd.layers.shared_output_uses`). Raises for any other use."""
+    def _shared_outputs(self, batch: int, parents: dict) -> list:
+        """(layer, call, uses) for the layer calls whose output the batch of ``batch`` shares: run
+        on inputs without the batch (GPT-2's position ids (1, T), T5's relative position buckets
+        (T, T)), their output only added to, multiplied into or expanded over the batch, each use
+        of which will hand its node's output gradient, which has each sample's, to ``uses``
+        (:func:`~privleak.dpsgd.layers.shared_output_uses`). Every call is asked, whatever its
+        input's dim 0: T5's buckets at T = B look like a batch, and an ordinary layer rule would
+        take their rows for samples. Raises for a call without the batch whose output is used
+        otherwise, or whose layer cannot take a shared input."""
         shared = []
-        for layer, call in calls:
-            uses = shared_output_uses(layer.edges[call], parents, batch)
-            if uses is None:
-                raise ValueError(f"{layer.describe()} ran on a batch of 1 while per_sample_losses has {batch} samples, "
-                                 "and its output is used other than added to, multiplied into or expanded over the "
-                                 "batch: give the layer inputs with the batch in dim 0")
-            shared.append((layer, call, uses))
+        for layer in self.layers:
+            for call, size in enumerate(layer.batch_sizes()):
+                if size == batch == 1:  # a batch of one sample: shared and batched are the same
+                    continue
+                found = [shared_output_uses(edge, parents, batch) for edge in layer.call_edges(call)]
+                if layer.broadcast_calls and found and all(uses is not None for uses in found):
+                    shared.append((layer, call, found))
+                elif size != batch:
+                    raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
+                                     f"{size} in a forward pass since the last step, and its output is not one shared "
+                                     "by the batch (only added to, multiplied into or expanded over it) (every layer "
+                                     "input must have the batch in dim 0, and step() takes every forward pass since "
+                                     "the last step)")
+                elif any(uses is not None for uses in found):
+                    raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, the batch's size, but its "
+                                     "output is broadcast over the batch (added to, multiplied into or expanded over "
+                                     "it), so they were not the batch's: its per-sample gradients are not its rows; "
+                                     "give it inputs with the batch in dim 0, or use its outputs only broadcast")
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared
 

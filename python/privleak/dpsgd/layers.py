@@ -118,9 +118,13 @@ class Layer:
     """
 
     uses_per_call: ClassVar[Optional[int]] = 1
+    #: the rule for a subclass of the module type that overrides its forward (None: the table goes on to the
+    #: next base class, else the fallback)
+    own_forward_rule: ClassVar[Optional[type]] = None
     claims_children: ClassVar[bool] = False  #: the layer accounts for its children's parameters too
     hook_without_parameters: ClassVar[bool] = False  #: hooked even without trainable parameters (to refuse a mode)
-    #: a call on a batch of 1 whose output the batch shares may take per-sample output gradients (:meth:`broadcast`)
+    #: a call on an input without the batch whose output the batch shares may take per-sample output gradients
+    #: (:meth:`broadcast`)
     broadcast_calls: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
@@ -163,22 +167,33 @@ class Layer:
         outputs whose gradients :meth:`take_grad` wants, in order."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return []  # run without grad (evaluation): nothing to train
-        self.calls.append(self.keep(args[0] if args else next(iter(kwargs.values()))))
+        self.calls.append(self.keep(self.recorded_input(args, kwargs, output)))
         self.edges.append(get_gradient_edge(output))
         self.grads.append([None])
         self.uses.append([self.uses_per_call] * len(self.parameters))
         return [output]
 
+    def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        """The input of a forward call that the rule reads: the first argument."""
+        return args[0] if args else next(iter(kwargs.values()))
+
     def batch_sizes(self) -> list[int]:
         return [x.shape[0] if x.ndim else 0 for x in self.calls]
 
-    def broadcast(self, call: int, output_grad: torch.Tensor, norm_type: int) -> None:
-        """Call ``call`` ran on a batch of 1 (position ids of shape (1, T)) and its output was added
-        to, multiplied into or expanded over the batch of B: its input counts as each sample's, with
-        ``output_grad`` (B, ...) the per-sample gradients of its output (for :attr:`broadcast_calls`
-        layers, after the backward pass; the output's tensor hook saw their sum only)."""
+    def call_edges(self, call: int) -> list:
+        """The gradient edges of call ``call``'s recorded outputs."""
+        return [self.edges[call]]
+
+    def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
+        """Call ``call`` ran on an input without the batch (position ids of shape (1, T) or (T,))
+        and its output was added to, multiplied into or expanded over the batch of B: the input
+        counts as each sample's, a batch dim put in front, with ``output_grads`` [(B, *output
+        shape)] the per-sample gradients of its output (for :attr:`broadcast_calls` layers, which
+        read the dims after the first as positions; after the backward pass: the output's tensor
+        hook saw their sum only)."""
+        (output_grad,) = output_grads
         x = self.calls[call]
-        self.calls[call] = x.expand(output_grad.shape[0], *x.shape[1:])
+        self.calls[call] = x.unsqueeze(0).expand(output_grad.shape[0], *x.shape)
         self.grads[call] = [None]
         self.take_grad(call, 0, output_grad, norm_type)
 
@@ -278,10 +293,13 @@ def layer_kind(*module_types):
 
 def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
     """The rule for ``module``: the table's entry for its type or nearest base class whose
-    forward it keeps; else :class:`FunctionalLayer` if it has trainable parameters of its own."""
+    forward it keeps (or that entry's :attr:`~Layer.own_forward_rule`, for one whose forward it
+    overrides); else :class:`FunctionalLayer` if it has trainable parameters of its own."""
     for base in type(module).__mro__:
         rule = _LAYERS.get(base) or _named_rule(f"{base.__module__}.{base.__qualname__}")
-        if rule is not None and type(module).forward is base.forward:
+        if rule is not None and type(module).forward is not base.forward:
+            rule = rule.own_forward_rule
+        if rule is not None:
             layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
     if any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -322,12 +340,13 @@ def bias_rows(grads: list, channels_last: bool) -> torch.Tensor:
     return total(rows(g) for g in grads)
 
 
-@layer_kind(nn.Linear)
+@layer_kind(nn.Linear, "transformers.models.falcon.modeling_falcon.FalconLinear")
 class LinearLayer(Layer):
     """nn.Linear over inputs of any leading shape (B, ..., d); the middle dims are positions.
     Per-sample weight gradient G_i = sum_t g_{i,t} a_{i,t}^T: its norm from a and g, the clipped
     sum one GEMM, (f g)^T a over all (i, t). The bias's per-sample gradients sum_t g_{i,t} are
-    formed (:func:`bias_rows`)."""
+    formed (:func:`bias_rows`). Falcon's ``FalconLinear`` (``x @ W.T + b``, an nn.Linear with its
+    forward written out) has the same rule, registered by name."""
 
     broadcast_calls = True
 
@@ -614,6 +633,26 @@ class EmbeddingLayer(Layer):
                                         weight.shape[0])}
 
 
+class LookupEmbeddingLayer(EmbeddingLayer):
+    """An nn.Embedding subclass with a forward of its own that makes its ids and returns
+    nn.Embedding's lookup of them (BART's and OPT's learned position embeddings: position ids from
+    the input's shape or its attention mask, offset by 2). The ids are the lookup's own, read from
+    its autograd node, and the rule is nn.Embedding's; a forward that returns anything else is
+    refused, naming the module."""
+
+    def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        node = output.grad_fn
+        weight = getattr(node.next_functions[0][0], "variable", None) if type(node) is _LOOKUP else None
+        if weight is not self.module.weight:
+            raise ValueError(f"{self.describe()} is an nn.Embedding with a forward of its own that returns something "
+                             "other than its lookup (nn.Embedding.forward of the ids it makes): book-keeping reads "
+                             "the ids from the lookup; return that lookup, and do the rest outside the module")
+        return node._saved_indices
+
+
+EmbeddingLayer.own_forward_rule = LookupEmbeddingLayer
+
+
 @layer_kind("transformers.models.*.modeling_*.*ScaledWordEmbedding")
 class ScaledEmbeddingLayer(EmbeddingLayer):
     """Hugging Face's scaled word embeddings (Gemma's, BART's, ...: an nn.Embedding whose forward
@@ -752,6 +791,7 @@ class FunctionalLayer(Layer):
     """
 
     uses_per_call = None
+    broadcast_calls = True
 
     def __init__(self, name: str, module: nn.Module):
         self._replay_warned = False
@@ -760,6 +800,14 @@ class FunctionalLayer(Layer):
     def clear(self) -> None:
         super().clear()
         self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
+        self.shared_calls: set = set()  # calls whose outputs the batch shares (broadcast)
+
+    def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
+        """A call whose outputs the batch shares (BART's learned position embedding, which makes its
+        own position ids (1, T)): the replay takes its inputs whole, each sample's output gradients
+        from ``output_grads``."""
+        self.shared_calls.add(call)
+        self.grads[call] = list(output_grads)
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
@@ -783,6 +831,10 @@ class FunctionalLayer(Layer):
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.grads.append([None] * len(live))
         return [outputs[i] for i in live]
+
+    def call_edges(self, call: int) -> list:
+        start = sum(len(live) for _, _, live, *_ in self.calls[:call])
+        return self.edges[start:start + len(self.calls[call][2])]
 
     def nodes(self, call: int) -> list:
         return self.watched[call]
@@ -840,8 +892,10 @@ class FunctionalLayer(Layer):
         names = {id(p): n for n, p in self.module.named_parameters(recurse=self.claims_children)}
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
-        for (leaves, spec, live, (device, autocast, dtype), _), output_grads in zip(self.calls, self.grads):
-            split = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
+        for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(zip(self.calls,
+                                                                                                    self.grads)):
+            split = [] if call in self.shared_calls else [
+                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
             pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
             for _, g in pairs:
                 if g.ndim == 0 or g.shape[0] != batch:
@@ -920,7 +974,9 @@ def _node_type(op) -> type:
 
 
 _ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x[:1].expand(3, 2))
-_MUL, _CAST = _node_type(lambda x: x * x), _node_type(lambda x: x.double())
+_MUL, _CAST, _CLONE = _node_type(lambda x: x * x), _node_type(lambda x: x.double()), _node_type(lambda x: x.clone())
+_WHERE = _node_type(lambda x: torch.where(x > 0, x, x))
+_LOOKUP = _node_type(lambda x: F.embedding(torch.zeros(1, dtype=torch.long), x))
 #: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
 _VIEWS = frozenset(_node_type(view) for view in (
     lambda x: x[1:], torch.ops.aten.alias, lambda x: x.view(4), lambda x: x.unsqueeze(0), lambda x: x[0],
@@ -931,39 +987,55 @@ _VIEWS = frozenset(_node_type(view) for view in (
 class _Use(NamedTuple):
     """A use of a parameter broadcast over the batch: the node whose output gradient it takes; the
     factor of that gradient (alpha, negated for a subtrahend); the shape of the operand broadcast
-    (the parameter's, or a view's of it); for a view, the parameter's flat positions of the view's
-    elements, in order (else None); for a product, the node's saved attribute holding the other
-    factor, which multiplies the gradient (else None)."""
+    (the parameter's, or a view's of it); the views between the parameter and the use, the
+    parameter's first (their positions are found only for uses that are all broadcast:
+    :func:`_resolved`); the tensors that multiply the gradient, as (node, saved attribute,
+    complement) triples (a product's other factor; a where's condition, or its complement for its
+    second operand); for a view, the parameter's flat positions of the view's elements, in order
+    (else None)."""
 
     node: Any
     factor: float
     shape: tuple
-    positions: Optional[torch.Tensor]
-    multiplier: Optional[str] = None
+    views: tuple = ()
+    multipliers: tuple = ()
+    positions: Optional[torch.Tensor] = None
+
+    def broadcasts_over(self, batch: int) -> bool:
+        """Whether the node's output has the batch in dim 0 and the operand is broadcast along it
+        (it has fewer dims, or a dim 0 of 1)."""
+        out = tuple(self.node._input_metadata[0].shape)
+        aligned = (1,) * (len(out) - len(self.shape)) + self.shape
+        return len(out) >= len(self.shape) and out[0] == batch and aligned[0] == 1
 
 
-def _broadcast_use(node, position: int, shape: tuple, positions: Optional[torch.Tensor]) -> Optional[_Use]:
+def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[_Use]:
     """The use of an operand of ``shape`` as input ``position`` of ``node``, if it is an add, a
-    subtraction, an expand or a product; else None."""
+    subtraction, an expand, a product or a where (T5's position bias under a mask); else None."""
     if type(node) is _EXPAND:
-        return _Use(node, 1.0, shape, positions)
+        return _Use(node, 1.0, shape, views)
     if type(node) is _MUL:  # d(w x)/dw = x: the other factor, which the node saves for its backward
-        return _Use(node, 1.0, shape, positions, "_saved_other" if position == 0 else "_saved_self")
+        return _Use(node, 1.0, shape, views, ((node, "_saved_other" if position == 0 else "_saved_self", False),))
+    if type(node) is _WHERE:  # where(c, w, y): the gradient where c holds (w), where it does not (y)
+        return _Use(node, 1.0, shape, views, ((node, "_saved_condition", position == 1),))
     if type(node) in (_ADD, _SUB):
         alpha = float(node._saved_alpha) if position == 1 else 1.0
-        return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, positions)
+        return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, views)
     return None
 
 
-def _passed_on(node, position: int, shape: tuple) -> Optional[float]:
-    """The factor by which ``node`` hands its output gradient, unchanged in shape, to its input
-    ``position`` of ``shape``: a dtype cast (1), an add or subtraction whose output has the
-    operand's shape (alpha, negated for a subtrahend: Gemma's 1 + w; a sum of parameters of one
-    shape); else None."""
-    if type(node) is _CAST:
-        return 1.0
-    if type(node) in (_ADD, _SUB) and tuple(node._input_metadata[0].shape) == shape:
-        return _broadcast_use(node, position, shape, None).factor
+def _passed_on(node, position: int, shape: tuple) -> Optional[tuple[float, tuple]]:
+    """(factor, multipliers) by which ``node`` hands its output gradient, unchanged in shape, to its
+    input ``position`` of ``shape``: a dtype cast or a copy (1: ``.contiguous()``, scaled
+    dot-product attention's copy of its mask, T5's position bias), an add or subtraction whose
+    output has the operand's shape (alpha, negated for a subtrahend: Gemma's 1 + w; a sum of
+    parameters of one shape), a where whose output has the operand's shape (its condition: a
+    causal mask over T5's position bias); else None."""
+    if type(node) in (_CAST, _CLONE):
+        return 1.0, ()
+    if type(node) in (_ADD, _SUB, _WHERE) and tuple(node._input_metadata[0].shape) == shape:
+        use = _broadcast_use(node, position, shape, ())
+        return use.factor, use.multipliers
     return None
 
 
@@ -982,27 +1054,54 @@ def _view_positions(node) -> Optional[torch.Tensor]:
     return ordered
 
 
-def _uses_from(node, position: int, shape: tuple, positions: Optional[torch.Tensor], parents: dict) -> Optional[list]:
-    """The broadcast uses (:class:`_Use`) an operand of ``shape`` (its elements at ``positions`` of
-    the parameter, None: all, in order) gets as input ``position`` of ``node``: the node's own, or
-    through views and ops that pass the gradient on (:func:`_passed_on`), those of their outputs;
-    None if any use is of another kind."""
+def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
+    """The broadcast uses (:class:`_Use`) an operand of ``shape`` (reached through ``views``) gets
+    as input ``position`` of ``node``: the node's own, or through views and ops that pass the
+    gradient on (:func:`_passed_on`), those of their outputs; None if any use is of another kind
+    (found from the graph's shapes alone: a layer output of the batch's size meets another kind
+    at once, and no view's positions are computed for it). A node that could pass the gradient
+    on but whose output is not used so is itself the use (an add of the batch of 1)."""
     above = parents.get(node, [])
-    factor = _passed_on(node, position, shape)
-    if factor is not None and above:
-        uses = [_uses_from(parent, at, shape, positions, parents) for parent, at in above]
-        return None if None in uses else [use._replace(factor=use.factor * factor) for found in uses for use in found]
-    use = _broadcast_use(node, position, shape, positions)
+    passed = _passed_on(node, position, shape)
+    if passed is not None and above:
+        (factor, multipliers), found = passed, _uses_above(above, shape, views, parents)
+        # a multiplier is in the shape of the node's output: the uses' operand, unless a view came between
+        if found is not None and (not multipliers or all(use.views == views for use in found)):
+            return [use._replace(factor=use.factor * factor, multipliers=use.multipliers + multipliers)
+                    for use in found]
+    use = _broadcast_use(node, position, shape, views)
     if use is not None:
         return [use]
     if type(node) not in _VIEWS or not above:
         return None
-    placed = _view_positions(node)
-    if placed is None:
-        return None
-    placed = placed if positions is None else positions[placed]
-    uses = [_uses_from(parent, at, tuple(node._input_metadata[0].shape), placed, parents) for parent, at in above]
-    return None if None in uses else [use for found in uses for use in found]
+    return _uses_above(above, tuple(node._input_metadata[0].shape), views + (node,), parents)
+
+
+def _uses_above(above: list, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
+    """The uses of an output of ``shape`` by its consumers ``above`` (:func:`_uses_from`), stopping
+    at the first that is not broadcast."""
+    found: list = []
+    for parent, at in above:
+        uses = _uses_from(parent, at, shape, views, parents)
+        if uses is None:
+            return None
+        found += uses
+    return found
+
+
+def _resolved(uses: list, device) -> Optional[list]:
+    """The uses with the positions of their views (a view of a view: composed) on ``device``; None
+    if a view does not place each element once."""
+    resolved = []
+    for use in uses:
+        positions = None
+        for view in use.views:
+            placed = _view_positions(view)
+            if placed is None:
+                return None
+            positions = placed if positions is None else positions[placed]
+        resolved.append(use if positions is None else use._replace(positions=positions.to(device)))
+    return resolved
 
 
 class _Broadcasts:
@@ -1024,11 +1123,11 @@ class _Broadcasts:
         of views) whose own uses are all broadcast counts as such uses of the parameter."""
         uses: list = []
         for weight, edges in zip(parameters, consumers):
-            found = [_uses_from(node, position, tuple(weight.shape), None, parents) for node, position in edges]
-            if None in found:
+            found = _uses_above(edges, tuple(weight.shape), (), parents)
+            found = None if found is None else _resolved(found, weight.device)
+            if found is None:
                 return None
-            uses.append([use._replace(positions=None if use.positions is None else use.positions.to(weight.device))
-                         for each in found for use in each])
+            uses.append(found)
         return cls(parameters, uses, batch)
 
     def nodes(self) -> list:
@@ -1047,8 +1146,9 @@ class _Broadcasts:
             return
         dtype = torch.promote_types(grad.dtype, torch.float32)
         grad = grad.to(dtype)
-        if found.multiplier is not None:
-            grad = grad * getattr(found.node, found.multiplier).to(dtype)
+        for node, attribute, complement in found.multipliers:
+            multiplier = getattr(node, attribute)
+            grad = grad * (multiplier.logical_not() if complement else multiplier).to(dtype)
         rows = grad.sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
         if found.positions is not None:
             placed = rows.new_zeros(batch, weight.numel())
@@ -1068,15 +1168,22 @@ class _Broadcasts:
 
 
 def shared_output_uses(edge, parents: dict, batch: int) -> Optional[_Broadcasts]:
-    """The uses of a layer call's output, the gradient edge ``edge``, computed on a batch of 1 and
-    shared by the batch's ``batch`` samples: as broadcast parameters' (:class:`_Broadcasts`, one
-    operand), each an add, a subtraction, a product or an expand over the batch, directly or
-    through views, found from the loss's autograd graph (``parents``: :func:`count_uses`'s); None
-    if any use is of another kind, or there is none."""
-    meta = edge.node._input_metadata[edge.output_nr]
-    output = torch.empty((), dtype=meta.dtype, device=meta.device).expand(tuple(meta.shape))  # its shape, no storage
+    """The uses of a layer call's output, the gradient edge ``edge``, if the output is one shared
+    by the batch's ``batch`` samples: computed from inputs without the batch (GPT-2's position ids
+    (1, T), T5's relative position buckets (T, T)), and used only added to, subtracted from,
+    multiplied into or expanded over the batch, directly or through views. Found from the loss's
+    autograd graph (``parents``: :func:`count_uses`'s), as broadcast parameters'
+    (:class:`_Broadcasts`, one operand); None if any use is of another kind or does not broadcast
+    the output along the batch in dim 0 (a layer's ordinary output, which has the batch there,
+    whatever its inputs' dim 0 looked like), or if there is none."""
     consumers = parents.get(edge.node, [])
-    return _Broadcasts.of([consumers], parents, [output], batch) if consumers else None
+    meta = edge.node._input_metadata[edge.output_nr]
+    uses = _uses_above(consumers, tuple(meta.shape), (), parents) if consumers else None
+    if not uses or not all(use.broadcasts_over(batch) for use in uses):
+        return None
+    uses = _resolved(uses, meta.device)
+    output = torch.empty((), dtype=meta.dtype, device=meta.device).expand(tuple(meta.shape))  # its shape, no storage
+    return None if uses is None else _Broadcasts([output], [uses], batch)
 
 
 def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss",
