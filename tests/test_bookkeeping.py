@@ -242,6 +242,25 @@ class PositionModules(nn.Module):
         return self.head(torch.tanh(x + self.shared(x) + self.expanded(x, expand=True) - self.own(x)))
 
 
+class FlattenedBatch(nn.Module):
+    """OPT's decoder layer: the hidden states (B, T, d) reshaped to (B T, d) for a LayerNorm and the
+    MLP (a scale without grad, a residual add), then back; a second reshape, of a non-contiguous (B, T, d)
+    slice, for a Linear alone (its copy and view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.up, self.down = nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 6), nn.Linear(6, 4)
+        self.side, self.head = nn.Linear(2, 4), nn.Linear(4, 2)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x):
+        h = self.inp(x)
+        flat = h.reshape(-1, h.shape[-1])
+        flat = flat + self.down(torch.relu(self.up(self.norm(flat))) * self.scale)
+        side = self.side(h[..., ::2].reshape(-1, 2))
+        return self.head((flat * side).view(h.shape))
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is the encoder's weight transposed: transformers' Conv1D
     (y = h W) holding nn.Linear's weight (y = W x): two dense factors with their roles swapped."""
@@ -304,6 +323,7 @@ LAYER_CASES = {
     "transformers-conv1d": (lambda: nn.Sequential(Conv1D(6, 5), nn.Tanh(), Conv1D(3, 6)), normal(6, 7, 5)),
     "shared-outputs": (SharedOutputs, normal(6, 5, 4)),
     "relative-bias": (RelativeBias, normal(6, 6, 4)),
+    "flattened-batch": (FlattenedBatch, normal(6, 5, 3)),
     "position-modules": (PositionModules, normal(6, 5, 3)),
     "tied-embeddings": (TiedEmbeddings, ids((6, 7))),
     "tied-autoencoder": (TiedAutoencoder, normal(6, 4, 5)),
@@ -853,6 +873,27 @@ def test_an_unbatched_input_the_size_of_the_batch_is_told_apart_by_its_output():
                                          r"its output is broadcast over the batch"):
         bk.step(model(x).pow(2).sum((1, 2)))
     assert len(bk.step(model(x, batched=True).pow(2).sum((1, 2)))) == 4
+
+
+@pytest.mark.parametrize("length", [5, 4], ids=["T-not-B", "T-is-B"])
+def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
+    """Hidden states (B, T, d) flattened position by position ((T, B, d) reshaped to (T B, d)) for
+    a Linear: its rows are not the samples' in order. Refused also where T = B, though the
+    reshaped tensor's dim 0 then has the batch's size."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mix = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.mix(h.transpose(0, 1).reshape(-1, 3)).view(h.shape[1], h.shape[0], 3).transpose(0, 1)
+
+    model = Model()
+    bk = make(model)
+    with pytest.raises(ValueError, match=rf"per_sample_losses has 4 samples, but module 'mix' \(Linear\) saw a batch "
+                                         rf"of {4 * length}"):
+        bk.step(model(torch.randn(4, length, 3)).pow(2).sum((1, 2)))
 
 
 def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():

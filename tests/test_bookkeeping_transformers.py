@@ -4,7 +4,8 @@ token embedding, position embeddings of position ids (1, T) shared by the batch)
 model (RMSNorm modules of its own, weight times the normalised batch; rotary positions; tied
 head), Gemma (its RMSNorm the batch times 1 + weight), BERT, T5 (a relative position bias of
 buckets (T, T) added to every layer's scores), BART (learned position embeddings that make their
-own ids, (B, T) in the encoder and (1, T) in the decoder) and Falcon (FalconLinear). The reference is
+own ids, (B, T) in the encoder and (1, T) in the decoder), Falcon (FalconLinear) and OPT (its MLP on
+the hidden states flattened to (B T, d); position ids from the attention mask). The reference is
 independent of book-keeping and of torch.func: each sample's gradient from its own backward pass
 on a batch of one, through dpsgd.privatize with the same config and noise stream."""
 import pytest
@@ -65,6 +66,13 @@ def falcon():
         attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
 
 
+def opt():
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0))
+
+
 def padding_of(ids):
     """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
     return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
@@ -86,7 +94,8 @@ def classify(model, ids):
 
 
 MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (gemma, next_token),
-          "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token)}
+          "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token),
+          "opt": (opt, next_token)}
 #: the shape of the ids: (5, 12); T5's and BART's also (5, 5), where T5's relative position buckets (T, T) have
 #: the batch's size in dim 0 (only their output, added to the batch's attention scores, tells them apart)
 SHAPES = [(name, (5, 12)) for name in MODELS] + [("t5", (5, 5)), ("bart", (5, 5))]

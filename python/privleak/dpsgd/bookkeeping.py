@@ -43,7 +43,7 @@ from torch import nn
 from privleak import validation
 from privleak.dpsgd import tied
 from privleak.dpsgd.clip import GRAD_DTYPES
-from privleak.dpsgd.layers import Layer, count_uses, layer_for, shared_output_uses
+from privleak.dpsgd.layers import Layer, count_uses, flattened_batch, layer_for, shared_output_uses
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
 
@@ -379,6 +379,9 @@ class BookKeeping:
                 found = [shared_output_uses(edge, parents, batch) for edge in layer.call_edges(call)]
                 if layer.broadcast_calls and found and all(uses is not None for uses in found):
                     shared.append((layer, call, found))
+                elif (size != batch and layer.flattened_batch_calls and size % batch == 0
+                      and flattened_batch(layer.sources[call], size, batch)):
+                    layer.unflatten(call, batch)
                 elif size != batch:
                     raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
                                      f"{size} in a forward pass since the last step, and its output is not one shared "

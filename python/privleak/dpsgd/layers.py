@@ -126,6 +126,9 @@ class Layer:
     #: a call on an input without the batch whose output the batch shares may take per-sample output gradients
     #: (:meth:`broadcast`)
     broadcast_calls: ClassVar[bool] = False
+    #: a call on the batch flattened with its positions (dim 0 of B T, as OPT's MLP reshapes its hidden states) may
+    #: be read as (B, T, ...) (:meth:`unflatten`)
+    flattened_batch_calls: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -143,6 +146,8 @@ class Layer:
         self.reduced = 0  # calls that reduce() replaced by per-sample gradients
         self.per_sample: dict = {}  # per parameter id, the (B, *shape) per-sample gradients formed
         self.versions: list = []  # (recorded input, its version counter then), to find in-place changes
+        self.sources: list = []  # per call, the autograd node that made the recorded input (None: a leaf)
+        self.flattened: set = set()  # calls whose input was the batch flattened with its positions
 
     def trains(self, parameter: Optional[torch.Tensor]) -> bool:
         return parameter is not None and parameter.requires_grad
@@ -167,7 +172,9 @@ class Layer:
         outputs whose gradients :meth:`take_grad` wants, in order."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return []  # run without grad (evaluation): nothing to train
-        self.calls.append(self.keep(self.recorded_input(args, kwargs, output)))
+        x = self.recorded_input(args, kwargs, output)
+        self.calls.append(self.keep(x))
+        self.sources.append(x.grad_fn)
         self.edges.append(get_gradient_edge(output))
         self.grads.append([None])
         self.uses.append([self.uses_per_call] * len(self.parameters))
@@ -197,6 +204,12 @@ class Layer:
         self.grads[call] = [None]
         self.take_grad(call, 0, output_grad, norm_type)
 
+    def unflatten(self, call: int, batch: int) -> None:
+        """Call ``call``'s input was the batch flattened with its positions, sample after sample
+        (:func:`flattened_batch`): read it, and its output gradient, as (B, positions, ...)."""
+        self.calls[call] = self.calls[call].unflatten(0, (batch, -1))
+        self.flattened.add(call)
+
     def can_tie(self, parameter: torch.Tensor) -> bool:
         """Whether ``parameter`` may be shared with other layers' (tied weights): the layer gives
         its per-sample gradient's :meth:`factors` (:mod:`privleak.dpsgd.tied`)."""
@@ -221,6 +234,8 @@ class Layer:
 
     def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
         """The gradient of recorded output ``output`` of call ``call``, during the backward pass."""
+        if call in self.flattened:
+            grad = grad.unflatten(0, (self.calls[call].shape[0], -1))
         grads = self.grads[call]
         grads[output] = grad
         if all(g is not None for g in grads):
@@ -348,7 +363,7 @@ class LinearLayer(Layer):
     formed (:func:`bias_rows`). Falcon's ``FalconLinear`` (``x @ W.T + b``, an nn.Linear with its
     forward written out) has the same rule, registered by name."""
 
-    broadcast_calls = True
+    broadcast_calls = flattened_batch_calls = True
 
     def finish(self) -> None:
         super().finish()
@@ -706,7 +721,7 @@ class _AffineNorm(Layer):
 class LayerNormLayer(_AffineNorm):
     """nn.LayerNorm over the last dims of inputs of any leading shape."""
 
-    broadcast_calls = True
+    broadcast_calls = flattened_batch_calls = True
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.module.normalized_shape, eps=self.module.eps)
@@ -1165,6 +1180,98 @@ class _Broadcasts:
         weight = self.operands[parameter]
         return torch.zeros(self.batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                            device=weight.device)
+
+
+_ROW_BY_ROW = frozenset(_node_type(op) for op in (
+    torch.relu, torch.tanh, torch.sigmoid, F.gelu, F.silu, lambda x: x.clone(), lambda x: x.double()))
+#: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
+_ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, _node_type(lambda x: x / x)))
+_LAYER_NORM = _node_type(lambda x: F.layer_norm(x, (2,)))
+_ADDMM, _MM = _node_type(lambda x: torch.addmm(x[0], x, x)), _node_type(lambda x: x @ x)
+_RESHAPES = frozenset(_node_type(op) for op in (  # a view; a copy's view; an alias of a strided view
+    lambda x: x.view(4), lambda x: x.t().reshape(4), lambda x: x[:, :1].reshape(2)))
+_TRANSPOSE = _node_type(lambda x: x.t())
+
+
+def _a_weight(child) -> bool:
+    """Whether a node's input edge comes from a parameter, or its transpose (nn.Linear's W^T)."""
+    node = child[0]
+    if type(node) is _TRANSPOSE:
+        node = node.next_functions[0][0]
+    return node is None or hasattr(node, "variable")
+
+
+_PERMUTE, _TRANSPOSE_DIMS = _node_type(lambda x: x.permute(1, 0)), _node_type(lambda x: x.transpose(0, 1))
+
+
+def _moves_dim_0(node) -> bool:
+    """Whether ``node`` (past a copy: ``.contiguous()``, a reshape's) moved another dim into dim 0."""
+    if type(node) is _CLONE:
+        node = node.next_functions[0][0]
+    if type(node) in (_TRANSPOSE_DIMS, _PERMUTE):
+        dims = len(node._input_metadata[0].shape)
+        if type(node) is _PERMUTE:
+            return node._saved_dims[0] % dims != 0
+        swapped = {node._saved_dim0 % dims, node._saved_dim1 % dims}
+        return 0 in swapped and len(swapped) == 2
+    return type(node) is _TRANSPOSE
+
+
+def _forward_shape(child, output_nr: int) -> tuple:
+    """The shape of the tensor an input edge of a node carries: its producer's output."""
+    variable = getattr(child, "variable", None)
+    return tuple(variable.shape if variable is not None else child._input_metadata[output_nr].shape)
+
+
+def flattened_batch(node, rows: int, batch: int) -> bool:
+    """Whether the tensor of dim 0 ``rows`` that autograd ``node`` made holds each sample's rows
+    together, sample after sample: it comes from reshapes merging the batch, in dim 0 of a tensor,
+    with the dims after it (OPT's decoder layers take their hidden states (B, T, d) as (B T, d)
+    for the MLP), through ops that make each row from the same row alone (elementwise ops, adds
+    of such tensors, LayerNorm over the last dims, a Linear). A reshape's order is the logical
+    one whatever the memory layout, so the rows of sample i are i T .. i T + T - 1. False where
+    that cannot be told (a leaf, another op, an operand without grad)."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None:
+            return False
+        if node in seen:
+            continue
+        seen.add(node)
+        kind, children = type(node), node.next_functions
+        if kind in _RESHAPES:
+            sizes, out = tuple(node._saved_self_sym_sizes), tuple(node._input_metadata[0].shape)
+            merged = len(sizes) - len(out) + 1  # the leading dims merged into dim 0
+            if merged > 1 and sizes[0] == batch and sizes[merged:] == out[1:] and math.prod(sizes[:merged]) == rows:
+                if _moves_dim_0(children[0][0]):  # a sequence-first tensor whose length is the batch's
+                    return False
+                continue  # the batch flattened with its positions
+            if sizes[0] != rows:
+                return False
+            stack.append(children[0][0])  # dims after the rows reshaped
+        elif kind in _ROW_BY_ROW:
+            stack.append(children[0][0])
+        elif kind in _ELEMENTWISE:  # the operands of all the rows (others are broadcast along them)
+            dims = len(node._input_metadata[0].shape)
+            full = [child for child, nr in children
+                    if child is not None and (shape := _forward_shape(child, nr)) and len(shape) == dims
+                    and shape[0] == rows]
+            if not full:
+                return False
+            stack.extend(full)
+        elif kind is _LAYER_NORM and len(node._saved_normalized_shape) < len(node._input_metadata[0].shape):
+            if not all(_a_weight(child) for child in children[1:]):
+                return False
+            stack.append(children[0][0])
+        elif kind in (_ADDMM, _MM):
+            rest = [child for i, child in enumerate(children) if i != (1 if kind is _ADDMM else 0)]
+            if not all(_a_weight(child) for child in rest):
+                return False
+            stack.append(children[1 if kind is _ADDMM else 0][0])
+        else:
+            return False
+    return True
 
 
 def shared_output_uses(edge, parents: dict, batch: int) -> Optional[_Broadcasts]:
