@@ -67,8 +67,12 @@ class BookKeeping:
             or, for parameters only added to, multiplied into or expanded over the batch (a ViT's
             class token and position embedding, an RMSNorm module's weight), their ops' output
             gradients (times the other factor of a product). Every layer input has the batch in
-            dim 0, or, for a Linear, Embedding or LayerNorm, is one shared by the batch (dim 0 of
-            1, as GPT-2's position ids) whose output is used only so. A weight tied between
+            dim 0; or is one shared by the batch (GPT-2's position ids (1, T), T5's relative
+            position buckets (T, T)) whose output is used only so (any layer but a convolution or
+            GroupNorm); or, for a Linear or LayerNorm, is the batch flattened with its positions
+            (OPT's (B T, d)), as the autograd graph shows. An nn.Embedding subclass whose forward
+            returns its lookup of ids it makes (BART's and OPT's position embeddings) gets the
+            Embedding rule. A weight tied between
             nn.Linear, nn.Embedding (or a scaled word embedding) and Conv1D layers (a language
             model's head and token embedding) is clipped as one parameter, its norm exact
             (:mod:`privleak.dpsgd.tied`).

@@ -798,6 +798,10 @@ class FunctionalLayer(Layer):
     input must, such an op's output must have the batch in dim 0; an op whose output turns out not
     to (a smaller dim 0) and any other use take the replay.
 
+    **Shared outputs.** A call whose outputs the batch shares (BART's learned position embedding
+    makes its own position ids (1, T); BookKeeping finds such calls from their outputs' uses) is
+    replayed once with its inputs whole, vmapped over each sample's output gradients.
+
     The replay runs the module's whole forward, children included: for a module whose parameters
     of its own sit beside layers, that is another forward and backward of those layers per step
     (the bench transformer with its position embedding a parameter of the model, B 32: 479-494 ms
