@@ -119,7 +119,9 @@ class HuggingFaceLM(nn.Module):
     function. "gpt2": GPT-2 small (124M parameters: transformers' Conv1D projections, the head
     tied to the token embedding, position embeddings of position ids (1, T)). "llama": a
     LLaMA-style model of GPT-2 small's size (12 layers, d 768, 4 key-value heads of 12, SwiGLU
-    2048, vocabulary 32000, tied head; RMSNorm modules of its own, rotary positions)."""
+    2048, vocabulary 32000, tied head; RMSNorm modules of its own, rotary positions). "opt": OPT's
+    125M configuration (its MLP on the hidden states flattened to (B T, d), learned position
+    embeddings that make their ids from the attention mask, tied head)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -129,6 +131,8 @@ class HuggingFaceLM(nn.Module):
         if kind == "gpt2":
             self.lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0,
                                                                            attn_pdrop=0.0))
+        elif kind == "opt":
+            self.lm = transformers.OPTForCausalLM(transformers.OPTConfig(dropout=0.0, attention_dropout=0.0))
         else:
             self.lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
                 vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -172,8 +176,9 @@ MODELS = {
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
     "gpt2": (lambda: HuggingFaceLM("gpt2"), tokens(50257, 128), SequenceLoss, (8,), ()),
     "llama": (lambda: HuggingFaceLM("llama"), tokens(32000, 128), SequenceLoss, (8,), ()),
+    "opt": (lambda: HuggingFaceLM("opt"), tokens(50272, 128), SequenceLoss, (8,), ()),
 }
-LARGE = ("large", "gpt2", "llama")  #: left out by --skip-large and --quick
+LARGE = ("large", "gpt2", "llama", "opt")  #: left out by --skip-large and --quick
 
 
 def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0):
