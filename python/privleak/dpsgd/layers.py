@@ -1020,10 +1020,10 @@ class _Use(NamedTuple):
     multipliers: tuple = ()
     positions: Optional[torch.Tensor] = None
 
-    def broadcasts_over(self, batch: int) -> bool:
-        """Whether the node's output has the batch in dim 0 and the operand is broadcast along it
-        (it has fewer dims, or a dim 0 of 1)."""
-        out = tuple(self.node._input_metadata[0].shape)
+    def broadcasts_over(self, batch: int, out: Optional[tuple] = None) -> bool:
+        """Whether the node's output (of shape ``out``; None: the node's, from the graph) has the
+        batch in dim 0 and the operand is broadcast along it (it has fewer dims, or a dim 0 of 1)."""
+        out = tuple(self.node._input_metadata[0].shape) if out is None else out
         aligned = (1,) * (len(out) - len(self.shape)) + self.shape
         return len(out) >= len(self.shape) and out[0] == batch and aligned[0] == 1
 
@@ -1159,10 +1159,10 @@ class _Broadcasts:
         output has the batch in dim 0 and the operand is broadcast along it (a view's then placed
         in the parameter's shape); else the call takes the replay."""
         found, batch, weight = self.uses[parameter][use], self.batch, self.operands[parameter]
-        aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
-        if grad.ndim < len(found.shape) or grad.shape[0] != batch or (aligned[0] != 1 and batch != 1):
+        if not found.broadcasts_over(batch, tuple(grad.shape)):
             self.valid = False
             return
+        aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
         dtype = torch.promote_types(grad.dtype, torch.float32)
         grad = grad.to(dtype)
         for node, attribute, complement in found.multipliers:
@@ -1186,15 +1186,16 @@ class _Broadcasts:
                            device=weight.device)
 
 
-_ROW_BY_ROW = frozenset(_node_type(op) for op in (
-    torch.relu, torch.tanh, torch.sigmoid, F.gelu, F.silu, lambda x: x.clone(), lambda x: x.double()))
+_ROW_BY_ROW = frozenset((_CLONE, _CAST, *(_node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,
+                                                                       F.silu))))
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, _node_type(lambda x: x / x)))
 _LAYER_NORM = _node_type(lambda x: F.layer_norm(x, (2,)))
 _ADDMM, _MM = _node_type(lambda x: torch.addmm(x[0], x, x)), _node_type(lambda x: x @ x)
 _RESHAPES = frozenset(_node_type(op) for op in (  # a view; a copy's view; an alias of a strided view
     lambda x: x.view(4), lambda x: x.t().reshape(4), lambda x: x[:, :1].reshape(2)))
-_TRANSPOSE = _node_type(lambda x: x.t())
+_TRANSPOSE, _TRANSPOSE_DIMS = _node_type(lambda x: x.t()), _node_type(lambda x: x.transpose(0, 1))
+_PERMUTE = _node_type(lambda x: x.permute(1, 0))
 
 
 def _a_weight(child) -> bool:
@@ -1203,9 +1204,6 @@ def _a_weight(child) -> bool:
     if type(node) is _TRANSPOSE:
         node = node.next_functions[0][0]
     return node is None or hasattr(node, "variable")
-
-
-_PERMUTE, _TRANSPOSE_DIMS = _node_type(lambda x: x.permute(1, 0)), _node_type(lambda x: x.transpose(0, 1))
 
 
 def _moves_dim_0(node) -> bool:
@@ -1268,11 +1266,11 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
             if not all(_a_weight(child) for child in children[1:]):
                 return False
             stack.append(children[0][0])
-        elif kind in (_ADDMM, _MM):
-            rest = [child for i, child in enumerate(children) if i != (1 if kind is _ADDMM else 0)]
-            if not all(_a_weight(child) for child in rest):
+        elif kind in (_ADDMM, _MM):  # the rows are those of mat1; the bias and mat2 must be weights
+            rows_from = 1 if kind is _ADDMM else 0
+            if not all(_a_weight(child) for i, child in enumerate(children) if i != rows_from):
                 return False
-            stack.append(children[1 if kind is _ADDMM else 0][0])
+            stack.append(children[rows_from][0])
         else:
             return False
     return True
