@@ -43,7 +43,8 @@ from torch import nn
 from privleak import validation
 from privleak.dpsgd import tied
 from privleak.dpsgd.clip import GRAD_DTYPES
-from privleak.dpsgd.layers import Layer, count_uses, flattened_batch, layer_for, shared_output_uses
+from privleak.dpsgd.graph import count_uses, flattened_batch, shared_output_uses
+from privleak.dpsgd.layers import Layer, layer_for
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
 
@@ -371,7 +372,7 @@ class BookKeeping:
         on inputs without the batch (GPT-2's position ids (1, T), T5's relative position buckets
         (T, T)), their output only added to, multiplied into or expanded over the batch, each use
         of which will hand its node's output gradient, which has each sample's, to ``uses``
-        (:func:`~privleak.dpsgd.layers.shared_output_uses`). Every call is asked, whatever its
+        (:func:`~privleak.dpsgd.graph.shared_output_uses`). Every call is asked, whatever its
         input's dim 0: T5's buckets at T = B look like a batch, and an ordinary layer rule would
         take their rows for samples. Raises for a call without the batch whose output is used
         otherwise, or whose layer cannot take a shared input."""
@@ -409,7 +410,7 @@ class BookKeeping:
         """Every use of a trainable parameter in the loss's autograd graph must be one a hooked
         layer recorded; any other (a parameter used outside its module's forward, e.g.
         ``F.linear(x, other_module.weight)``) would escape clipping. With ``parents``, the walk
-        fills in each node's parents (:func:`~privleak.dpsgd.layers.count_uses`)."""
+        fills in each node's parents (:func:`~privleak.dpsgd.graph.count_uses`)."""
         used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents)
         seen = [0] * len(self.params)
         for layer in self.layers:

@@ -20,16 +20,15 @@ import fnmatch
 import functools
 import math
 import warnings
-from typing import Any, ClassVar, NamedTuple, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import CheckpointFunction
 
-from privleak.dpsgd import conv_grads, ghost_norm
+from privleak.dpsgd import conv_grads, ghost_norm, graph
 from privleak.dpsgd.tied import Factors
 
 
@@ -656,13 +655,12 @@ class LookupEmbeddingLayer(EmbeddingLayer):
     refused, naming the module."""
 
     def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-        node = output.grad_fn
-        weight = getattr(node.next_functions[0][0], "variable", None) if type(node) is _LOOKUP else None
+        weight, ids = graph.embedding_lookup(output)
         if weight is not self.module.weight:
             raise ValueError(f"{self.describe()} is an nn.Embedding with a forward of its own that returns something "
                              "other than its lookup (nn.Embedding.forward of the ids it makes): book-keeping reads "
                              "the ids from the lookup; return that lookup, and do the rest outside the module")
-        return node._saved_indices
+        return ids
 
 
 EmbeddingLayer.own_forward_rule = LookupEmbeddingLayer
@@ -836,9 +834,9 @@ class FunctionalLayer(Layer):
         leaves, spec = tree_flatten((args, kwargs))
         inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
         consumers, parents = [[] for _ in self.parameters], {}
-        self.uses.append(count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
+        self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
-        broadcasts = _Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
+        broadcasts = graph.Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
         if broadcasts is None:
             self.refuse_randomness()
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
@@ -985,352 +983,3 @@ def _batch_of(leaves: list) -> int:
     """A call's batch size: dim 0 of its first tensor argument that has dims (0 if none has)."""
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.ndim]
     return tensors[0].shape[0] if tensors else 0
-
-
-def _node_type(op) -> type:
-    """The autograd node class of ``op`` applied to a 2 x 2 tensor that requires grad."""
-    return type(op(torch.zeros(2, 2, requires_grad=True)).grad_fn)
-
-
-_ADD, _SUB, _EXPAND = _node_type(lambda x: x + x), _node_type(lambda x: x - x), _node_type(lambda x: x[:1].expand(3, 2))
-_MUL, _CAST, _CLONE = _node_type(lambda x: x * x), _node_type(lambda x: x.double()), _node_type(lambda x: x.clone())
-_WHERE = _node_type(lambda x: torch.where(x > 0, x, x))
-_LOOKUP = _node_type(lambda x: F.embedding(torch.zeros(1, dtype=torch.long), x))
-#: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
-_VIEWS = frozenset(_node_type(view) for view in (
-    lambda x: x[1:], torch.ops.aten.alias, lambda x: x.view(4), lambda x: x.unsqueeze(0), lambda x: x[0],
-    lambda x: x[:1].squeeze(), lambda x: x[:1].squeeze(0), lambda x: x.t(), lambda x: x.transpose(0, 1),
-    lambda x: x.permute(1, 0)))
-
-
-class _Use(NamedTuple):
-    """A use of a parameter broadcast over the batch: the node whose output gradient it takes; the
-    factor of that gradient (alpha, negated for a subtrahend); the shape of the operand broadcast
-    (the parameter's, or a view's of it); the views between the parameter and the use, the
-    parameter's first (their positions are found only for uses that are all broadcast:
-    :func:`_resolved`); the tensors that multiply the gradient, as (node, saved attribute,
-    complement) triples (a product's other factor; a where's condition, or its complement for its
-    second operand); for a view, the parameter's flat positions of the view's elements, in order
-    (else None)."""
-
-    node: Any
-    factor: float
-    shape: tuple
-    views: tuple = ()
-    multipliers: tuple = ()
-    positions: Optional[torch.Tensor] = None
-
-    def broadcasts_over(self, batch: int, out: Optional[tuple] = None) -> bool:
-        """Whether the node's output (of shape ``out``; None: the node's, from the graph) has the
-        batch in dim 0 and the operand is broadcast along it (it has fewer dims, or a dim 0 of 1)."""
-        out = tuple(self.node._input_metadata[0].shape) if out is None else out
-        aligned = (1,) * (len(out) - len(self.shape)) + self.shape
-        return len(out) >= len(self.shape) and out[0] == batch and aligned[0] == 1
-
-
-def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[_Use]:
-    """The use of an operand of ``shape`` as input ``position`` of ``node``, if it is an add, a
-    subtraction, an expand, a product or a where (T5's position bias under a mask); else None."""
-    if type(node) is _EXPAND:
-        return _Use(node, 1.0, shape, views)
-    if type(node) is _MUL:  # d(w x)/dw = x: the other factor, which the node saves for its backward
-        return _Use(node, 1.0, shape, views, ((node, "_saved_other" if position == 0 else "_saved_self", False),))
-    if type(node) is _WHERE:  # where(c, w, y): the gradient where c holds (w), where it does not (y)
-        return _Use(node, 1.0, shape, views, ((node, "_saved_condition", position == 1),))
-    if type(node) in (_ADD, _SUB):
-        alpha = float(node._saved_alpha) if position == 1 else 1.0
-        return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, views)
-    return None
-
-
-def _passed_on(node, position: int, shape: tuple) -> Optional[tuple[float, tuple]]:
-    """(factor, multipliers) by which ``node`` hands its output gradient, unchanged in shape, to its
-    input ``position`` of ``shape``: a dtype cast or a copy (1: ``.contiguous()``, scaled
-    dot-product attention's copy of its mask, T5's position bias), an add or subtraction whose
-    output has the operand's shape (alpha, negated for a subtrahend: Gemma's 1 + w; a sum of
-    parameters of one shape), a where whose output has the operand's shape (its condition: a
-    causal mask over T5's position bias); else None."""
-    if type(node) in (_CAST, _CLONE):
-        return 1.0, ()
-    if type(node) in (_ADD, _SUB, _WHERE) and tuple(node._input_metadata[0].shape) == shape:
-        use = _broadcast_use(node, position, shape, ())
-        return use.factor, use.multipliers
-    return None
-
-
-def _view_positions(node) -> Optional[torch.Tensor]:
-    """For a view ``node``, the flat position in its input of each element of its output, in order:
-    the view's backward applied to 1, 2, ..., n (exact in float64) places each where it came from;
-    None unless each lands once."""
-    shape = tuple(node._input_metadata[0].shape)
-    count = math.prod(shape)
-    placed = node(torch.arange(1, count + 1, dtype=torch.float64).view(shape)).flatten()
-    positions = placed.nonzero().flatten()
-    if len(positions) != count:
-        return None
-    ordered = torch.empty_like(positions)
-    ordered[placed[positions].long() - 1] = positions
-    return ordered
-
-
-def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
-    """The broadcast uses (:class:`_Use`) an operand of ``shape`` (reached through ``views``) gets
-    as input ``position`` of ``node``: the node's own, or through views and ops that pass the
-    gradient on (:func:`_passed_on`), those of their outputs; None if any use is of another kind
-    (found from the graph's shapes alone: a layer output of the batch's size meets another kind
-    at once, and no view's positions are computed for it). A node that could pass the gradient
-    on but whose output is not used so is itself the use (an add of the batch of 1)."""
-    above = parents.get(node, [])
-    passed = _passed_on(node, position, shape)
-    if passed is not None and above:
-        (factor, multipliers), found = passed, _uses_above(above, shape, views, parents)
-        # a multiplier is in the shape of the node's output: the uses' operand, unless a view came between
-        if found is not None and (not multipliers or all(use.views == views for use in found)):
-            return [use._replace(factor=use.factor * factor, multipliers=use.multipliers + multipliers)
-                    for use in found]
-    use = _broadcast_use(node, position, shape, views)
-    if use is not None:
-        return [use]
-    if type(node) not in _VIEWS or not above:
-        return None
-    return _uses_above(above, tuple(node._input_metadata[0].shape), views + (node,), parents)
-
-
-def _uses_above(above: list, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
-    """The uses of an output of ``shape`` by its consumers ``above`` (:func:`_uses_from`), stopping
-    at the first that is not broadcast."""
-    found: list = []
-    for parent, at in above:
-        uses = _uses_from(parent, at, shape, views, parents)
-        if uses is None:
-            return None
-        found += uses
-    return found
-
-
-def _resolved(uses: list, device) -> Optional[list]:
-    """The uses with the positions of their views (a view of a view: composed) on ``device``; None
-    if a view does not place each element once."""
-    resolved = []
-    for use in uses:
-        positions = None
-        for view in use.views:
-            placed = _view_positions(view)
-            if placed is None:
-                return None
-            positions = placed if positions is None else positions[placed]
-        resolved.append(use if positions is None else use._replace(positions=positions.to(device)))
-    return resolved
-
-
-class _Broadcasts:
-    """A call's parameters whose every use is broadcast over the batch (:class:`FunctionalLayer`),
-    or a layer output shared by the batch (:func:`shared_output_uses`): per operand its uses
-    (:class:`_Use`), and the per-sample gradients taken so far."""
-
-    def __init__(self, operands: list, uses: list, batch: int):
-        self.operands = operands  # the tensors broadcast (parameters, a stand-in for a shared output): shape, dtype
-        self.uses = uses  # per operand, its _Use list
-        self.batch = batch
-        self.taken: dict = {}  # parameter index: (B, *shape) float32 at least
-        self.valid = True
-
-    @classmethod
-    def of(cls, consumers: list, parents: dict, parameters: list, batch: int) -> Optional["_Broadcasts"]:
-        """From each parameter's (node, input index) uses and the walk's parents of each node; None
-        if a use is of another kind. A view of a parameter (a slice, p[None], a reshape, or views
-        of views) whose own uses are all broadcast counts as such uses of the parameter."""
-        uses: list = []
-        for weight, edges in zip(parameters, consumers):
-            found = _uses_above(edges, tuple(weight.shape), (), parents)
-            found = None if found is None else _resolved(found, weight.device)
-            if found is None:
-                return None
-            uses.append(found)
-        return cls(parameters, uses, batch)
-
-    def nodes(self) -> list:
-        """((parameter, use), node) for every use."""
-        return [((i, j), use.node) for i, uses in enumerate(self.uses) for j, use in enumerate(uses)]
-
-    def take(self, parameter: int, use: int, grad: torch.Tensor) -> None:
-        """The output gradient of a use's node: the use's per-sample gradients (times the other
-        factor of a product), summed over the dims its operand is broadcast along, where the
-        output has the batch in dim 0 and the operand is broadcast along it (a view's then placed
-        in the parameter's shape); else the call takes the replay."""
-        found, batch, weight = self.uses[parameter][use], self.batch, self.operands[parameter]
-        if not found.broadcasts_over(batch, tuple(grad.shape)):
-            self.valid = False
-            return
-        aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
-        dtype = torch.promote_types(grad.dtype, torch.float32)
-        grad = grad.to(dtype)
-        for node, attribute, complement in found.multipliers:
-            multiplier = getattr(node, attribute)
-            grad = grad * (multiplier.logical_not() if complement else multiplier).to(dtype)
-        rows = grad.sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
-        if found.positions is not None:
-            placed = rows.new_zeros(batch, weight.numel())
-            placed[:, found.positions] = rows
-            rows = placed
-        rows = rows.reshape(batch, *weight.shape)
-        self.taken[parameter] = rows if parameter not in self.taken else self.taken[parameter] + rows
-
-    def rows(self, parameter: int) -> torch.Tensor:
-        """(B, *shape): the parameter's per-sample gradients in this call (zeros where no use's
-        gradient came)."""
-        if parameter in self.taken:
-            return self.taken[parameter]
-        weight = self.operands[parameter]
-        return torch.zeros(self.batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                           device=weight.device)
-
-
-_ROW_BY_ROW = frozenset((_CLONE, _CAST, *(_node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,
-                                                                       F.silu))))
-#: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
-_ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, _node_type(lambda x: x / x)))
-_LAYER_NORM = _node_type(lambda x: F.layer_norm(x, (2,)))
-_ADDMM, _MM = _node_type(lambda x: torch.addmm(x[0], x, x)), _node_type(lambda x: x @ x)
-_RESHAPES = frozenset(_node_type(op) for op in (  # a view; a copy's view; an alias of a strided view
-    lambda x: x.view(4), lambda x: x.t().reshape(4), lambda x: x[:, :1].reshape(2)))
-_TRANSPOSE, _TRANSPOSE_DIMS = _node_type(lambda x: x.t()), _node_type(lambda x: x.transpose(0, 1))
-_PERMUTE = _node_type(lambda x: x.permute(1, 0))
-
-
-def _a_weight(child) -> bool:
-    """Whether a node's input edge comes from a parameter, or its transpose (nn.Linear's W^T)."""
-    node = child[0]
-    if type(node) is _TRANSPOSE:
-        node = node.next_functions[0][0]
-    return node is None or hasattr(node, "variable")
-
-
-def _moves_dim_0(node) -> bool:
-    """Whether ``node`` (past a copy: ``.contiguous()``, a reshape's) moved another dim into dim 0."""
-    if type(node) is _CLONE:
-        node = node.next_functions[0][0]
-    if type(node) in (_TRANSPOSE_DIMS, _PERMUTE):
-        dims = len(node._input_metadata[0].shape)
-        if type(node) is _PERMUTE:
-            return node._saved_dims[0] % dims != 0
-        swapped = {node._saved_dim0 % dims, node._saved_dim1 % dims}
-        return 0 in swapped and len(swapped) == 2
-    return type(node) is _TRANSPOSE
-
-
-def _forward_shape(child, output_nr: int) -> tuple:
-    """The shape of the tensor an input edge of a node carries: its producer's output."""
-    variable = getattr(child, "variable", None)
-    return tuple(variable.shape if variable is not None else child._input_metadata[output_nr].shape)
-
-
-def flattened_batch(node, rows: int, batch: int) -> bool:
-    """Whether the tensor of dim 0 ``rows`` that autograd ``node`` made holds each sample's rows
-    together, sample after sample: it comes from reshapes merging the batch, in dim 0 of a tensor,
-    with the dims after it (OPT's decoder layers take their hidden states (B, T, d) as (B T, d)
-    for the MLP), through ops that make each row from the same row alone (elementwise ops, adds
-    of such tensors, LayerNorm over the last dims, a Linear). A reshape's order is the logical
-    one whatever the memory layout, so the rows of sample i are i T .. i T + T - 1. False where
-    that cannot be told (a leaf, another op, an operand without grad)."""
-    stack, seen = [node], set()
-    while stack:
-        node = stack.pop()
-        if node is None:
-            return False
-        if node in seen:
-            continue
-        seen.add(node)
-        kind, children = type(node), node.next_functions
-        if kind in _RESHAPES:
-            sizes, out = tuple(node._saved_self_sym_sizes), tuple(node._input_metadata[0].shape)
-            merged = len(sizes) - len(out) + 1  # the leading dims merged into dim 0
-            if merged > 1 and sizes[0] == batch and sizes[merged:] == out[1:] and math.prod(sizes[:merged]) == rows:
-                if _moves_dim_0(children[0][0]):  # a sequence-first tensor whose length is the batch's
-                    return False
-                continue  # the batch flattened with its positions
-            if sizes[0] != rows:
-                return False
-            stack.append(children[0][0])  # dims after the rows reshaped
-        elif kind in _ROW_BY_ROW:
-            stack.append(children[0][0])
-        elif kind in _ELEMENTWISE:  # the operands of all the rows (others are broadcast along them)
-            dims = len(node._input_metadata[0].shape)
-            full = [child for child, nr in children
-                    if child is not None and (shape := _forward_shape(child, nr)) and len(shape) == dims
-                    and shape[0] == rows]
-            if not full:
-                return False
-            stack.extend(full)
-        elif kind is _LAYER_NORM and len(node._saved_normalized_shape) < len(node._input_metadata[0].shape):
-            if not all(_a_weight(child) for child in children[1:]):
-                return False
-            stack.append(children[0][0])
-        elif kind in (_ADDMM, _MM):  # the rows are those of mat1; the bias and mat2 must be weights
-            rows_from = 1 if kind is _ADDMM else 0
-            if not all(_a_weight(child) for i, child in enumerate(children) if i != rows_from):
-                return False
-            stack.append(children[rows_from][0])
-        else:
-            return False
-    return True
-
-
-def shared_output_uses(edge, parents: dict, batch: int) -> Optional[_Broadcasts]:
-    """The uses of a layer call's output, the gradient edge ``edge``, if the output is one shared
-    by the batch's ``batch`` samples: computed from inputs without the batch (GPT-2's position ids
-    (1, T), T5's relative position buckets (T, T)), and used only added to, subtracted from,
-    multiplied into or expanded over the batch, directly or through views. Found from the loss's
-    autograd graph (``parents``: :func:`count_uses`'s), as broadcast parameters'
-    (:class:`_Broadcasts`, one operand); None if any use is of another kind or does not broadcast
-    the output along the batch in dim 0 (a layer's ordinary output, which has the batch there,
-    whatever its inputs' dim 0 looked like), or if there is none."""
-    consumers = parents.get(edge.node, [])
-    meta = edge.node._input_metadata[edge.output_nr]
-    uses = _uses_above(consumers, tuple(meta.shape), (), parents) if consumers else None
-    if not uses or not all(use.broadcasts_over(batch) for use in uses):
-        return None
-    uses = _resolved(uses, meta.device)
-    output = torch.empty((), dtype=meta.dtype, device=meta.device).expand(tuple(meta.shape))  # its shape, no storage
-    return None if uses is None else _Broadcasts([output], [uses], batch)
-
-
-def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss",
-               consumers: Optional[list] = None, parents: Optional[dict] = None) -> list[int]:
-    """How many autograd edges of the graph under the nodes ``roots`` reach each of ``parameters``
-    (each use of a parameter in the forward is one edge into its AccumulateGrad node); the walk
-    does not go below the nodes in ``stop`` (a call's inputs). With ``consumers`` (one list per
-    parameter), each use's (node, input index) is appended to its parameter's list; with
-    ``parents``, each node's (parent, input index) edges in the walk.
-
-    Raises on reentrant activation checkpointing in the graph (named ``graph`` in the message): its
-    node hides the parameters it uses (they are no edges of the graph) and its forward runs without
-    grad, so the hooks record nothing, and the parameters would get the noise alone."""
-    wanted = {id(p): i for i, p in enumerate(parameters)}
-    counts = [0] * len(parameters)
-    seen, stack = set(stop), [n for n in roots if n is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if getattr(node, "_forward_cls", None) is CheckpointFunction:
-            raise ValueError(f"the graph of {graph} has reentrant activation checkpointing (torch.utils.checkpoint "
-                             "with use_reentrant=True), whose forward runs without grad, out of the book-keeping "
-                             "hooks' sight: its parameters would get no clipped gradient; use use_reentrant=False")
-        for position, (child, _) in enumerate(node.next_functions):
-            if child is None:
-                continue
-            variable = getattr(child, "variable", None)  # AccumulateGrad: the leaf it accumulates into
-            if variable is not None:
-                index = wanted.get(id(variable))
-                if index is not None:
-                    counts[index] += 1
-                    if consumers is not None:
-                        consumers[index].append((node, position))
-                continue
-            if parents is not None:
-                parents.setdefault(child, []).append((node, position))
-            if child not in seen:
-                stack.append(child)
-    return counts
