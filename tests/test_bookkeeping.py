@@ -84,6 +84,13 @@ class DroppedScale(Scale):
         return self.drop(super().forward(x))
 
 
+class FunctionallyDropped(Scale):
+    """Scale with functional dropout (no dropout module to tell of it)."""
+
+    def forward(self, x):
+        return F.dropout(super().forward(x), 0.5, self.training)
+
+
 class Twice(nn.Module):
     """The same Linear applied at two places of one forward."""
 
@@ -261,6 +268,55 @@ class FlattenedBatch(nn.Module):
         return self.head((flat * side).view(h.shape))
 
 
+class LowRankEmbedding(nn.Module):
+    """peft's LoRA embedding: a frozen table plus the lookup of A^T times B^T, A and B in a
+    ParameterDict of the module that uses them, and a dropout it holds but does not run."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Embedding(9, 5).requires_grad_(False)
+        self.low_rank = nn.ParameterDict({"a": nn.Parameter(torch.randn(2, 9)), "b": nn.Parameter(torch.randn(5, 2))})
+        self.unused = nn.Dropout(0.5)
+
+    def forward(self, ids):
+        return self.base(ids) + F.embedding(ids, self.low_rank["a"].T) @ self.low_rank["b"].T
+
+
+class Magnitude(nn.Module):
+    """DoRA's magnitude m: the adapted layer's output (base plus low-rank update) rescaled row by
+    row to m over the adapted weight's column norms, those detached (as peft computes them)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.magnitude = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, base, update, weight_norms):
+        scale = (self.magnitude / weight_norms).view(1, -1)
+        return (scale - 1.0) * base + scale * update
+
+
+class Adapted(nn.Module):
+    """Adapters on frozen layers as peft builds them: the LoRA embedding above; a LoRA update B A h
+    beside a frozen Linear with DoRA's magnitude, the adapted weight's norms from A and B applied
+    to an identity matrix (calls of A and B whose outputs the loss does not use); scales in a
+    ParameterList of the model, multiplying the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = LowRankEmbedding()
+        self.base = nn.Linear(5, 4).requires_grad_(False)
+        self.a, self.b = nn.Linear(5, 2, bias=False), nn.Linear(2, 4, bias=False)
+        self.dora = Magnitude(4)
+        self.scales = nn.ParameterList([nn.Parameter(torch.linspace(1.0, 2.0, 4))])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = torch.tanh(self.embed(ids))
+        adapted = self.base.weight + self.b(self.a(torch.eye(5))).T
+        h = self.dora(self.base(h), self.b(self.a(h)), adapted.detach().norm(dim=1))
+        return self.head(torch.tanh(h * self.scales[0]))
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is the encoder's weight transposed: transformers' Conv1D
     (y = h W) holding nn.Linear's weight (y = W x): two dense factors with their roles swapped."""
@@ -333,6 +389,7 @@ LAYER_CASES = {
     "fallback": (lambda: nn.Sequential(nn.Linear(5, 4), Scale(4), nn.Linear(4, 2)), normal(6, 5)),
     "own-parameters": (OwnParameters, normal(6, 2, 6, 6)),
     "batchnorm-eval": (batchnorm_eval, normal(6, 5)),
+    "adapters": (Adapted, ids((6, 5))),
 }
 
 CONFIGS = {
@@ -918,15 +975,19 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         batchnorm(x)  # evaluation in training mode trains nothing
     attention = Attention()
     attention.attention.dropout = 0.1
-    make(attention)
+    bk = make(attention)
     with pytest.raises(ValueError, match=r"module 'attention' \(MultiheadAttention\) .* dropout=0.1"):
-        attention(torch.randn(4, 5, 3))
+        bk.step(attention(torch.randn(4, 5, 3)).sum((1, 2)))
     dropped = nn.Sequential(nn.Linear(3, 4), DroppedScale(4))
-    make(dropped)
-    with pytest.raises(ValueError, match=r"module '1' \(DroppedScale\) is recomputed .* dropout '1.drop' in training"):
-        dropped(x)
+    bk = make(dropped)
+    with pytest.raises(ValueError, match=r"module '1' \(DroppedScale\) .* random .*dropout '1.drop' in training"):
+        bk.step(dropped(x).sum(1))
     dropped.eval()
-    dropped(x)  # dropout is off in eval mode
+    assert all(torch.isfinite(u).all() for u in bk.step(dropped(x).sum(1)))  # dropout is off in eval mode
+    dropped = nn.Sequential(nn.Linear(3, 4), FunctionallyDropped(4))
+    bk = make(dropped)
+    with pytest.raises(ValueError, match=r"'1' \(FunctionallyDropped\) .* draws random numbers in its forward, "):
+        bk.step(dropped(x).sum(1))
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
         make(nn.Embedding(5, 2, scale_grad_by_freq=True))
     with pytest.raises(ValueError, match="batch_first"):
@@ -1012,7 +1073,8 @@ class BroadcastUses(nn.Module):
     (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or views of
     a longer one (1, 7, 4) and of a transposed one (4, 5), and a bias q (4,) added; p or q (or a
     view) multiplying the batch, shifted by a constant first (Gemma's RMSNorm: x * (1 + w)); a
-    difference of parameters before the batch comes in (the add passes its output gradient on). A
+    difference, product or quotient (by a tensor without grad) of parameters of one shape before
+    the batch comes in (the op passes its output gradient on, times the other factor). A
     flip (no view), and a sum or product of parameters of different shapes before the batch
     comes in take the replay."""
 
@@ -1038,6 +1100,7 @@ class BroadcastUses(nn.Module):
              "products": lambda: self.q * (h * self.long[:, 2:] * self.p) - self.q,
              "shifted product": lambda: h * (1.0 + self.q) + self.p,
              "doubled": lambda: h + torch.sub(self.p, self.long[:, 2:], alpha=3.0) + self.p + self.q,
+             "product of parameters": lambda: h + self.p * self.long[:, 2:] / self.long[:, 2:].detach().exp() + self.q,
              "unbatched": lambda: h + (self.p + self.q),
              "unbatched product": lambda: h + self.p * self.q}[self.use]()
         return self.out(torch.tanh(h)).mean(1)
@@ -1047,6 +1110,7 @@ class BroadcastUses(nn.Module):
                                             ("twice", False), ("slice", False), ("whole slice", False),
                                             ("views", False), ("product", False), ("products", False),
                                             ("shifted product", False), ("doubled", False),
+                                            ("product of parameters", False),
                                             ("flip", True), ("unbatched", True), ("unbatched product", True)])
 def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
     """Their per-sample gradients come from the ops' output gradients; any other use replays the
@@ -1074,6 +1138,20 @@ def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monke
                          r"turned\) .* its layers \(inp, out\) included; put", notes[0])
 
 
+def test_adapters_replay_only_the_module_using_its_parameters_otherwise(monkeypatch):
+    """DoRA's magnitude (divided by the detached norms, then viewed as a row) and the
+    ParameterList's scales take their ops' output gradients; the LoRA embedding, whose A and B are
+    used by a lookup and a product, is replayed, the dropout it does not run no matter; the calls
+    on the identity matrix get no gradient and are passed over."""
+    replays = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, batch: replays.append(self.name) or replay(self, batch))
+    model = compare("adapters", "gaussian", per_layer=True)
+    assert replays == ["embed"]
+    assert model.embed.training and model.embed.unused.p > 0
+
+
 def test_dropout_beside_broadcast_parameters_needs_no_replay():
     """Dropout cannot be replayed; with broadcast uses nothing is, and with others it is refused."""
     x = torch.randn(6, 4, 3)
@@ -1082,7 +1160,7 @@ def test_dropout_beside_broadcast_parameters_needs_no_replay():
     assert all(torch.isfinite(u).all() for u in update)
     model = BroadcastUses("unbatched", dropout=0.5)
     bk = make(model)
-    with pytest.raises(ValueError, match=r"module '' \(BroadcastUses\) is recomputed per sample .* dropout 'drop'"):
+    with pytest.raises(ValueError, match=r"module '' \(BroadcastUses\) is recomputed .* random .*dropout 'drop'"):
         bk.step(model(x).pow(2).sum(1))
 
 

@@ -5,9 +5,12 @@ model (RMSNorm modules of its own, weight times the normalised batch; rotary pos
 head), Gemma (its RMSNorm the batch times 1 + weight), BERT, T5 (a relative position bias of
 buckets (T, T) added to every layer's scores), BART (learned position embeddings that make their
 own ids, (B, T) in the encoder and (1, T) in the decoder), Falcon (FalconLinear) and OPT (its MLP on
-the hidden states flattened to (B T, d); position ids from the attention mask). The reference is
-independent of book-keeping and of torch.func: each sample's gradient from its own backward pass
-on a batch of one, through dpsgd.privatize with the same config and noise stream."""
+the hidden states flattened to (B T, d); position ids from the attention mask); and LoRA, DoRA and
+a LoRA embedding by peft on some of them. The reference is independent of book-keeping and of
+torch.func: each sample's gradient from its own backward pass (on a batch of one; with LoRA's
+dropout, through the batch's forward), through dpsgd.privatize with the same config and noise
+stream."""
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,6 +119,30 @@ def quiet_transformers():
     transformers.logging.set_verbosity(verbosity)
 
 
+def assert_the_update_of(grads, model, losses, mechanism, per_layer, monkeypatch, replayed=()):
+    """BookKeeping's step on the losses ``losses()`` gives privatize's update of the per-sample
+    gradients ``grads`` (same config, same noise stream), and replays no module per sample but
+    those named ``replayed`` (by the end of their names)."""
+    norms = torch.stack([g.flatten(1).double().norm(dim=1) for g in grads], 1)
+    clip = [float(c) for c in norms.median(0).values] if per_layer else float(norms.norm(dim=1).median())
+    config = (dpsgd.DPSGDConfig(clip, noise_multiplier=0.2, per_layer=per_layer) if mechanism == "gaussian"
+              else dpsgd.DPSGDConfig(clip, "vmf", kappa=50.0, per_layer=per_layer))
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
+    params = [p for p in model.parameters() if p.requires_grad]
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(7))
+    replays = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, batch: replays.append(self.name) or replay(self, batch))
+    got = bk.step(losses())
+    assert sorted(name.rsplit(".", 1)[-1] for name in replays) == sorted(replayed)
+    scale = max(float(w.abs().max()) for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
+    return bk
+
+
 @pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
 @pytest.mark.parametrize("name, shape", SHAPES)
 def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, shape, mechanism, per_layer,
@@ -130,22 +157,46 @@ def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, 
     model = build()
     ids = torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(1))
     grads = one_sample_at_a_time(model, losses, ids)
-    norms = torch.stack([g.flatten(1).double().norm(dim=1) for g in grads], 1)
-    clip = [float(c) for c in norms.median(0).values] if per_layer else float(norms.norm(dim=1).median())
-    config = (dpsgd.DPSGDConfig(clip, noise_multiplier=0.2, per_layer=per_layer) if mechanism == "gaussian"
-              else dpsgd.DPSGDConfig(clip, "vmf", kappa=50.0, per_layer=per_layer))
-    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
-    params = [p for p in model.parameters() if p.requires_grad]
-    bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.0), config, expected_batch_size=4.0,
-                           generator=M.NoiseGenerator(7))
-    replays = []
-    replay = layers.FunctionalLayer.per_sample_grads
-    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
-                        lambda self, batch: replays.append(self.name) or replay(self, batch))
-    got = bk.step(losses(model, ids))
-    assert not replays
-    scale = max(float(w.abs().max()) for w in want)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
+    bk = assert_the_update_of(grads, model, lambda: losses(model, ids), mechanism, per_layer, monkeypatch)
     if name != "bert":  # the head is the token embedding's weight, clipped as one parameter
         assert len(bk._tied) == 1 and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+#: case: model, peft's LoRA config (beside r, alpha and dropout), the modules replayed per sample
+LORA = {
+    "gpt2": ("gpt2", dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True), ()),  # Conv1D bases
+    "llama": ("llama", dict(target_modules="all-linear"), ()),
+    "bert": ("bert", dict(target_modules=["query", "value"], modules_to_save=["classifier"]), ()),
+    "t5": ("t5", dict(target_modules=["q", "v", "wi", "wo"]), ()),
+    # DoRA: each adapted layer's output rescaled by a magnitude over its weights' (detached) norms
+    "llama-dora": ("llama", dict(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True), ()),
+    # LoRA on the token embedding: A and B in ParameterDicts, used by a lookup and a product
+    "gpt2-embedding": ("gpt2", dict(target_modules=["wte", "c_attn"], fan_in_fan_out=True), ("wte",)),
+}
+
+
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
+@pytest.mark.parametrize("case", LORA)
+def test_lora_adapters_get_the_update_of_their_per_sample_gradients(case, mechanism, per_layer, monkeypatch):
+    """DP fine-tuning with LoRA (peft): the base model frozen, each adapter's A and B (nn.Linear)
+    book-kept, its dropout in training mode; DoRA's magnitudes from their products with the
+    batch; a LoRA embedding replayed (its A and B are no layer's), its dropout unused. The
+    reference sees the same dropout masks: one forward of the batch, seeded as book-keeping's
+    is, then each sample's gradient by its own backward pass through it (its loss depends on its
+    sample alone)."""
+    name, adapters, replayed = LORA[case]
+    build, losses = MODELS[name]
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25, **adapters))
+    with torch.no_grad():  # B (an embedding's A) starts at 0, which would leave the other without gradient
+        for zero in (p for n, p in model.named_parameters() if "lora_B" in n or "lora_embedding" in n):
+            zero.normal_(0, 0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert 0 < len(params) < len(list(model.parameters()))
+    ids = torch.randint(1, VOCAB, (5, 12), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(3)
+    batch_losses = losses(model, ids)
+    rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in batch_losses]
+    grads = [torch.stack(column) for column in zip(*rows)]
+    torch.manual_seed(3)
+    assert_the_update_of(grads, model, lambda: losses(model, ids), mechanism, per_layer, monkeypatch, replayed)

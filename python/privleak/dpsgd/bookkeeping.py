@@ -374,14 +374,17 @@ class BookKeeping:
         of which will hand its node's output gradient, which has each sample's, to ``uses``
         (:func:`~privleak.dpsgd.graph.shared_output_uses`). Every call is asked, whatever its
         input's dim 0: T5's buckets at T = B look like a batch, and an ordinary layer rule would
-        take their rows for samples. Raises for a call without the batch whose output is used
-        otherwise, or whose layer cannot take a shared input."""
+        take their rows for samples. A call whose outputs the loss does not use is passed over:
+        it has no gradient (DoRA's norm of its weights, computed from an identity matrix, and
+        detached). Raises for a call without the batch whose output is used otherwise, or whose
+        layer cannot take a shared input."""
         shared = []
         for layer in self.layers:
             for call, size in enumerate(layer.batch_sizes()):
-                if size == batch == 1:  # a batch of one sample: shared and batched are the same
-                    continue
-                found = [shared_output_uses(edge, parents, batch) for edge in layer.call_edges(call)]
+                edges = layer.call_edges(call)
+                if size == batch == 1 or not any(edge.node in parents for edge in edges):
+                    continue  # a batch of one sample (shared and batched are the same), or no gradient
+                found = [shared_output_uses(edge, parents, batch) for edge in edges]
                 if layer.broadcast_calls and found and all(uses is not None for uses in found):
                     shared.append((layer, call, found))
                 elif (size != batch and layer.flattened_batch_calls and size % batch == 0

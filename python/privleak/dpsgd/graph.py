@@ -26,7 +26,7 @@ def node_type(op) -> type:
 
 _ADD, _SUB, _EXPAND = node_type(lambda x: x + x), node_type(lambda x: x - x), node_type(lambda x: x[:1].expand(3, 2))
 _MUL, _CAST, _CLONE = node_type(lambda x: x * x), node_type(lambda x: x.double()), node_type(lambda x: x.clone())
-_WHERE = node_type(lambda x: torch.where(x > 0, x, x))
+_WHERE, _DIV = node_type(lambda x: torch.where(x > 0, x, x)), node_type(lambda x: x / x)
 _LOOKUP = node_type(lambda x: F.embedding(torch.zeros(1, dtype=torch.long), x))
 #: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
 _VIEWS = frozenset(node_type(view) for view in (
@@ -41,9 +41,12 @@ class _Use(NamedTuple):
     (the parameter's, or a view's of it); the views between the parameter and the use, the
     parameter's first (their positions are found only for uses that are all broadcast:
     :func:`_resolved`); the tensors that multiply the gradient, as (node, saved attribute,
-    complement) triples (a product's other factor; a where's condition, or its complement for its
-    second operand); for a view, the parameter's flat positions of the view's elements, in order
-    (else None)."""
+    transform) triples (a product's other factor; a where's condition, or its complement for its
+    second operand; a quotient's divisor, its reciprocal); for a view, the parameter's flat
+    positions of the view's elements, in order (else None); the tensors that multiply the
+    per-sample gradient in the parameter's shape (ops on the parameter itself that pass the
+    gradient on, a view after them: DoRA's magnitude divided by its weights' norms, then viewed
+    as a row)."""
 
     node: Any
     factor: float
@@ -51,6 +54,7 @@ class _Use(NamedTuple):
     views: tuple = ()
     multipliers: tuple = ()
     positions: Optional[torch.Tensor] = None
+    scales: tuple = ()
 
     def broadcasts_over(self, batch: int, out: Optional[tuple] = None) -> bool:
         """Whether the node's output (of shape ``out``; None: the node's, from the graph) has the
@@ -66,13 +70,21 @@ def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[
     if type(node) is _EXPAND:
         return _Use(node, 1.0, shape, views)
     if type(node) is _MUL:  # d(w x)/dw = x: the other factor, which the node saves for its backward
-        return _Use(node, 1.0, shape, views, ((node, "_saved_other" if position == 0 else "_saved_self", False),))
+        return _Use(node, 1.0, shape, views, ((node, "_saved_other" if position == 0 else "_saved_self", None),))
     if type(node) is _WHERE:  # where(c, w, y): the gradient where c holds (w), where it does not (y)
-        return _Use(node, 1.0, shape, views, ((node, "_saved_condition", position == 1),))
+        return _Use(node, 1.0, shape, views,
+                    ((node, "_saved_condition", torch.logical_not if position == 1 else None),))
     if type(node) in (_ADD, _SUB):
         alpha = float(node._saved_alpha) if position == 1 else 1.0
         return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, views)
     return None
+
+
+def _multiplier(node, attribute: str, transform, dtype: torch.dtype) -> torch.Tensor:
+    """A multiplier of a use (:class:`_Use`): the tensor ``node`` saved as ``attribute`` for its
+    backward, transformed (None: as it is), in ``dtype``."""
+    saved = getattr(node, attribute)
+    return (saved if transform is None else transform(saved)).to(dtype)
 
 
 def _passed_on(node, position: int, shape: tuple) -> Optional[tuple[float, tuple]]:
@@ -80,13 +92,19 @@ def _passed_on(node, position: int, shape: tuple) -> Optional[tuple[float, tuple
     input ``position`` of ``shape``: a dtype cast or a copy (1: ``.contiguous()``, scaled
     dot-product attention's copy of its mask, T5's position bias), an add or subtraction whose
     output has the operand's shape (alpha, negated for a subtrahend: Gemma's 1 + w; a sum of
-    parameters of one shape), a where whose output has the operand's shape (its condition: a
-    causal mask over T5's position bias); else None."""
+    parameters of one shape), a where or a product whose output has the operand's shape (its
+    condition: a causal mask over T5's position bias; the other factor), the dividend of a
+    quotient of the operand's shape (the divisor's reciprocal: DoRA's magnitude over its weights'
+    norms); else None."""
     if type(node) in (_CAST, _CLONE):
         return 1.0, ()
-    if type(node) in (_ADD, _SUB, _WHERE) and tuple(node._input_metadata[0].shape) == shape:
+    if tuple(node._input_metadata[0].shape) != shape:
+        return None
+    if type(node) in (_ADD, _SUB, _WHERE, _MUL):
         use = _broadcast_use(node, position, shape, ())
         return use.factor, use.multipliers
+    if type(node) is _DIV and position == 0:  # d(w / y)/dw = 1 / y
+        return 1.0, ((node, "_saved_other", torch.reciprocal),)
     return None
 
 
@@ -116,10 +134,13 @@ def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -
     passed = _passed_on(node, position, shape)
     if passed is not None and above:
         (factor, multipliers), found = passed, _uses_above(above, shape, views, parents)
-        # a multiplier is in the shape of the node's output: the uses' operand, unless a view came between
+        # a multiplier is in the shape of the node's output: the uses' operand, unless a view came between;
+        # the parameter's, where none came before
         if found is not None and (not multipliers or all(use.views == views for use in found)):
             return [use._replace(factor=use.factor * factor, multipliers=use.multipliers + multipliers)
                     for use in found]
+        if found is not None and not views:
+            return [use._replace(factor=use.factor * factor, scales=use.scales + multipliers) for use in found]
     use = _broadcast_use(node, position, shape, views)
     if use is not None:
         return [use]
@@ -156,9 +177,10 @@ def _resolved(uses: list, device) -> Optional[list]:
 
 
 class Broadcasts:
-    """A call's parameters whose every use is broadcast over the batch (:class:`~privleak.dpsgd.layers.FunctionalLayer`),
-    or a layer output shared by the batch (:func:`shared_output_uses`): per operand its uses
-    (:class:`_Use`), and the per-sample gradients taken so far."""
+    """A call's parameters whose every use is broadcast over the batch
+    (:class:`~privleak.dpsgd.layers.FunctionalLayer`), or a layer output shared by the batch
+    (:func:`shared_output_uses`): per operand its uses (:class:`_Use`), and the per-sample
+    gradients taken so far."""
 
     def __init__(self, operands: list, uses: list, batch: int):
         self.operands = operands  # the tensors broadcast (parameters, a stand-in for a shared output): shape, dtype
@@ -197,15 +219,16 @@ class Broadcasts:
         aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
         dtype = torch.promote_types(grad.dtype, torch.float32)
         grad = grad.to(dtype)
-        for node, attribute, complement in found.multipliers:
-            multiplier = getattr(node, attribute)
-            grad = grad * (multiplier.logical_not() if complement else multiplier).to(dtype)
+        for multiplier in found.multipliers:
+            grad = grad * _multiplier(*multiplier, dtype)
         rows = grad.sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
         if found.positions is not None:
             placed = rows.new_zeros(batch, weight.numel())
             placed[:, found.positions] = rows
             rows = placed
         rows = rows.reshape(batch, *weight.shape)
+        for multiplier in found.scales:
+            rows = rows * _multiplier(*multiplier, dtype)
         self.taken[parameter] = rows if parameter not in self.taken else self.taken[parameter] + rows
 
     def rows(self, parameter: int) -> torch.Tensor:
@@ -333,7 +356,8 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
     (each use of a parameter in the forward is one edge into its AccumulateGrad node); the walk
     does not go below the nodes in ``stop`` (a call's inputs). With ``consumers`` (one list per
     parameter), each use's (node, input index) is appended to its parameter's list; with
-    ``parents``, each node's (parent, input index) edges in the walk.
+    ``parents``, each node's (parent, input index) edges in the walk (a root's: none), so that
+    the nodes of the graph are its keys.
 
     Raises on reentrant activation checkpointing in the graph (named ``graph`` in the message): its
     node hides the parameters it uses (they are no edges of the graph) and its forward runs without
@@ -341,6 +365,9 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
     wanted = {id(p): i for i, p in enumerate(parameters)}
     counts = [0] * len(parameters)
     seen, stack = set(stop), [n for n in roots if n is not None]
+    if parents is not None:
+        for root in stack:
+            parents.setdefault(root, [])
     while stack:
         node = stack.pop()
         if node in seen:

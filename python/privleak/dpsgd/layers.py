@@ -131,7 +131,7 @@ class Layer:
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
-        self.parameters = [p for p in module.parameters(recurse=self.claims_children) if p.requires_grad]
+        self.parameters = [p for _, p in own_parameters(module, self.claims_children)]
         self.clear()
 
     def describe(self) -> str:
@@ -316,9 +316,24 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
         if rule is not None:
             layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
-    if any(p.requires_grad for p in module.parameters(recurse=False)):
+    if own_parameters(module) and not isinstance(module, _HOLDERS):
         return FunctionalLayer(name, module)
     return None
+
+
+#: modules that hold parameters for the module they are in and have no forward
+_HOLDERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def own_parameters(module: nn.Module, claims_children: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the trainable parameters that ``module``'s forward answers for: its
+    own and those of its ParameterList and ParameterDict children (peft's LoRA embedding keeps
+    its A and B in ParameterDicts), or with ``claims_children`` all of its descendants'."""
+    named = list(module.named_parameters(recurse=claims_children))
+    if not claims_children:
+        named += [(f"{child_name}.{name}", p) for child_name, child in module.named_children()
+                  if isinstance(child, _HOLDERS) for name, p in child.named_parameters()]
+    return [(name, p) for name, p in named if p.requires_grad]
 
 
 def _named_rule(name: str) -> Optional[type]:
@@ -781,8 +796,10 @@ class FunctionalLayer(Layer):
     forward and backward of that module and B times its parameters in memory, for it alone.
 
     Tensor arguments whose first dim is the batch size are split by sample, the others shared.
-    The forward must treat samples independently and be deterministic: dropout inside it could
-    not be replayed and is refused in training mode.
+    The forward must treat samples independently and be deterministic: one that draws random
+    numbers (dropout in training mode) could not be replayed and is refused at the step (vmap
+    says it drew them); a dropout module it holds but does not run (peft's LoRA embedding) is
+    no matter.
 
     **Broadcast parameters.** Where every use of the module's own parameters in a call adds one
     to (or subtracts it from) the batch, multiplies the batch by it, or expands it over the batch,
@@ -837,8 +854,6 @@ class FunctionalLayer(Layer):
         self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
         broadcasts = graph.Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
-        if broadcasts is None:
-            self.refuse_randomness()
         device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         call = len(self.calls)
@@ -864,12 +879,14 @@ class FunctionalLayer(Layer):
         if grad is not None:
             self.calls[call][4].take(parameter, use, grad)
 
-    def refuse_randomness(self) -> None:
-        for name, sub in self.module.named_modules(prefix=self.name):
-            if sub.training and isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
-                raise ValueError(f"{self.describe()} is recomputed per sample (no book-keeping rule fits it) and "
-                                 f"contains dropout '{name}' in training mode, which cannot be replayed: set its "
-                                 "p to 0 or call .eval() on it")
+    def random_replay(self) -> str:
+        """Why the module cannot be replayed: its forward drew random numbers (vmap refuses them),
+        naming the dropout modules in training mode that it holds."""
+        dropouts = [f"'{name}'" for name, sub in self.module.named_modules(prefix=self.name)
+                    if sub.training and isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0]
+        held = f" (dropout {', '.join(dropouts)} in training mode)" if dropouts else ""
+        return (f"{self.describe()} is recomputed per sample (no book-keeping rule fits it) and draws random numbers "
+                f"in its forward{held}, which cannot be replayed: set their p to 0 or call .eval() on them")
 
     def batch_sizes(self) -> list[int]:
         return [_batch_of(leaves) for leaves, *_ in self.calls]
@@ -885,16 +902,16 @@ class FunctionalLayer(Layer):
                 self.per_sample = {id(p): total(b.rows(i) for b in broadcasts)
                                    for i, p in enumerate(self.parameters)}
             else:
-                self.refuse_randomness()
                 self.warn_of_replayed_layers()
                 self.per_sample = self.per_sample_grads(batch)
         return self.per_sample
 
     def warn_of_replayed_layers(self) -> None:
-        layers = [child for child, sub in self.module.named_children() if next(sub.parameters(), None) is not None]
+        layers = [child for child, sub in self.module.named_children()
+                  if not isinstance(sub, _HOLDERS) and any(p.requires_grad for p in sub.parameters())]
         if layers and not self.claims_children and not self._replay_warned:
             self._replay_warned = True
-            own = [n for n, p in self.module.named_parameters(recurse=False) if p.requires_grad]
+            own = [n for n, _ in own_parameters(self.module)]
             warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) used other than "
                           "added to, multiplied into or expanded over the batch: their per-sample gradients replay "
                           f"its whole forward per sample, its layers ({', '.join(layers[:3])}"
@@ -906,7 +923,7 @@ class FunctionalLayer(Layer):
     def per_sample_grads(self, batch: int) -> dict:
         from torch.func import functional_call, grad, vmap
 
-        names = {id(p): n for n, p in self.module.named_parameters(recurse=self.claims_children)}
+        names = {id(p): n for n, p in own_parameters(self.module, self.claims_children)}
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
         for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(zip(self.calls,
@@ -933,8 +950,13 @@ class FunctionalLayer(Layer):
             with warnings.catch_warnings(), torch.autocast(device, dtype=dtype, enabled=autocast):
                 # torch's note that an op has no batching rule: the cost the docstring states
                 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-                grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(
-                    params, [leaves[i] for i in split], [g for _, g in pairs])
+                try:
+                    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(
+                        params, [leaves[i] for i in split], [g for _, g in pairs])
+                except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
+                    if "randomness" not in str(error):
+                        raise
+                    raise ValueError(self.random_replay()) from None
             for p in self.parameters:
                 g = grads[names[id(p)]]
                 totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
@@ -955,12 +977,10 @@ class MultiheadAttentionLayer(FunctionalLayer):
             raise ValueError(f"{self.describe()} must have batch_first=True: book-keeping splits every layer's "
                              "inputs by sample along dim 0")
 
-    def refuse_randomness(self) -> None:
-        if self.module.training and self.module.dropout > 0:
-            raise ValueError(f"{self.describe()} is recomputed per sample and has dropout={self.module.dropout} in "
-                             "training mode, which cannot be replayed: use dropout=0, .eval(), or attention built "
-                             "from nn.Linear layers (full book-keeping)")
-        super().refuse_randomness()
+    def random_replay(self) -> str:
+        return (f"{self.describe()} is recomputed per sample and has dropout={self.module.dropout} in training mode, "
+                "which cannot be replayed: use dropout=0, .eval(), or attention built from nn.Linear layers (full "
+                "book-keeping)")
 
 
 @layer_kind(nn.modules.batchnorm._BatchNorm)
