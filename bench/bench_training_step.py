@@ -16,8 +16,9 @@ backward passes). Every side gets its own copy of the same initial model and the
 Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-style CNN of about
 0.8M parameters (Conv2d + GroupNorm + Linear on 32x32x3), a 2-layer transformer of about 2.3M
 parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), a 69M transformer
-(d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M) and a LLaMA-style model of
-its size (sequence 128; transformers needed); --skip-large leaves the last three out. A side that
+(d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M), a LLaMA-style model of
+its size, OPT-125m, and GPT-2 small frozen with LoRA adapters (peft; sequence 128; transformers
+needed); --skip-large leaves these out. "params" counts the trainable parameters. A side that
 cannot train a model says what it raised.
 
 Times: the sides run in turns, --rounds rounds of calls lasting about 50 ms each
@@ -121,16 +122,24 @@ class HuggingFaceLM(nn.Module):
     LLaMA-style model of GPT-2 small's size (12 layers, d 768, 4 key-value heads of 12, SwiGLU
     2048, vocabulary 32000, tied head; RMSNorm modules of its own, rotary positions). "opt": OPT's
     125M configuration (its MLP on the hidden states flattened to (B T, d), learned position
-    embeddings that make their ids from the attention mask, tied head)."""
+    embeddings that make their ids from the attention mask, tied head). "gpt2-lora": GPT-2 small
+    frozen, LoRA adapters by peft (rank 8, alpha 16) on every projection (c_attn, c_proj, c_fc:
+    1.2M trainable parameters), the way large models are fine-tuned with DP."""
 
     def __init__(self, kind: str):
         super().__init__()
         import transformers
 
         transformers.logging.set_verbosity_error()
-        if kind == "gpt2":
+        if kind in ("gpt2", "gpt2-lora"):
             self.lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0,
                                                                            attn_pdrop=0.0))
+            if kind == "gpt2-lora":
+                import peft
+
+                self.lm = peft.get_peft_model(self.lm, peft.LoraConfig(
+                    r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"],
+                    fan_in_fan_out=True))
         elif kind == "opt":
             self.lm = transformers.OPTForCausalLM(transformers.OPTConfig(dropout=0.0, attention_dropout=0.0))
         else:
@@ -177,8 +186,9 @@ MODELS = {
     "gpt2": (lambda: HuggingFaceLM("gpt2"), tokens(50257, 128), SequenceLoss, (8,), ()),
     "llama": (lambda: HuggingFaceLM("llama"), tokens(32000, 128), SequenceLoss, (8,), ()),
     "opt": (lambda: HuggingFaceLM("opt"), tokens(50272, 128), SequenceLoss, (8,), ()),
+    "gpt2-lora": (lambda: HuggingFaceLM("gpt2-lora"), tokens(50257, 128), SequenceLoss, (8,), ()),
 }
-LARGE = ("large", "gpt2", "llama", "opt")  #: left out by --skip-large and --quick
+LARGE = ("large", "gpt2", "llama", "opt", "gpt2-lora")  #: left out by --skip-large and --quick
 
 
 def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0):
@@ -249,7 +259,7 @@ def setting(name: str, batch: int, device: str):
 
 
 def needs_gb(model: nn.Module, batch: int) -> float:
-    return batch * sum(p.numel() for p in model.parameters()) * 4 / 2**30
+    return batch * sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2**30
 
 
 def status_bytes(field: str) -> int:
@@ -387,7 +397,7 @@ def main() -> None:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
             memory = {} if args.no_memory else {s: peak_memory(s, name, batch, args) for s in sides}
-            params = sum(p.numel() for p in model.parameters())
+            params = sum(p.numel() for p in model.parameters() if p.requires_grad)
             for side in SIDES:
                 row = {"model": name, "params": f"{params / 1e6:.2f}M", "batch": batch, "side": side}
                 if side in failed:

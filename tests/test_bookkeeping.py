@@ -808,6 +808,22 @@ def test_a_model_without_trainable_parameters_is_refused():
                           expected_batch_size=2)
 
 
+def test_an_optimizer_of_all_parameters_trains_the_unfrozen_ones():
+    """SGD(model.parameters()) with some frozen, as LoRA users build it: the update of an optimizer
+    of the trainable ones, the frozen weight left as it was."""
+    updates = []
+    for everything in (True, False):
+        model, x, target = setting("linear-frozen-weight")
+        frozen = model[0].weight.detach().clone()
+        params = model.parameters() if everything else trainable(model)
+        bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.1), dpsgd.DPSGDConfig(0.3, noise_multiplier=0.5),
+                               expected_batch_size=6, generator=M.NoiseGenerator(2))
+        updates.append(bk.step(regression(model(x), target)))
+        assert torch.equal(model[0].weight, frozen)
+    for got, want in zip(*updates):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_the_other_arguments_are_checked_as_dpoptimizer_checks_them():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="optimizer must hold exactly the model's 2 trainable parameters"):

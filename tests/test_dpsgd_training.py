@@ -154,6 +154,27 @@ def test_a_bad_dp_state_is_refused():
     secure.load_state_dict(optimizer.state_dict())  # a secure generator keeps its own state
 
 
+def test_frozen_parameters_in_the_optimizer_are_passed_over():
+    """An optimizer of all of a model's parameters, some frozen (a LoRA model's base weights): the
+    step is that of an optimizer of the trainable ones (same noise stream); the frozen stay."""
+    (x, y), update = data(), []
+    for everything in (True, False):
+        model = small_model()
+        model[0].requires_grad_(False)
+        frozen = model[0].weight.detach().clone()
+        params = model.parameters() if everything else [p for p in model.parameters() if p.requires_grad]
+        optimizer = dpsgd.DPOptimizer(torch.optim.SGD(params, lr=0.1),
+                                      dpsgd.DPSGDConfig([0.5, 0.7], noise_multiplier=1.0, per_layer=True), 24,
+                                      generator=M.NoiseGenerator(3))
+        update.append(optimizer.step(dpsgd.per_sample_gradients(model, cross_entropy, x, y)))
+        assert torch.equal(model[0].weight, frozen) and model[0].weight.grad is None
+    assert len(update[0]) == 2
+    for got, want in zip(*update):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="optimizer holds no trainable parameters"):
+        dpsgd.DPOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0), 24)
+
+
 def test_gradients_in_another_order_than_the_optimizers_are_rejected():
     model = small_model()
     weight, bias = model[0].weight, model[0].bias

@@ -115,7 +115,8 @@ class BookKeeping:
         params = self._dp.params
         if {id(p) for p in params} != {id(p) for p in trainable} or len(params) != len(trainable):
             raise ValueError(f"optimizer must hold exactly the model's {len(trainable)} trainable parameters (those "
-                             f"with requires_grad), each once; it holds {len(params)} tensors, not the same ones")
+                             f"with requires_grad), each once; it holds {len(params)} trainable tensors, not the same "
+                             "ones")
         self.model = model
         self.layers, self._tied = _layers_of(model)
         if self._tied and self.config.mechanism.clip_norm_type != 2:

@@ -138,8 +138,10 @@ class DPOptimizer:
 
     ``step(per_sample_grads)`` privatises the per-sample gradients (:func:`privatize`), writes the
     result into the parameters' ``.grad`` and steps the wrapped optimizer; it returns the leaked
-    update. Per-sample gradients come in the order of the optimizer's parameters (param groups in
-    order); a gradient whose shape is not its parameter's is rejected. ``sampling`` is how the
+    update. Per-sample gradients come in the order of the optimizer's trainable parameters (param
+    groups in order; a frozen one, ``requires_grad`` False, as a LoRA model's base weights in an
+    optimizer of all its parameters, gets no gradient and is passed over, as Opacus does); a
+    gradient whose shape is not its parameter's is rejected. ``sampling`` is how the
     batches are drawn ("poisson" or "fixed", :func:`sample_batch`), for the privacy report.
     """
 
@@ -148,7 +150,9 @@ class DPOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise validation.ArgumentTypeError("optimizer must be a torch.optim.Optimizer, "
                                                f"got {type(optimizer).__name__}")
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if not self.params:
+            raise ValueError("optimizer holds no trainable parameters (none with requires_grad)")
         self.sampling = _check_sampling(sampling)
         self.optimizer = optimizer
         self.config = check_config(config, len(self.params))
