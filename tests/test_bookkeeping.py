@@ -317,6 +317,19 @@ class Adapted(nn.Module):
         return self.head(torch.tanh(h * self.scales[0]))
 
 
+class PromptTuned(nn.Module):
+    """peft's prompt tuning: the virtual tokens' embeddings, looked up once for ids (1, n) and
+    repeated over the batch, before the embeddings of the batch's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.prompt, self.head = nn.Embedding(9, 4), nn.Embedding(3, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        prompts = self.prompt(torch.arange(3)[None]).repeat(len(ids), 1, 1)
+        return self.head(torch.tanh(torch.cat([prompts, self.tokens(ids)], 1)))
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is the encoder's weight transposed: transformers' Conv1D
     (y = h W) holding nn.Linear's weight (y = W x): two dense factors with their roles swapped."""
@@ -390,6 +403,7 @@ LAYER_CASES = {
     "own-parameters": (OwnParameters, normal(6, 2, 6, 6)),
     "batchnorm-eval": (batchnorm_eval, normal(6, 5)),
     "adapters": (Adapted, ids((6, 5))),
+    "prompt-tuning": (PromptTuned, ids((6, 5))),
 }
 
 CONFIGS = {
@@ -1086,7 +1100,8 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
 
 class BroadcastUses(nn.Module):
     """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
-    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) or views of
+    (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) (or repeated
+    over the batch, as peft's prompt tuning repeats its prompts) or views of
     a longer one (1, 7, 4) and of a transposed one (4, 5), and a bias q (4,) added; p or q (or a
     view) multiplying the batch, shifted by a constant first (Gemma's RMSNorm: x * (1 + w)); a
     difference, product or quotient (by a tensor without grad) of parameters of one shape before
@@ -1117,6 +1132,8 @@ class BroadcastUses(nn.Module):
              "shifted product": lambda: h * (1.0 + self.q) + self.p,
              "doubled": lambda: h + torch.sub(self.p, self.long[:, 2:], alpha=3.0) + self.p + self.q,
              "product of parameters": lambda: h + self.p * self.long[:, 2:] / self.long[:, 2:].detach().exp() + self.q,
+             "repeat": lambda: h + self.p.repeat(len(h), 1, 1) + self.q.repeat(len(h), 1, 1),
+             "tiled": lambda: h + self.p.repeat(len(h), 1, 1) + self.long[:, :5, :2].repeat(len(h), 1, 2) + self.q,
              "unbatched": lambda: h + (self.p + self.q),
              "unbatched product": lambda: h + self.p * self.q}[self.use]()
         return self.out(torch.tanh(h)).mean(1)
@@ -1126,7 +1143,7 @@ class BroadcastUses(nn.Module):
                                             ("twice", False), ("slice", False), ("whole slice", False),
                                             ("views", False), ("product", False), ("products", False),
                                             ("shifted product", False), ("doubled", False),
-                                            ("product of parameters", False),
+                                            ("product of parameters", False), ("repeat", False), ("tiled", True),
                                             ("flip", True), ("unbatched", True), ("unbatched product", True)])
 def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monkeypatch):
     """Their per-sample gradients come from the ops' output gradients; any other use replays the

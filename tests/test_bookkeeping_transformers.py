@@ -5,8 +5,8 @@ model (RMSNorm modules of its own, weight times the normalised batch; rotary pos
 head), Gemma (its RMSNorm the batch times 1 + weight), BERT, T5 (a relative position bias of
 buckets (T, T) added to every layer's scores), BART (learned position embeddings that make their
 own ids, (B, T) in the encoder and (1, T) in the decoder), Falcon (FalconLinear) and OPT (its MLP on
-the hidden states flattened to (B T, d); position ids from the attention mask); and LoRA, DoRA and
-a LoRA embedding by peft on some of them. The reference is independent of book-keeping and of
+the hidden states flattened to (B T, d); position ids from the attention mask); and LoRA, DoRA,
+a LoRA embedding and prompt tuning by peft on some of them. The reference is independent of book-keeping and of
 torch.func: each sample's gradient from its own backward pass (on a batch of one; with LoRA's
 dropout, through the batch's forward), through dpsgd.privatize with the same config and noise
 stream."""
@@ -162,32 +162,39 @@ def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, 
         assert len(bk._tied) == 1 and model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-#: case: model, peft's LoRA config (beside r, alpha and dropout), the modules replayed per sample
-LORA = {
-    "gpt2": ("gpt2", dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True), ()),  # Conv1D bases
-    "llama": ("llama", dict(target_modules="all-linear"), ()),
-    "bert": ("bert", dict(target_modules=["query", "value"], modules_to_save=["classifier"]), ()),
-    "t5": ("t5", dict(target_modules=["q", "v", "wi", "wo"]), ()),
+def lora(**adapters):
+    """A fresh LoRA config (get_peft_model writes into the one it is given)."""
+    return lambda: peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25, **adapters)
+
+
+#: case: model, peft's config (made fresh), the modules replayed per sample
+PEFT = {
+    "gpt2": ("gpt2", lora(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True), ()),  # Conv1D bases
+    "llama": ("llama", lora(target_modules="all-linear"), ()),
+    "bert": ("bert", lora(target_modules=["query", "value"], modules_to_save=["classifier"]), ()),
+    "t5": ("t5", lora(target_modules=["q", "v", "wi", "wo"]), ()),
     # DoRA: each adapted layer's output rescaled by a magnitude over its weights' (detached) norms
-    "llama-dora": ("llama", dict(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True), ()),
+    "llama-dora": ("llama", lora(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True), ()),
     # LoRA on the token embedding: A and B in ParameterDicts, used by a lookup and a product
-    "gpt2-embedding": ("gpt2", dict(target_modules=["wte", "c_attn"], fan_in_fan_out=True), ("wte",)),
+    "gpt2-embedding": ("gpt2", lora(target_modules=["wte", "c_attn"], fan_in_fan_out=True), ("wte",)),
+    # prompt tuning: virtual tokens' embeddings of ids (1, n), repeated over the batch; the classifier trained
+    "bert-prompt": ("bert", lambda: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=3), ()),
 }
 
 
 @pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
-@pytest.mark.parametrize("case", LORA)
-def test_lora_adapters_get_the_update_of_their_per_sample_gradients(case, mechanism, per_layer, monkeypatch):
-    """DP fine-tuning with LoRA (peft): the base model frozen, each adapter's A and B (nn.Linear)
-    book-kept, its dropout in training mode; DoRA's magnitudes from their products with the
-    batch; a LoRA embedding replayed (its A and B are no layer's), its dropout unused. The
-    reference sees the same dropout masks: one forward of the batch, seeded as book-keeping's
-    is, then each sample's gradient by its own backward pass through it (its loss depends on its
-    sample alone)."""
-    name, adapters, replayed = LORA[case]
+@pytest.mark.parametrize("case", PEFT)
+def test_peft_adapters_get_the_update_of_their_per_sample_gradients(case, mechanism, per_layer, monkeypatch):
+    """DP fine-tuning with peft: the base model frozen; LoRA's A and B (nn.Linear) book-kept, its
+    dropout in training mode; DoRA's magnitudes from their products with the batch; a LoRA
+    embedding replayed (its A and B are no layer's), its dropout unused; prompt tuning's
+    embedding of the virtual tokens from the repeat over the batch. The reference sees the same
+    dropout masks: one forward of the batch, seeded as book-keeping's is, then each sample's
+    gradient by its own backward pass through it (its loss depends on its sample alone)."""
+    name, config, replayed = PEFT[case]
     build, losses = MODELS[name]
     torch.manual_seed(0)
-    model = peft.get_peft_model(build(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25, **adapters))
+    model = peft.get_peft_model(build(), config())
     with torch.no_grad():  # B (an embedding's A) starts at 0, which would leave the other without gradient
         for zero in (p for n, p in model.named_parameters() if "lora_B" in n or "lora_embedding" in n):
             zero.normal_(0, 0.1)

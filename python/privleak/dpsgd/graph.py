@@ -27,6 +27,7 @@ def node_type(op) -> type:
 _ADD, _SUB, _EXPAND = node_type(lambda x: x + x), node_type(lambda x: x - x), node_type(lambda x: x[:1].expand(3, 2))
 _MUL, _CAST, _CLONE = node_type(lambda x: x * x), node_type(lambda x: x.double()), node_type(lambda x: x.clone())
 _WHERE, _DIV = node_type(lambda x: torch.where(x > 0, x, x)), node_type(lambda x: x / x)
+_REPEAT = node_type(lambda x: x.repeat(2, 1))
 _LOOKUP = node_type(lambda x: F.embedding(torch.zeros(1, dtype=torch.long), x))
 #: Views: each element of their output is one element of their input (p[:, :T], p[None], p.view(...)).
 _VIEWS = frozenset(node_type(view) for view in (
@@ -66,8 +67,10 @@ class _Use(NamedTuple):
 
 def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[_Use]:
     """The use of an operand of ``shape`` as input ``position`` of ``node``, if it is an add, a
-    subtraction, an expand, a product or a where (T5's position bias under a mask); else None."""
-    if type(node) is _EXPAND:
+    subtraction, an expand, a repeat that only expands (of dims of size 1: peft's prompt tuning
+    repeats its virtual tokens' embeddings over the batch), a product or a where (T5's position
+    bias under a mask); else None."""
+    if type(node) is _EXPAND or (type(node) is _REPEAT and _expands(node._saved_repeats, shape)):
         return _Use(node, 1.0, shape, views)
     if type(node) is _MUL:  # d(w x)/dw = x: the other factor, which the node saves for its backward
         return _Use(node, 1.0, shape, views, ((node, "_saved_other" if position == 0 else "_saved_self", None),))
@@ -78,6 +81,13 @@ def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[
         alpha = float(node._saved_alpha) if position == 1 else 1.0
         return _Use(node, -alpha if type(node) is _SUB and position == 1 else alpha, shape, views)
     return None
+
+
+def _expands(repeats: tuple, shape: tuple) -> bool:
+    """Whether ``x.repeat(*repeats)`` of an ``x`` of ``shape`` is an expand: each dim repeated more
+    than once has size 1 (or is new), so no element is tiled beside others."""
+    aligned = (1,) * (len(repeats) - len(shape)) + tuple(shape)
+    return all(r == 1 or size == 1 for r, size in zip(repeats, aligned))
 
 
 def _multiplier(node, attribute: str, transform, dtype: torch.dtype) -> torch.Tensor:
