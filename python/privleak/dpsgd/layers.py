@@ -131,8 +131,13 @@ class Layer:
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
-        self.parameters = [p for _, p in own_parameters(module, self.claims_children)]
+        self.parameters = self.parameters_of(module)
         self.clear()
+
+    def parameters_of(self, module: nn.Module) -> list:
+        """The trainable parameters the rule answers for: the module's own (with
+        :attr:`claims_children`, its descendants' too)."""
+        return [p for p in module.parameters(recurse=self.claims_children) if p.requires_grad]
 
     def describe(self) -> str:
         return f"module '{self.name}' ({type(self.module).__name__})"
@@ -316,7 +321,7 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
         if rule is not None:
             layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
-    if own_parameters(module) and not isinstance(module, _HOLDERS):
+    if fallback_parameters(module) and not isinstance(module, _HOLDERS):
         return FunctionalLayer(name, module)
     return None
 
@@ -325,10 +330,11 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
 _HOLDERS = (nn.ParameterList, nn.ParameterDict)
 
 
-def own_parameters(module: nn.Module, claims_children: bool = False) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of the trainable parameters that ``module``'s forward answers for: its
-    own and those of its ParameterList and ParameterDict children (peft's LoRA embedding keeps
-    its A and B in ParameterDicts), or with ``claims_children`` all of its descendants'."""
+def fallback_parameters(module: nn.Module, claims_children: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the trainable parameters that :class:`FunctionalLayer` answers for
+    in ``module``: its own and those of its ParameterList and ParameterDict children (peft's LoRA
+    embedding keeps its A and B in ParameterDicts; the replay takes any parameter, a rule only
+    those it knows), or with ``claims_children`` all of its descendants'."""
     named = list(module.named_parameters(recurse=claims_children))
     if not claims_children:
         named += [(f"{child_name}.{name}", p) for child_name, child in module.named_children()
@@ -831,6 +837,9 @@ class FunctionalLayer(Layer):
         self._replay_warned = False
         super().__init__(name, module)
 
+    def parameters_of(self, module: nn.Module) -> list:
+        return [p for _, p in fallback_parameters(module, self.claims_children)]
+
     def clear(self) -> None:
         super().clear()
         self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
@@ -911,7 +920,7 @@ class FunctionalLayer(Layer):
                   if not isinstance(sub, _HOLDERS) and any(p.requires_grad for p in sub.parameters())]
         if layers and not self.claims_children and not self._replay_warned:
             self._replay_warned = True
-            own = [n for n, _ in own_parameters(self.module)]
+            own = [n for n, _ in fallback_parameters(self.module)]
             warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) used other than "
                           "added to, multiplied into or expanded over the batch: their per-sample gradients replay "
                           f"its whole forward per sample, its layers ({', '.join(layers[:3])}"
@@ -923,7 +932,7 @@ class FunctionalLayer(Layer):
     def per_sample_grads(self, batch: int) -> dict:
         from torch.func import functional_call, grad, vmap
 
-        names = {id(p): n for n, p in own_parameters(self.module, self.claims_children)}
+        names = {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
         for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(zip(self.calls,
