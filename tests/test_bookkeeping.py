@@ -330,6 +330,59 @@ class PromptTuned(nn.Module):
         return self.head(torch.tanh(torch.cat([prompts, self.tokens(ids)], 1)))
 
 
+class Router(nn.Module):
+    """A mixture of experts' router (Mixtral's): a weight of its own applied to the tokens (B T, d),
+    returning its logits and the normalised top-k weights made from them (the logits feed the
+    weights, and the loss uses them too: a hook on them sees both uses)."""
+
+    def __init__(self, width, experts, k):
+        super().__init__()
+        self.weight, self.k = nn.Parameter(torch.randn(experts, width) * 0.5), k
+
+    def forward(self, tokens):
+        logits = F.linear(tokens, self.weight)
+        top, index = logits.softmax(-1).topk(self.k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True), index
+
+
+class Experts(nn.Module):
+    """The experts' weights in one parameter (E, d, d), each token through its top-k experts,
+    weighted: every expert on every token, then a gather; or (``indexed``) Mixtral's eager loop
+    over the experts, each on the tokens routed to it (shapes that depend on the data, which
+    torch.func cannot vmap)."""
+
+    def __init__(self, width, experts, indexed):
+        super().__init__()
+        self.weight, self.indexed = nn.Parameter(torch.randn(experts, width, width) * 0.4), indexed
+
+    def forward(self, tokens, index, weights):
+        if self.indexed:
+            out = torch.zeros_like(tokens)
+            for expert, weight in enumerate(self.weight):
+                token, slot = torch.where(index == expert)
+                out = out.index_add(0, token, F.linear(tokens[token], weight) * weights[token, slot, None])
+            return out
+        every = torch.einsum("nd,eod->neo", tokens, self.weight)
+        return (every.gather(1, index[..., None].expand(-1, -1, every.shape[-1])) * weights[..., None]).sum(1)
+
+
+class MixtureOfExperts(nn.Module):
+    """A mixture-of-experts block as Hugging Face's Mixtral builds it: the router and the experts
+    take the hidden states flattened to (B T, d); the router's logits also enter the output."""
+
+    def __init__(self, indexed=False):
+        super().__init__()
+        self.inp, self.router, self.head = nn.Linear(3, 4), Router(4, 3, 2), nn.Linear(4, 2)
+        self.experts = Experts(4, 3, indexed)
+
+    def forward(self, x):
+        h = self.inp(x)
+        tokens = h.reshape(-1, h.shape[-1])
+        logits, weights, index = self.router(tokens)
+        h = (tokens + self.experts(tokens, index, weights)).view(h.shape)
+        return self.head(torch.tanh(h)) + 0.1 * logits.view(*h.shape[:-1], -1).logsumexp(-1, keepdim=True)
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is the encoder's weight transposed: transformers' Conv1D
     (y = h W) holding nn.Linear's weight (y = W x): two dense factors with their roles swapped."""
@@ -404,6 +457,7 @@ LAYER_CASES = {
     "batchnorm-eval": (batchnorm_eval, normal(6, 5)),
     "adapters": (Adapted, ids((6, 5))),
     "prompt-tuning": (PromptTuned, ids((6, 5))),
+    "mixture-of-experts": (MixtureOfExperts, normal(6, 5, 3)),
 }
 
 CONFIGS = {
@@ -983,6 +1037,38 @@ def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
         bk.step(model(torch.randn(4, length, 3)).pow(2).sum((1, 2)))
 
 
+def one_backward_per_sample(model, x, target):
+    """(B, *shape) per trainable parameter: each sample's gradient by its own forward and backward."""
+    params = trainable(model)
+    rows = [torch.autograd.grad(regression(model(x[i:i + 1]), target[i:i + 1]).sum(), params) for i in range(len(x))]
+    return [torch.stack(column) for column in zip(*rows)]
+
+
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True), ("laplace", False)])
+def test_a_module_torch_func_cannot_vmap_is_replayed_one_sample_at_a_time(mechanism, per_layer, monkeypatch):
+    """Mixtral's eager experts (a loop over the experts, each on the tokens routed to it: shapes
+    that depend on the data) give the update of each sample's own backward pass; the router beside
+    them is vmapped."""
+    torch.manual_seed(0)
+    model = MixtureOfExperts(indexed=True)
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(6, 5, 3, generator=generator), torch.randn(6, 5, 2, generator=generator)
+    with pytest.raises(RuntimeError):  # the reference cannot be torch.func's
+        materialised_grads(model, x, target)
+    grads = one_backward_per_sample(model, x, target)
+    config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    looped, replay = [], layers.FunctionalLayer._one_at_a_time_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
+                        lambda self, *args: looped.append(self.name) or replay(self, *args))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.5,
+                           generator=M.NoiseGenerator(7))
+    assert_same_update(bk.step(regression(model(x), target)), want)
+    assert looped == ["experts"]
+    bk.step(regression(model(x), target))
+    assert looped == ["experts"] * 2  # vmap is not tried again
+
+
 def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
     class Doubled(nn.Embedding):
         def forward(self, ids):
@@ -1018,6 +1104,11 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
     bk = make(dropped)
     with pytest.raises(ValueError, match=r"'1' \(FunctionallyDropped\) .* draws random numbers in its forward, "):
         bk.step(dropped(x).sum(1))
+    dropped = MixtureOfExperts(indexed=True)  # replayed one sample at a time: the draws seen on the generator
+    dropped.experts.register_forward_hook(lambda module, args, out: F.dropout(out, 0.2), prepend=True)
+    bk = make(dropped)
+    with pytest.raises(ValueError, match=r"'experts' \(Experts\) .* draws random numbers in its forward"):
+        bk.step(dropped(torch.randn(4, 5, 3)).sum((1, 2)))
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
         make(nn.Embedding(5, 2, scale_grad_by_freq=True))
     with pytest.raises(ValueError, match="batch_first"):

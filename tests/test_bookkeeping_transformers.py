@@ -76,6 +76,20 @@ def opt():
         bos_token_id=0, eos_token_id=0))
 
 
+def mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def qwen2_moe():
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+        shared_expert_intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 def padding_of(ids):
     """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
     return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
@@ -99,6 +113,8 @@ def classify(model, ids):
 MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (gemma, next_token),
           "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token),
           "opt": (opt, next_token)}
+#: mixtures of experts, whose routers and experts are replayed per sample
+MIXTURES = {"mixtral": (mixtral, next_token), "qwen2-moe": (qwen2_moe, next_token)}
 #: the shape of the ids: (5, 12); T5's and BART's also (5, 5), where T5's relative position buckets (T, T) have
 #: the batch's size in dim 0 (only their output, added to the batch's attention scores, tells them apart)
 SHAPES = [(name, (5, 12)) for name in MODELS] + [("t5", (5, 5)), ("bart", (5, 5))]
@@ -162,9 +178,28 @@ def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, 
         assert len(bk._tied) == 1 and model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("name", MIXTURES)
+def test_a_mixture_of_experts_gets_the_update_of_its_per_sample_gradients(name, experts, monkeypatch):
+    """Mixtral and Qwen2-MoE trained whole: each router and experts module (no book-keeping rule:
+    a weight of its own; the experts' weights in 3D parameters) takes the tokens flattened to
+    (B T, d) and is replayed with each sample's T tokens, torch.func's vmap for the grouped
+    matrix products, one sample at a time for the eager loop over the experts (shapes that depend
+    on the routing). The router returns its logits beside the routing weights made from them; the
+    rest (attention, Qwen's shared expert and its gate on the flattened tokens) is book-kept."""
+    build, losses = MIXTURES[name]
+    torch.manual_seed(0)
+    model = build()
+    model.set_experts_implementation(experts)
+    ids = torch.randint(1, VOCAB, (5, 12), generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, losses, ids)
+    assert_the_update_of(grads, model, lambda: losses(model, ids), "gaussian", False, monkeypatch,
+                         replayed=("gate", "experts") * 2)
+
+
 def lora(**adapters):
     """A fresh LoRA config (get_peft_model writes into the one it is given)."""
-    return lambda: peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25, **adapters)
+    return lambda: peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.25, **adapters})
 
 
 #: case: model, peft's config (made fresh), the modules replayed per sample
@@ -179,6 +214,12 @@ PEFT = {
     "gpt2-embedding": ("gpt2", lora(target_modules=["wte", "c_attn"], fan_in_fan_out=True), ("wte",)),
     # prompt tuning: virtual tokens' embeddings of ids (1, n), repeated over the batch; the classifier trained
     "bert-prompt": ("bert", lambda: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=3), ()),
+    # LoRA on Mixtral's router and experts' weights (parameters, not modules: peft's ParamWrapper adds B A to
+    # them by a parametrization, which torch.func cannot transform): replayed one sample at a time
+    "mixtral-all-linear": ("mixtral", lora(target_modules="all-linear", lora_dropout=0.0), ("gate", "experts") * 2),
+    "mixtral-experts": ("mixtral", lora(target_modules=["q_proj"], target_parameters=["experts.gate_up_proj",
+                                                                                      "experts.down_proj"],
+                                        lora_dropout=0.0), ("experts",) * 2),
 }
 
 
@@ -192,7 +233,7 @@ def test_peft_adapters_get_the_update_of_their_per_sample_gradients(case, mechan
     dropout masks: one forward of the batch, seeded as book-keeping's is, then each sample's
     gradient by its own backward pass through it (its loss depends on its sample alone)."""
     name, config, replayed = PEFT[case]
-    build, losses = MODELS[name]
+    build, losses = {**MODELS, **MIXTURES}[name]
     torch.manual_seed(0)
     model = peft.get_peft_model(build(), config())
     with torch.no_grad():  # B (an embedding's A) starts at 0, which would leave the other without gradient

@@ -181,13 +181,15 @@ class BookKeeping:
     def _hook(self, layer: Layer):
         def record(module, args, kwargs, output):
             if not self._recording:
-                return
+                return None
+            output = layer.separated(args, kwargs, output)
             outputs = layer.record(args, kwargs, output)
             call = len(layer.calls) - 1
             for index, y in enumerate(outputs):
                 y.register_hook(functools.partial(self._take_grad, layer, call, index))
             for key, node in layer.nodes(call) if outputs else ():
                 node.register_prehook(functools.partial(self._take_node_grad, layer, key))
+            return output
         return record
 
     def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:

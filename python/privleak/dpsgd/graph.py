@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 
 
@@ -403,6 +404,18 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
             if child not in seen:
                 stack.append(child)
     return counts
+
+
+def fed_outputs(outputs: list, stop: frozenset) -> list[int]:
+    """The indices of ``outputs`` (tensors with grad) from which another of them is computed, in
+    the graph above the nodes ``stop`` (a call's inputs): a router's logits, returned beside the
+    routing weights made from them. A tensor hook on such an output sees its whole gradient, the
+    part that comes through the other output included."""
+    parents: dict = {}
+    count_uses([x.grad_fn for x in outputs], [], stop=stop, parents=parents)
+    edges = [get_gradient_edge(x) for x in outputs]
+    return [k for k, edge in enumerate(edges) if any(parent.next_functions[position][1] == edge.output_nr
+                                                      for parent, position in parents.get(edge.node, ()))]
 
 
 def embedding_lookup(output: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -151,7 +151,7 @@ class Layer:
         self.per_sample: dict = {}  # per parameter id, the (B, *shape) per-sample gradients formed
         self.versions: list = []  # (recorded input, its version counter then), to find in-place changes
         self.sources: list = []  # per call, the autograd node that made the recorded input (None: a leaf)
-        self.flattened: set = set()  # calls whose input was the batch flattened with its positions
+        self.flattened: dict = {}  # call: batch size, for calls whose input was the batch flattened with its positions
 
     def trains(self, parameter: Optional[torch.Tensor]) -> bool:
         return parameter is not None and parameter.requires_grad
@@ -170,6 +170,11 @@ class Layer:
                 raise ValueError(f"an input of {self.describe()} was modified in place after its forward call "
                                  "(e.g. `x += layer(x)`), and book-keeping reads it in step(): write `x = x + "
                                  "layer(x)`")
+
+    def separated(self, args: tuple, kwargs: dict, output: Any) -> Any:
+        """The output the forward call returns, before :meth:`record` sees it: ``output`` itself
+        (:class:`FunctionalLayer` puts a view in place of an output that another is computed from)."""
+        return output
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         """Keep the input of one forward call and the gradient edge of its output; returns the
@@ -212,7 +217,7 @@ class Layer:
         """Call ``call``'s input was the batch flattened with its positions, sample after sample
         (:func:`flattened_batch`): read it, and its output gradient, as (B, positions, ...)."""
         self.calls[call] = self.calls[call].unflatten(0, (batch, -1))
-        self.flattened.add(call)
+        self.flattened[call] = batch
 
     def can_tie(self, parameter: torch.Tensor) -> bool:
         """Whether ``parameter`` may be shared with other layers' (tied weights): the layer gives
@@ -239,7 +244,7 @@ class Layer:
     def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
         """The gradient of recorded output ``output`` of call ``call``, during the backward pass."""
         if call in self.flattened:
-            grad = grad.unflatten(0, (self.calls[call].shape[0], -1))
+            grad = grad.unflatten(0, (self.flattened[call], -1))
         grads = self.grads[call]
         grads[output] = grad
         if all(g is not None for g in grads):
@@ -831,10 +836,11 @@ class FunctionalLayer(Layer):
     """
 
     uses_per_call = None
-    broadcast_calls = True
+    broadcast_calls = flattened_batch_calls = True
 
     def __init__(self, name: str, module: nn.Module):
         self._replay_warned = False
+        self._one_at_a_time = False  # its forward is replayed by a loop over samples, not by vmap
         super().__init__(name, module)
 
     def parameters_of(self, module: nn.Module) -> list:
@@ -852,13 +858,29 @@ class FunctionalLayer(Layer):
         self.shared_calls.add(call)
         self.grads[call] = list(output_grads)
 
+    def separated(self, args: tuple, kwargs: dict, output: Any) -> Any:
+        """``output`` with a view in place of each output that another output is computed from (a
+        router's logits, returned beside the routing weights made from them): the view's gradient
+        is the loss's use of that output alone, which the replay needs as its cotangent (the
+        gradient through the other output comes from the other's)."""
+        flat, spec = tree_flatten(output)
+        live = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if len(live) < 2:
+            return output
+        fed = graph.fed_outputs([flat[k] for k in live], _input_nodes(tree_flatten((args, kwargs))[0]))
+        if not fed:
+            return output
+        for k in fed:
+            flat[live[k]] = flat[live[k]].view_as(flat[live[k]])
+        return tree_unflatten(flat, spec)
+
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
             return []
         leaves, spec = tree_flatten((args, kwargs))
-        inputs = frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
+        inputs = _input_nodes(leaves)
         consumers, parents = [[] for _ in self.parameters], {}
         self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
@@ -868,10 +890,23 @@ class FunctionalLayer(Layer):
         call = len(self.calls)
         self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast,
                            broadcasts))
+        batched = _batched_leaf(leaves)
+        self.sources.append(None if batched is None else batched.grad_fn)
         self.watched.append([] if broadcasts is None else [((call, *key), node) for key, node in broadcasts.nodes()])
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.grads.append([None] * len(live))
         return [outputs[i] for i in live]
+
+    def unflatten(self, call: int, batch: int) -> None:
+        """A call on the batch flattened with its positions (a mixture of experts' router and
+        experts take the tokens (B T, d)): the replay gives each sample its T rows, whole."""
+        self.flattened[call] = batch
+
+    def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
+        batch = self.flattened.get(call)
+        if batch is not None and grad.ndim and grad.shape[0] % batch == 0:  # else refused by the replay
+            grad = grad.unflatten(0, (batch, -1))
+        self.grads[call][output] = grad
 
     def call_edges(self, call: int) -> list:
         start = sum(len(live) for _, _, live, *_ in self.calls[:call])
@@ -937,8 +972,10 @@ class FunctionalLayer(Layer):
         totals: dict = {}
         for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(zip(self.calls,
                                                                                                     self.grads)):
+            rows = _batch_of(leaves)  # B, or B T for a flattened call
+            flattened = call in self.flattened
             split = [] if call in self.shared_calls else [
-                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch]
+                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows]
             pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
             for _, g in pairs:
                 if g.ndim == 0 or g.shape[0] != batch:
@@ -947,29 +984,62 @@ class FunctionalLayer(Layer):
                                      "ids of shape (1, T)), and no book-keeping rule fits it: its per-sample "
                                      "gradients cannot be replayed; give it inputs whose batch its output keeps")
 
-            def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs):
+            def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs,
+                            whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0))):
                 values = list(leaves)
                 for i, x in zip(split, samples):
-                    values[i] = x.unsqueeze(0)
+                    values[i] = whole(x)
                 args, kwargs = tree_unflatten(values, spec)
                 outputs = [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
                            if isinstance(x, torch.Tensor)]
-                return sum((outputs[i] * g.unsqueeze(0)).sum() for (i, _), g in zip(pairs, cotangents))
+                return sum((outputs[i] * whole(g)).sum() for (i, _), g in zip(pairs, cotangents))
 
+            samples = [leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i] for i in split]
+            cotangents = [g for _, g in pairs]
             with warnings.catch_warnings(), torch.autocast(device, dtype=dtype, enabled=autocast):
                 # torch's note that an op has no batching rule: the cost the docstring states
                 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-                try:
-                    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(
-                        params, [leaves[i] for i in split], [g for _, g in pairs])
-                except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
-                    if "randomness" not in str(error):
-                        raise
-                    raise ValueError(self.random_replay()) from None
+                grads = None
+                if not self._one_at_a_time:
+                    try:
+                        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, samples, cotangents)
+                    except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
+                        if "randomness" in str(error):
+                            raise ValueError(self.random_replay()) from None
+                        self._one_at_a_time = True  # a forward torch.func cannot transform
+                if grads is None:
+                    grads = self._one_at_a_time_grads(loss_of_one, params, samples, cotangents, batch)
             for p in self.parameters:
                 g = grads[names[id(p)]]
                 totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
         return totals
+
+    def _one_at_a_time_grads(self, loss_of_one, params: dict, samples: list, cotangents: list, batch: int) -> dict:
+        """The replay's per-sample gradients by one ordinary backward pass per sample, for a
+        forward that ``torch.func`` cannot transform (a parametrization it registers, as peft's
+        LoRA on a parameter does; data-dependent shapes): the same gradients, B passes instead of
+        one vmapped. Random numbers drawn in them are refused as vmap refuses them (the default
+        generators' states are compared)."""
+        leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+        device = next(iter(leaves.values())).device
+        before = _generator_states(device)
+        rows = []
+        with torch.enable_grad():
+            for i in range(batch):
+                loss = loss_of_one(leaves, [x[i] for x in samples], [g[i] for g in cotangents])
+                found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+                rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), found)])
+        if any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device))):
+            raise ValueError(self.random_replay())
+        return {name: torch.stack(column) for name, column in zip(leaves, zip(*rows))}
+
+
+def _generator_states(device: torch.device) -> list[torch.Tensor]:
+    """The states of the default random generators a forward on ``device`` may draw from."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
 
 
 @layer_kind(nn.MultiheadAttention)
@@ -992,6 +1062,16 @@ class MultiheadAttentionLayer(FunctionalLayer):
                 "book-keeping)")
 
 
+@layer_kind("peft.tuners.lora.layer.ParamWrapper")
+class ParameterAdapterLayer(FunctionalLayer):
+    """peft's LoRA on a parameter (``LoraConfig(target_parameters=...)``, and what ``all-linear``
+    puts on a mixture of experts' router): its forward adds B A to the wrapped module's parameter
+    by a parametrization, so its A and B (``nn.Linear`` modules never called) are used out of
+    their own hooks' sight. The wrapper is replayed per sample, children included."""
+
+    claims_children = True
+
+
 @layer_kind(nn.modules.batchnorm._BatchNorm)
 class BatchNormLayer(FunctionalLayer):
     """BatchNorm: in training mode it normalises with the batch's statistics, so no sample has a
@@ -1008,7 +1088,17 @@ class BatchNormLayer(FunctionalLayer):
         return super().record(args, kwargs, output) if self.parameters else []
 
 
+def _input_nodes(leaves: list) -> frozenset:
+    """The autograd nodes that made a call's tensor arguments: where the module's graph ends."""
+    return frozenset(x.grad_fn for x in leaves if isinstance(x, torch.Tensor) and x.grad_fn is not None)
+
+
+def _batched_leaf(leaves: list) -> Optional[torch.Tensor]:
+    """The tensor argument of a call whose dim 0 is its batch: the first that has dims."""
+    return next((x for x in leaves if isinstance(x, torch.Tensor) and x.ndim), None)
+
+
 def _batch_of(leaves: list) -> int:
-    """A call's batch size: dim 0 of its first tensor argument that has dims (0 if none has)."""
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.ndim]
-    return tensors[0].shape[0] if tensors else 0
+    """A call's batch size: dim 0 of :func:`_batched_leaf` (0 if no argument has dims)."""
+    batched = _batched_leaf(leaves)
+    return 0 if batched is None else batched.shape[0]
