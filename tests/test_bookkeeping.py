@@ -529,6 +529,42 @@ def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
     assert calls
 
 
+#: the cases with a module replayed per sample (FunctionalLayer), not only broadcast parameters
+REPLAYED = ["fallback", "multihead-attention", "batchnorm-eval", "adapters", "position-modules",
+            "mixture-of-experts"]
+
+
+@pytest.mark.parametrize("forming", [layers.Forming.AFTER, layers.Forming.NEVER], ids=["whole", "chunked"])
+@pytest.mark.parametrize("case", REPLAYED)
+def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, forming, monkeypatch):
+    """Every layer forms its per-sample gradients after the backward pass, or never whole: the
+    replay's norms two samples at a time and its clipped sum by an ordinary backward pass of the
+    module with the output gradients scaled by the clip factors; L2 flat and per layer (a pass
+    per parameter), L1."""
+    replayed = []
+    monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient: 2)
+    weighted = layers.FunctionalLayer._weighted_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "_weighted_grads",
+                        lambda self, *args: replayed.append(self.name) or weighted(self, *args))
+    for mechanism, per_layer in [("gaussian", False), ("vmf", True), ("laplace", False)]:
+        compare(case, mechanism, per_layer)
+    assert bool(replayed) == (forming is layers.Forming.NEVER)
+
+
+def test_a_replay_in_chunks_leaves_out_the_samples_it_drops(monkeypatch):
+    """non_finite='drop' with the clipped sum by a second pass: a dropped sample's inputs and
+    output gradients are zeroed before it (0 * NaN would reach the sum)."""
+    monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
+    model, x, target = setting("fallback")
+    x[2, 0] = float("nan")
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.3, non_finite="drop")
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 4.0, M.NoiseGenerator(1))
+    got = book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    assert_same_update(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("kinds", [("dense", "dense"), ("ids", "dense"), ("dense", "ids"), ("ids", "ids")])
 def test_the_cross_term_of_tied_layers_is_the_inner_product_of_their_gradients(kinds, dtype, monkeypatch):
@@ -1249,7 +1285,7 @@ def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monke
     replays = []
     replay = layers.FunctionalLayer.per_sample_grads
     monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
-                        lambda self, batch: replays.append(batch) or replay(self, batch))
+                        lambda self, batch, *chunk: replays.append(batch) or replay(self, batch, *chunk))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = book_kept(model, x, target, config, 6.0, M.NoiseGenerator(5))
@@ -1270,7 +1306,7 @@ def test_adapters_replay_only_the_module_using_its_parameters_otherwise(monkeypa
     replays = []
     replay = layers.FunctionalLayer.per_sample_grads
     monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
-                        lambda self, batch: replays.append(self.name) or replay(self, batch))
+                        lambda self, batch, *chunk: replays.append(self.name) or replay(self, batch, *chunk))
     model = compare("adapters", "gaussian", per_layer=True)
     assert replays == ["embed"]
     assert model.embed.training and model.embed.unused.p > 0

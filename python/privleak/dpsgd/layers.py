@@ -850,6 +850,7 @@ class FunctionalLayer(Layer):
         super().clear()
         self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
         self.shared_calls: set = set()  # calls whose outputs the batch shares (broadcast)
+        self.chunked = False  # the replay gives norms a few samples at a time and the clipped sum by a second pass
 
     def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
         """A call whose outputs the batch shares (BART's learned position embedding, which makes its
@@ -940,15 +941,98 @@ class FunctionalLayer(Layer):
         self.grads = [g if isinstance(g, list) else [g] for g in self.grads]
 
     def rows(self, batch: int) -> dict:
-        if self.calls and not self.per_sample:
+        if self.calls and not self.per_sample and not self.chunked:
             broadcasts = [call[4] for call in self.calls]
             if all(b is not None and b.valid for b in broadcasts):
                 self.per_sample = {id(p): total(b.rows(i) for b in broadcasts)
                                    for i, p in enumerate(self.parameters)}
+                return self.per_sample
+            self.warn_of_replayed_layers()
+            if when_to_form(self._per_sample_size(), self._held_per_sample(batch)) is Forming.NEVER:
+                self.chunked = True
             else:
-                self.warn_of_replayed_layers()
                 self.per_sample = self.per_sample_grads(batch)
         return self.per_sample
+
+    def _per_sample_size(self) -> int:
+        return sum(p.numel() for p in self.parameters)
+
+    def _held_per_sample(self, batch: int) -> int:
+        """Values a sample of the recorded inputs and output gradients that the replay reads."""
+        held = sum(x.numel() for leaves, *_ in self.calls for x in leaves if isinstance(x, torch.Tensor))
+        held += sum(g.numel() for grads in self.grads for g in grads if g is not None)
+        return held // max(batch, 1)
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        """A module whose per-sample gradients would be more than 4 times what its replay reads
+        (:func:`when_to_form`; a mixture of experts' experts) is replayed a few samples at a time,
+        for its norms alone; :meth:`sums_by_parameter` makes the clipped sum by a second pass."""
+        if not self.chunked:
+            return {}
+        chunk = samples_per_chunk(self._held_per_sample(batch), self._per_sample_size())
+        norms: dict = {id(p): [] for p in self.parameters}
+        for start in range(0, batch, chunk):
+            grads = self.per_sample_grads(batch, slice(start, start + chunk))
+            for key, column in norms.items():
+                column.append(row_norms(grads[key], norm_type))
+        return {key: torch.cat(column) for key, column in norms.items()}
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        """sum_i f_i G_i as one ordinary backward pass of the module over the batch: its output
+        gradients scaled by f_i (book-keeping's clipped sum, for any module); one pass per
+        distinct column of factors (per-layer clipping: per parameter)."""
+        groups: list = []  # [factors, parameters]
+        for p in self.parameters:
+            f = factors[id(p)]
+            group = next((g for g in groups if torch.equal(g[0], f)), None)
+            if group is None:
+                groups.append([f, [p]])
+            else:
+                group[1].append(p)
+        sums = {}
+        for f, params in groups:
+            sums.update(self._weighted_grads(f, keep, params))
+        return sums
+
+    def _weighted_grads(self, factors: torch.Tensor, keep: Optional[torch.Tensor], wanted: list) -> dict:
+        """sum_i f_i G_i of the parameters ``wanted``, by id: the gradient of sum_i f_i <y_i, g_i>
+        over the module's recorded calls, recomputed on the whole batch (a dropped sample's
+        inputs and output gradients zeroed)."""
+        from torch.func import functional_call
+
+        names = {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
+        leaves_of = {id(p): p.detach().requires_grad_() for p in wanted}
+        params = {names[id(p)]: leaves_of.get(id(p), p.detach()) for p in self.parameters}
+        sums: dict = {}
+        with torch.enable_grad():
+            for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(
+                    zip(self.calls, self.grads)):
+                batch, rows = factors.shape[0], _batch_of(leaves)
+                shared = call in self.shared_calls
+                values = list(leaves)
+                if keep is not None and not shared:
+                    for i, x in enumerate(leaves):
+                        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows:
+                            values[i] = _zero_dropped(x.unflatten(0, (batch, -1)), keep).flatten(0, 1).view(x.shape)
+                cotangents = {}
+                for i, g in zip(live, output_grads):
+                    if g is not None:
+                        weighted = _scaled(_zero_dropped(g, keep), factors)
+                        if shared:  # one output for the batch: its samples' weighted gradients summed
+                            weighted = weighted.sum(0)
+                        elif call in self.flattened:
+                            weighted = weighted.flatten(0, 1)
+                        cotangents[i] = weighted
+                args, kwargs = tree_unflatten(values, spec)
+                with torch.autocast(device, dtype=dtype, enabled=autocast):
+                    outputs = [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
+                               if isinstance(x, torch.Tensor)]
+                    loss = sum((outputs[i] * g).sum() for i, g in cotangents.items())
+                found = torch.autograd.grad(loss, [leaves_of[id(p)] for p in wanted], allow_unused=True)
+                for p, g in zip(wanted, found):
+                    g = torch.zeros_like(p, dtype=torch.float32) if g is None else g
+                    sums[id(p)] = g if id(p) not in sums else sums[id(p)] + g
+        return sums
 
     def warn_of_replayed_layers(self) -> None:
         layers = [child for child, sub in self.module.named_children()
@@ -964,7 +1048,9 @@ class FunctionalLayer(Layer):
                           "only it is replayed",
                           stacklevel=7)
 
-    def per_sample_grads(self, batch: int) -> dict:
+    def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
+        """The per-sample gradients (B, *shape) of the module's parameters, by id, of the samples
+        ``samples`` (all by default): vmap over them of the gradient of the replayed forward."""
         from torch.func import functional_call, grad, vmap
 
         names = {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
@@ -994,27 +1080,27 @@ class FunctionalLayer(Layer):
                            if isinstance(x, torch.Tensor)]
                 return sum((outputs[i] * whole(g)).sum() for (i, _), g in zip(pairs, cotangents))
 
-            samples = [leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i] for i in split]
-            cotangents = [g for _, g in pairs]
+            inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
+            cotangents = [g[samples] for _, g in pairs]
             with warnings.catch_warnings(), torch.autocast(device, dtype=dtype, enabled=autocast):
                 # torch's note that an op has no batching rule: the cost the docstring states
                 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
                 grads = None
                 if not self._one_at_a_time:
                     try:
-                        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, samples, cotangents)
+                        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, cotangents)
                     except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
                         if "randomness" in str(error):
                             raise ValueError(self.random_replay()) from None
                         self._one_at_a_time = True  # a forward torch.func cannot transform
                 if grads is None:
-                    grads = self._one_at_a_time_grads(loss_of_one, params, samples, cotangents, batch)
+                    grads = self._one_at_a_time_grads(loss_of_one, params, inputs, cotangents)
             for p in self.parameters:
                 g = grads[names[id(p)]]
                 totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
         return totals
 
-    def _one_at_a_time_grads(self, loss_of_one, params: dict, samples: list, cotangents: list, batch: int) -> dict:
+    def _one_at_a_time_grads(self, loss_of_one, params: dict, samples: list, cotangents: list) -> dict:
         """The replay's per-sample gradients by one ordinary backward pass per sample, for a
         forward that ``torch.func`` cannot transform (a parametrization it registers, as peft's
         LoRA on a parameter does; data-dependent shapes): the same gradients, B passes instead of
@@ -1025,7 +1111,7 @@ class FunctionalLayer(Layer):
         before = _generator_states(device)
         rows = []
         with torch.enable_grad():
-            for i in range(batch):
+            for i in range(len(cotangents[0])):
                 loss = loss_of_one(leaves, [x[i] for x in samples], [g[i] for g in cotangents])
                 found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
                 rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), found)])
