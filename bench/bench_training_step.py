@@ -124,7 +124,10 @@ class HuggingFaceLM(nn.Module):
     125M configuration (its MLP on the hidden states flattened to (B T, d), learned position
     embeddings that make their ids from the attention mask, tied head). "gpt2-lora": GPT-2 small
     frozen, LoRA adapters by peft (rank 8, alpha 16) on every projection (c_attn, c_proj, c_fc:
-    1.2M trainable parameters), the way large models are fine-tuned with DP."""
+    1.2M trainable parameters), the way large models are fine-tuned with DP. "mixtral": a
+    mixture of experts as Mixtral builds it (8 layers, d 512, 8 heads of which 4 key-value, 8
+    experts of SwiGLU 1024, the top 2 per token, vocabulary 32000: 140M parameters, 101M of them
+    the experts'; its routers and experts are replayed by book-keeping)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -140,6 +143,10 @@ class HuggingFaceLM(nn.Module):
                 self.lm = peft.get_peft_model(self.lm, peft.LoraConfig(
                     r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"],
                     fan_in_fan_out=True))
+        elif kind == "mixtral":
+            self.lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512))
         elif kind == "opt":
             self.lm = transformers.OPTForCausalLM(transformers.OPTConfig(dropout=0.0, attention_dropout=0.0))
         else:
@@ -187,8 +194,9 @@ MODELS = {
     "llama": (lambda: HuggingFaceLM("llama"), tokens(32000, 128), SequenceLoss, (8,), ()),
     "opt": (lambda: HuggingFaceLM("opt"), tokens(50272, 128), SequenceLoss, (8,), ()),
     "gpt2-lora": (lambda: HuggingFaceLM("gpt2-lora"), tokens(50257, 128), SequenceLoss, (8,), ()),
+    "mixtral": (lambda: HuggingFaceLM("mixtral"), tokens(32000, 128), SequenceLoss, (8,), ()),
 }
-LARGE = ("large", "gpt2", "llama", "opt", "gpt2-lora")  #: left out by --skip-large and --quick
+LARGE = ("large", "gpt2", "llama", "opt", "gpt2-lora", "mixtral")  #: left out by --skip-large and --quick
 
 
 def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0):

@@ -543,7 +543,7 @@ def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, formin
     per parameter), L1."""
     replayed = []
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
-    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient: 2)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
     weighted = layers.FunctionalLayer._weighted_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_weighted_grads",
                         lambda self, *args: replayed.append(self.name) or weighted(self, *args))

@@ -5,11 +5,12 @@ model (RMSNorm modules of its own, weight times the normalised batch; rotary pos
 head), Gemma (its RMSNorm the batch times 1 + weight), BERT, T5 (a relative position bias of
 buckets (T, T) added to every layer's scores), BART (learned position embeddings that make their
 own ids, (B, T) in the encoder and (1, T) in the decoder), Falcon (FalconLinear) and OPT (its MLP on
-the hidden states flattened to (B T, d); position ids from the attention mask); and LoRA, DoRA,
-a LoRA embedding and prompt tuning by peft on some of them. The reference is independent of book-keeping and of
-torch.func: each sample's gradient from its own backward pass (on a batch of one; with LoRA's
-dropout, through the batch's forward), through dpsgd.privatize with the same config and noise
-stream."""
+the hidden states flattened to (B T, d); position ids from the attention mask), mixtures of
+experts (Mixtral, Qwen2-MoE: routers and experts replayed on the flattened tokens); and LoRA,
+DoRA, a LoRA embedding, LoRA on parameters and prompt tuning by peft on some of them. The
+reference is independent of book-keeping and of torch.func: each sample's gradient from its own
+backward pass (on a batch of one; with LoRA's dropout, through the batch's forward), through
+dpsgd.privatize with the same config and noise stream."""
 import peft
 import pytest
 import torch

@@ -62,12 +62,14 @@ def when_to_form(per_sample: int, held: int) -> Forming:
     return Forming.AFTER if per_sample <= 4 * held else Forming.NEVER
 
 
-def samples_per_chunk(held: int, transient: int) -> int:
+def samples_per_chunk(held: int, transient: int, at_least: int = 8) -> int:
     """How many samples a layer takes at a time through a step that forms ``transient`` values
     per sample while it holds ``held`` per sample (a convolution's patches for its ghost norm):
-    about as many as keep the transient within what the layer holds, and at least 8, so that the
-    calls stay few (CIFAR CNN, B 64: peak memory 1.34x -> 1.05x of non-private)."""
-    return max(8, held // max(transient, 1))
+    about as many as keep the transient within what the layer holds, and at least ``at_least``,
+    so that the calls stay few (CIFAR CNN, B 64: peak memory 1.34x -> 1.05x of non-private). A
+    replayed module's call is a forward and backward of it, large enough alone: at least 1 (the
+    bench Mixtral's experts, B 8: 8 samples a call -> 1, peak RSS 1134 -> 924 MB, and faster)."""
+    return max(at_least, held // max(transient, 1))
 
 
 def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
@@ -806,11 +808,17 @@ class FunctionalLayer(Layer):
     on each sample's recorded input, weighted by the recorded output gradients). It costs another
     forward and backward of that module and B times its parameters in memory, for it alone.
 
-    Tensor arguments whose first dim is the batch size are split by sample, the others shared.
-    The forward must treat samples independently and be deterministic: one that draws random
-    numbers (dropout in training mode) could not be replayed and is refused at the step (vmap
-    says it drew them); a dropout module it holds but does not run (peft's LoRA embedding) is
-    no matter.
+    Tensor arguments whose first dim is the batch size are split by sample, the others shared;
+    a call on the batch flattened with its positions, (B T, ...) as the graph shows it (a mixture
+    of experts' router and experts), gives each sample its T rows. The forward must treat samples
+    independently and be deterministic: one that draws random numbers (dropout in training mode)
+    could not be replayed and is refused at the step (vmap says it drew them); a dropout module
+    it holds but does not run (peft's LoRA embedding) is no matter. A forward that torch.func
+    cannot transform (shapes that depend on the data; a parametrization registered in it) is
+    replayed one sample at a time by ordinary backward passes. Where the per-sample gradients
+    would be more than 4 times what the replay reads (:func:`when_to_form`), they are formed a
+    few samples at a time for the norms alone, and the clipped sum is one backward pass of the
+    module with its output gradients scaled by the clip factors.
 
     **Broadcast parameters.** Where every use of the module's own parameters in a call adds one
     to (or subtracts it from) the batch, multiplies the batch by it, or expands it over the batch,
@@ -969,7 +977,7 @@ class FunctionalLayer(Layer):
         for its norms alone; :meth:`sums_by_parameter` makes the clipped sum by a second pass."""
         if not self.chunked:
             return {}
-        chunk = samples_per_chunk(self._held_per_sample(batch), self._per_sample_size())
+        chunk = samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=1)
         norms: dict = {id(p): [] for p in self.parameters}
         for start in range(0, batch, chunk):
             grads = self.per_sample_grads(batch, slice(start, start + chunk))
