@@ -153,7 +153,7 @@ def assert_the_update_of(grads, model, losses, mechanism, per_layer, monkeypatch
     monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
                         lambda self, batch, *chunk: replays.append(self.name) or replay(self, batch, *chunk))
     got = bk.step(losses())
-    assert sorted(name.rsplit(".", 1)[-1] for name in replays) == sorted(replayed)
+    assert sorted(name.rsplit(".", 1)[-1] for name in set(replays)) == sorted(replayed)  # a call per chunk
     scale = max(float(w.abs().max()) for w in want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
