@@ -1002,13 +1002,24 @@ class FunctionalLayer(Layer):
             sums.update(self._weighted_grads(f, keep, params))
         return sums
 
+    def _parameter_names(self) -> dict:
+        """The name under the module of each of its parameters, by id (for ``functional_call``)."""
+        return {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
+
+    def _outputs(self, params: dict, values: list, spec) -> list[torch.Tensor]:
+        """The tensor outputs of the module's forward on the call arguments ``values`` (flattened
+        by ``spec``) with ``params`` in place of its parameters."""
+        from torch.func import functional_call
+
+        args, kwargs = tree_unflatten(values, spec)
+        return [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
+                if isinstance(x, torch.Tensor)]
+
     def _weighted_grads(self, factors: torch.Tensor, keep: Optional[torch.Tensor], wanted: list) -> dict:
         """sum_i f_i G_i of the parameters ``wanted``, by id: the gradient of sum_i f_i <y_i, g_i>
         over the module's recorded calls, recomputed on the whole batch (a dropped sample's
         inputs and output gradients zeroed)."""
-        from torch.func import functional_call
-
-        names = {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
+        names = self._parameter_names()
         leaves_of = {id(p): p.detach().requires_grad_() for p in wanted}
         params = {names[id(p)]: leaves_of.get(id(p), p.detach()) for p in self.parameters}
         sums: dict = {}
@@ -1021,7 +1032,7 @@ class FunctionalLayer(Layer):
                 if keep is not None and not shared:
                     for i, x in enumerate(leaves):
                         if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows:
-                            values[i] = _zero_dropped(x.unflatten(0, (batch, -1)), keep).flatten(0, 1).view(x.shape)
+                            values[i] = _zero_dropped(x.unflatten(0, (batch, -1)), keep).view(x.shape)
                 cotangents = {}
                 for i, g in zip(live, output_grads):
                     if g is not None:
@@ -1031,10 +1042,8 @@ class FunctionalLayer(Layer):
                         elif call in self.flattened:
                             weighted = weighted.flatten(0, 1)
                         cotangents[i] = weighted
-                args, kwargs = tree_unflatten(values, spec)
                 with torch.autocast(device, dtype=dtype, enabled=autocast):
-                    outputs = [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
-                               if isinstance(x, torch.Tensor)]
+                    outputs = self._outputs(params, values, spec)
                     loss = sum((outputs[i] * g).sum() for i, g in cotangents.items())
                 found = torch.autograd.grad(loss, [leaves_of[id(p)] for p in wanted], allow_unused=True)
                 for p, g in zip(wanted, found):
@@ -1059,9 +1068,9 @@ class FunctionalLayer(Layer):
     def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
         """The per-sample gradients (B, *shape) of the module's parameters, by id, of the samples
         ``samples`` (all by default): vmap over them of the gradient of the replayed forward."""
-        from torch.func import functional_call, grad, vmap
+        from torch.func import grad, vmap
 
-        names = {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
+        names = self._parameter_names()
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
         for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(zip(self.calls,
@@ -1083,9 +1092,7 @@ class FunctionalLayer(Layer):
                 values = list(leaves)
                 for i, x in zip(split, samples):
                     values[i] = whole(x)
-                args, kwargs = tree_unflatten(values, spec)
-                outputs = [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
-                           if isinstance(x, torch.Tensor)]
+                outputs = self._outputs(params, values, spec)
                 return sum((outputs[i] * whole(g)).sum() for (i, _), g in zip(pairs, cotangents))
 
             inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
