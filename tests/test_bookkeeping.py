@@ -552,6 +552,28 @@ def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, formin
     assert bool(replayed) == (forming is layers.Forming.NEVER)
 
 
+class Probed(MixtureOfExperts):
+    """The mixture of experts running its router once more on the flattened tokens, that output
+    unused (a probe)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        self.router(h.reshape(-1, h.shape[-1]))
+        return super().forward(x)
+
+
+def test_a_call_whose_output_the_loss_does_not_use_is_left_out():
+    """The probe's call gets no output gradient and is dropped after the backward pass; what the
+    router keeps by call (the flattened batch of the call after it) follows the calls kept to
+    their new places."""
+    _, x, target = setting("mixture-of-experts")
+    torch.manual_seed(0)
+    model = Probed()
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.3)
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 4.0, M.NoiseGenerator(1))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1)), want)
+
+
 def test_a_replay_in_chunks_leaves_out_the_samples_it_drops(monkeypatch):
     """non_finite='drop' with the clipped sum by a second pass: a dropped sample's inputs and
     output gradients are zeroed before it (0 * NaN would reach the sum)."""

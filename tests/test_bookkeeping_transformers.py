@@ -91,6 +91,13 @@ def qwen2_moe():
         num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def gpt_oss():
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 def padding_of(ids):
     """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
     return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
@@ -114,8 +121,9 @@ def classify(model, ids):
 MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (gemma, next_token),
           "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token),
           "opt": (opt, next_token)}
-#: mixtures of experts, whose routers and experts are replayed per sample
-MIXTURES = {"mixtral": (mixtral, next_token), "qwen2-moe": (qwen2_moe, next_token)}
+#: mixtures of experts: their experts book-kept, their routers replayed per sample
+MIXTURES = {"mixtral": (mixtral, next_token), "qwen2-moe": (qwen2_moe, next_token), "gpt-oss": (gpt_oss, next_token)}
+ROUTERS = {"mixtral": "gate", "qwen2-moe": "gate", "gpt-oss": "router"}
 #: the shape of the ids: (5, 12); T5's and BART's also (5, 5), where T5's relative position buckets (T, T) have
 #: the batch's size in dim 0 (only their output, added to the batch's attention scores, tells them apart)
 SHAPES = [(name, (5, 12)) for name in MODELS] + [("t5", (5, 5)), ("bart", (5, 5))]
@@ -136,14 +144,16 @@ def quiet_transformers():
     transformers.logging.set_verbosity(verbosity)
 
 
-def assert_the_update_of(grads, model, losses, mechanism, per_layer, monkeypatch, replayed=()):
+def assert_the_update_of(grads, model, losses, mechanism, per_layer, monkeypatch, replayed=(), atol=1e-6):
     """BookKeeping's step on the losses ``losses()`` gives privatize's update of the per-sample
-    gradients ``grads`` (same config, same noise stream), and replays no module per sample but
-    those named ``replayed`` (by the end of their names)."""
-    norms = torch.stack([g.flatten(1).double().norm(dim=1) for g in grads], 1)
-    clip = [float(c) for c in norms.median(0).values] if per_layer else float(norms.norm(dim=1).median())
-    config = (dpsgd.DPSGDConfig(clip, noise_multiplier=0.2, per_layer=per_layer) if mechanism == "gaussian"
-              else dpsgd.DPSGDConfig(clip, "vmf", kappa=50.0, per_layer=per_layer))
+    gradients ``grads`` (same config, same noise stream), to ``atol`` times the update's largest
+    element, and replays no module per sample but those named ``replayed`` (by the end of their
+    names)."""
+    order = 1 if mechanism == "laplace" else 2
+    norms = torch.stack([g.flatten(1).double().norm(p=order, dim=1) for g in grads], 1)
+    clip = [float(c) for c in norms.median(0).values] if per_layer else float(norms.norm(p=order, dim=1).median())
+    noise = {"gaussian": {"noise_multiplier": 0.2}, "vmf": {"kappa": 50.0}, "laplace": {"noise_multiplier": 0.7}}
+    config = dpsgd.DPSGDConfig(clip, mechanism, per_layer=per_layer, **noise[mechanism])
     want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
     params = [p for p in model.parameters() if p.requires_grad]
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.0), config, expected_batch_size=4.0,
@@ -156,7 +166,7 @@ def assert_the_update_of(grads, model, losses, mechanism, per_layer, monkeypatch
     assert sorted(name.rsplit(".", 1)[-1] for name in set(replays)) == sorted(replayed)  # a call per chunk
     scale = max(float(w.abs().max()) for w in want)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=atol * scale)
     return bk
 
 
@@ -179,15 +189,16 @@ def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, 
         assert len(bk._tied) == 1 and model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm", "eager"])
 @pytest.mark.parametrize("name", MIXTURES)
 def test_a_mixture_of_experts_gets_the_update_of_its_per_sample_gradients(name, experts, monkeypatch):
-    """Mixtral and Qwen2-MoE trained whole: each router and experts module (no book-keeping rule:
-    a weight of its own; the experts' weights in 3D parameters) takes the tokens flattened to
-    (B T, d) and is replayed with each sample's T tokens, torch.func's vmap for the grouped
-    matrix products, one sample at a time for the eager loop over the experts (shapes that depend
-    on the routing). The router returns its logits beside the routing weights made from them; the
-    rest (attention, Qwen's shared expert and its gate on the flattened tokens) is book-kept."""
+    """Mixtral, Qwen2-MoE and GPT-OSS trained whole, with each of transformers' implementations of
+    the experts (the grouped or batched matrix products over all experts, or the eager loop over
+    them): the experts (3D weights, GPT-OSS's stored transposed with biases and its gate and up
+    interleaved) book-kept from each sample's tokens routed to each expert; the routers (a weight
+    of their own, on the tokens flattened to (B T, d), returning their logits beside the routing
+    weights made from them) replayed with each sample's T tokens; the rest (attention, GPT-OSS's
+    attention sinks, Qwen's shared expert on the flattened tokens) book-kept."""
     build, losses = MIXTURES[name]
     torch.manual_seed(0)
     model = build()
@@ -195,7 +206,107 @@ def test_a_mixture_of_experts_gets_the_update_of_its_per_sample_gradients(name, 
     ids = torch.randint(1, VOCAB, (5, 12), generator=torch.Generator().manual_seed(1))
     grads = one_sample_at_a_time(model, losses, ids)
     assert_the_update_of(grads, model, lambda: losses(model, ids), "gaussian", False, monkeypatch,
-                         replayed=("gate", "experts") * 2)
+                         replayed=(ROUTERS[name],) * 2)
+
+
+@pytest.mark.parametrize("mechanism, per_layer", [("vmf", True), ("laplace", False), ("laplace", True)])
+@pytest.mark.parametrize("name", MIXTURES)
+def test_the_experts_per_layer_and_l1_norms_are_those_of_their_per_sample_gradients(name, mechanism, per_layer,
+                                                                                    monkeypatch):
+    """Per-layer clipping (each expert projection's weight and bias its own clip factors) and L1
+    norms (the Laplace mechanism: each (sample, expert) group's gradient formed, a group at a time)."""
+    build, losses = MIXTURES[name]
+    torch.manual_seed(0)
+    model = build()
+    ids = torch.randint(1, VOCAB, (5, 12), generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, losses, ids)
+    assert_the_update_of(grads, model, lambda: losses(model, ids), mechanism, per_layer, monkeypatch,
+                         replayed=(ROUTERS[name],) * 2)
+
+
+class ExpertsBlock(torch.nn.Module):
+    """A mixture-of-experts block of transformers' parts on a (B, T, 16) batch: a linear layer,
+    Mixtral's router on the flattened tokens, ``experts`` (4 of them, 2 a token), ``calls`` times
+    (the same router and experts), a linear head."""
+
+    def __init__(self, experts, calls=1):
+        super().__init__()
+        self.calls = calls
+        self.gate = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(
+            transformers.MixtralConfig(hidden_size=16, num_local_experts=4, num_experts_per_tok=2))
+        self.embed, self.experts, self.head = torch.nn.Linear(16, 16), experts, torch.nn.Linear(16, 3)
+        with torch.no_grad():  # transformers' modules leave their weights to the model's initialisation
+            for p in self.parameters():
+                p.normal_(0, 0.5)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for _ in range(self.calls):
+            tokens = x.reshape(-1, x.shape[-1])
+            _, weights, index = self.gate(tokens)
+            x = torch.tanh(self.experts(tokens, index, weights).view(x.shape))
+        return self.head(x)
+
+
+def nemotron_h_experts():  # no gate: up, ReLU^2, down
+    return transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts(transformers.NemotronHConfig(
+        hidden_size=16, n_routed_experts=4, moe_intermediate_size=8, num_experts_per_tok=2))
+
+
+def mixtral_experts():
+    return transformers.models.mixtral.modeling_mixtral.MixtralExperts(transformers.MixtralConfig(
+        hidden_size=16, intermediate_size=8, num_local_experts=4))
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("length, calls", [(1, 1), (40, 1), (6, 2)])
+@pytest.mark.parametrize("kind", [nemotron_h_experts, mixtral_experts])
+def test_experts_book_kept_on_one_token_a_long_sequence_or_twice(kind, length, calls, experts, monkeypatch):
+    """Experts without a gate (NemotronH's), one token a sample (no positions flattened: each
+    sample's gradients rank one per expert), 40 tokens a sample, whose (sample, expert) groups of
+    about 20 rows are past the mixed rule's line (2 T^2 >= d p: the groups' gradients formed, a few
+    groups at a time), and the experts used twice in a step (a sample's gradient of an expert is
+    the sum over both calls' rows). An experts module in expert-parallel mode is not this rule's:
+    it is replayed."""
+    torch.manual_seed(0)
+    module = kind()
+    module.config._experts_implementation = experts
+    model = ExpertsBlock(module, calls)
+    x = torch.randn(6, length, 16, generator=torch.Generator().manual_seed(2))
+    target = torch.randint(0, 3, (6, length), generator=torch.Generator().manual_seed(3))
+
+    def losses(model, x=x, target=target):
+        return F.cross_entropy(model(x).transpose(1, 2), target, reduction="none").mean(1)
+
+    rows = [torch.autograd.grad(losses(model, x[i:i + 1], target[i:i + 1]).sum(), list(model.parameters()))
+            for i in range(len(x))]
+    grads = [torch.stack(column) for column in zip(*rows)]
+    assert type(layers.layer_for("experts", module)).__name__ == "ExpertsLayer"
+    # Twice through the router and experts, float32 rounding reaches 1.5e-6 of the update's scale (in float64 the
+    # two sides agree to float32's rounding of the update).
+    assert_the_update_of(grads, model, lambda: losses(model), "gaussian", False, monkeypatch, replayed=("gate",),
+                         atol=1e-6 * 5 ** (calls - 1))
+    module._is_expert_parallel = True
+    assert type(layers.layer_for("experts", module)) is layers.FunctionalLayer
+
+
+def test_experts_leave_out_the_samples_they_drop():
+    """non_finite='drop': a sample with a NaN input is left out of the experts' clipped sums
+    (their rows are recomputed without it: 0 * NaN would reach the sums)."""
+    torch.manual_seed(0)
+    model = ExpertsBlock(mixtral_experts())
+    x = torch.randn(5, 6, 16, generator=torch.Generator().manual_seed(2))
+    x[3, 2, 0] = float("nan")
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(model(x[i:i + 1]).square().mean(), params) for i in range(len(x))]
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.3, non_finite="drop")
+    want = dpsgd.privatize([torch.stack(column) for column in zip(*rows)], config, 4.0, M.NoiseGenerator(1))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(1))
+    got = bk.step(model(x).square().mean((1, 2)))
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 def lora(**adapters):

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd import tied
+from privleak.dpsgd import experts, tied  # noqa: F401 (experts: registers its rule in the layers' table)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.graph import count_uses, flattened_batch, shared_output_uses
 from privleak.dpsgd.layers import Layer, layer_for

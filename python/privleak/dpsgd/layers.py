@@ -141,6 +141,12 @@ class Layer:
         :attr:`claims_children`, its descendants' too)."""
         return [p for p in module.parameters(recurse=self.claims_children) if p.requires_grad]
 
+    @classmethod
+    def takes(cls, module: nn.Module) -> bool:
+        """Whether the rule fits ``module``: one registered by a name pattern may not fit every class
+        the pattern names, and the table then goes on (to the next base class, else the fallback)."""
+        return True
+
     def describe(self) -> str:
         return f"module '{self.name}' ({type(self.module).__name__})"
 
@@ -269,11 +275,18 @@ class Layer:
 
     def finish(self) -> None:
         """After the backward pass: keep the calls not reduced whose outputs the loss uses, each
-        with its output gradient (a list for a call of several outputs)."""
-        kept = [(call, grads if len(grads) > 1 else grads[0]) for call, grads in zip(self.calls, self.grads)
-                if call is not None and any(g is not None for g in grads)]
-        self.calls = [call for call, _ in kept]
-        self.grads = [g for _, g in kept]
+        with its output gradient (a list for a call of several outputs), renumbered
+        (:meth:`renumber`)."""
+        kept = [call for call, (x, grads) in enumerate(zip(self.calls, self.grads))
+                if x is not None and any(g is not None for g in grads)]
+        self.renumber({old: new for new, old in enumerate(kept)})
+        self.calls = [self.calls[call] for call in kept]
+        self.grads = [self.grads[call] if len(self.grads[call]) > 1 else self.grads[call][0] for call in kept]
+
+    def renumber(self, new: dict) -> None:
+        """What the layer keeps by call index follows the calls :meth:`finish` keeps to their new
+        indices ``new`` (old: new); the others' is dropped."""
+        self.flattened = {new[call]: batch for call, batch in self.flattened.items() if call in new}
 
     def rows(self, batch: int) -> dict:
         """The per-sample gradients (B, *shape) the layer has formed, by parameter id: the clip
@@ -325,7 +338,7 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
         rule = _LAYERS.get(base) or _named_rule(f"{base.__module__}.{base.__qualname__}")
         if rule is not None and type(module).forward is not base.forward:
             rule = rule.own_forward_rule
-        if rule is not None:
+        if rule is not None and rule.takes(module):
             layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
     if fallback_parameters(module) and not isinstance(module, _HOLDERS):
@@ -488,6 +501,10 @@ class ConvLayer(Layer):
         outputs = super().record(args, kwargs, output)
         self._output_sizes += [y.shape for y in outputs]
         return outputs
+
+    def renumber(self, new: dict) -> None:
+        super().renumber(new)
+        self._output_sizes = [size for call, size in enumerate(self._output_sizes) if call in new]
 
     def _positions(self) -> int:
         """Output positions of the recorded calls, laid end to end."""
@@ -905,6 +922,10 @@ class FunctionalLayer(Layer):
         self.edges.extend(get_gradient_edge(outputs[i]) for i in live)
         self.grads.append([None] * len(live))
         return [outputs[i] for i in live]
+
+    def renumber(self, new: dict) -> None:
+        super().renumber(new)
+        self.shared_calls = {new[call] for call in self.shared_calls if call in new}
 
     def unflatten(self, call: int, batch: int) -> None:
         """A call on the batch flattened with its positions (a mixture of experts' router and

@@ -1,0 +1,238 @@
+"""Book-keeping for a mixture of experts as Hugging Face builds it: the experts module of Mixtral,
+Qwen-MoE, OLMoE, DeepSeek, GPT-OSS and the other models whose experts class transformers decorates
+with ``use_experts_implementation`` (the experts' weights in 3D parameters, one matrix per expert,
+the forward any of transformers' implementations: eager, ``batched_mm``, ``grouped_mm``).
+
+The module takes the tokens flattened to (N, d) (N = B T), each token's top-k experts e_{n,j} and
+routing weights w_{n,j}, and returns y_n = sum_j w_{n,j} D_e phi(U_e x_n) (biases added where it
+has them; phi the activation, or the gate ``act(gate) * up`` of the two halves of U_e x_n). Each
+pair r = (token n, slot j) routed to expert e is one row of two Linear layers of expert e: the up
+projection, input x_n and output gradient u_r = dL/d(U_e x_n), and the down projection, input
+h_r = phi(U_e x_n) and output gradient v_r = w_{n,j} g_n, with g_n the module's output gradient.
+So the per-sample gradient of U (all experts) has, per expert e, the Linear layer's form
+sum_{r in R(i, e)} u_r x_r^T over the rows R(i, e) of sample i routed to e, and
+
+    |G_i(U)|_F^2 = sum_e sum_{r, s in R(i, e)} (x_r . x_s)(u_r . u_s),
+
+the ghost norm of each (sample, expert) group of about T k / E rows (a (T k / E)^2 Gram instead of
+the expert's matrix: Bu et al.'s mixed rule, per group), and the clipped sum of expert e is one
+matrix product over its rows, sum_r f_{i(r)} u_r x_r^T (book-keeping: Bu et al., "Differentially
+Private Optimization on Large Model at Small Cost", ICML 2023). u_r and h_r are recomputed after the
+backward pass from the recorded x, routing and g: the up projection and phi again, and one product
+with D_e for u (about a third of the module's forward and backward); the rows are grouped by
+expert, then sample.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from privleak.dpsgd import graph
+from privleak.dpsgd.layers import Layer, _common, layer_kind, row_norms, samples_per_chunk, use_ghost_norm, weight_norms
+
+
+class _Projection(NamedTuple):
+    """One of the experts' two Linear layers: weight (E, out, in), or (E, in, out) transposed, and
+    bias (E, out) or None."""
+
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]
+
+
+class _Routed(NamedTuple):
+    """A call's (token, expert) pairs, sorted by expert, then sample: per pair its sample, expert,
+    and each projection's input and output gradient."""
+
+    samples: torch.Tensor  # (R,) int64
+    experts: torch.Tensor  # (R,) int64
+    counts: list  # rows per expert
+    up: tuple  # (x (R, d), u (R, p))
+    down: tuple  # (h (R, I), v (R, d))
+
+
+@layer_kind("transformers.models.*.modeling_*.*Experts")
+class ExpertsLayer(Layer):
+    """A Hugging Face experts module (``use_experts_implementation``): the per-sample norms of its
+    up (or gate-up) and down projections' 3D weights and biases from ghost norms of each (sample,
+    expert) group of routed tokens, the clipped sums one product per expert (module docstring).
+    Registered by name, so privleak needs no transformers to import; an experts class of another
+    form (a norm after each expert, expert parallelism, no such attributes) takes the replay
+    (:class:`~privleak.dpsgd.layers.FunctionalLayer`)."""
+
+    uses_per_call = None  # the eager forward indexes each expert's matrix: one use per expert hit
+    flattened_batch_calls = True
+
+    @classmethod
+    def takes(cls, module: nn.Module) -> bool:
+        gated = getattr(module, "has_gate", None)
+        up, activation = ("gate_up_proj", "_apply_gate") if gated else ("up_proj", "act_fn")
+        return (all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts", activation))
+                and not getattr(module, "has_post_expert_norm", False)
+                and not getattr(module, "_is_expert_parallel", False)
+                and all(isinstance(getattr(module, n, None), nn.Parameter) and getattr(module, n).ndim == 3
+                        for n in (up, "down_proj")))
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__(name, module)
+        up = "gate_up_proj" if module.has_gate else "up_proj"
+        self.projections = tuple(
+            _Projection(getattr(module, n), getattr(module, f"{n}_bias") if module.has_bias else None)
+            for n in (up, "down_proj"))
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return []
+        bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
+        hidden, index, weights = list(bound.arguments.values())[:3]
+        inputs = frozenset(t.grad_fn for t in (hidden, weights) if t.grad_fn is not None)
+        self.uses.append(graph.count_uses([output.grad_fn], self.parameters, stop=inputs,
+                                          graph=f"the output of {self.describe()}"))
+        device = output.device.type  # the recomputation runs under the same autocast as this call
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self.calls.append((self.keep(hidden), index.detach(), self.keep(weights), autocast))
+        self.sources.append(hidden.grad_fn)
+        self.edges.append(get_gradient_edge(output))
+        self.grads.append([None])
+        return [output]
+
+    def batch_sizes(self) -> list[int]:
+        return [call[0].shape[0] for call in self.calls]
+
+    def unflatten(self, call: int, batch: int) -> None:
+        self.flattened[call] = batch
+
+    def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
+        self.grads[call][output] = grad  # (B T, d) as the call's input
+
+    def _routed(self, keep: Optional[torch.Tensor] = None) -> _Routed:
+        """The recorded calls' pairs (of the samples ``keep`` marks: all if None), recomputed and
+        sorted by expert, then sample."""
+        found = [self._routed_call(call, keep) for call in range(len(self.calls))]
+        if len(found) == 1:
+            return found[0]
+        samples, experts, *rows = (torch.cat(column) for column in zip(*[
+            (r.samples, r.experts, *r.up, *r.down) for r in found]))
+        order = torch.argsort(experts * max(call[1].shape[0] for call in self.calls) + samples)  # sample < tokens
+        samples, experts, *rows = (t[order] for t in (samples, experts, *rows))
+        counts = torch.bincount(experts, minlength=self.module.num_experts).tolist()
+        return _Routed(samples, experts, counts, tuple(rows[:2]), tuple(rows[2:]))
+
+    def _routed_call(self, call: int, keep: Optional[torch.Tensor]) -> _Routed:
+        m = self.module
+        (hidden, index, weights, (device, enabled, dtype)), g = self.calls[call], self.grads[call]
+        tokens, top_k = index.shape
+        per_sample = tokens // self.flattened.get(call, tokens)
+        token = torch.arange(tokens, device=index.device).repeat_interleave(top_k)
+        experts, samples, routing = index.reshape(-1), token // per_sample, weights.reshape(-1)
+        valid = experts < m.num_experts  # transformers' sentinel: a slot routed to no expert here
+        if keep is not None:
+            valid &= keep[samples]
+        order = torch.argsort(experts * tokens + samples)
+        order = order[valid[order]]
+        experts, samples, token, routing = experts[order], samples[order], token[order], routing[order]
+        counts = torch.bincount(experts, minlength=m.num_experts).tolist()
+        g = g.reshape(-1, g.shape[-1])
+        (up_weight, up_bias), (down_weight, _) = self.projections
+        rows, start = [], 0
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            for e, n in enumerate(counts):
+                if n:
+                    pick = token[start:start + n]
+                    x = hidden[pick]
+                    pre = self._linear(x, up_weight[e], None if up_bias is None else up_bias[e]).requires_grad_()
+                    h = m._apply_gate(pre) if m.has_gate else m.act_fn(pre)
+                    v = g[pick] * routing[start:start + n, None].to(g.dtype)
+                    down = down_weight[e].detach()
+                    dh = v @ (down.T if m.is_transposed else down).to(v.dtype)
+                    (u,) = torch.autograd.grad(h, pre, dh.to(h.dtype))
+                    rows.append((x, u, h.detach(), v))
+                    start += n
+        if not rows:  # no pair routed here: empty rows of each width
+            up, inner = up_weight.shape[1:] if not m.is_transposed else up_weight.shape[:0:-1]
+            width = down_weight.shape[2] if not m.is_transposed else down_weight.shape[1]
+            rows = [(hidden[:0], hidden.new_zeros(0, up), hidden.new_zeros(0, width), g[:0])]
+        x, u, h, v = (torch.cat(column) for column in zip(*rows))
+        return _Routed(samples, experts, counts, _common(x, u), _common(h, v))
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The projection of one expert, ``weight`` its (out, in) matrix or (in, out) transposed."""
+        weight = weight.detach()
+        return F.linear(x, weight.T if self.module.is_transposed else weight, None if bias is None else bias.detach())
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        routed = self._routed()
+        groups = _Groups(routed.experts * batch + routed.samples, routed.samples)
+        norms = {}
+        for (weight, bias), (a, g) in zip(self.projections, (routed.up, routed.down)):
+            if self.trains(weight):
+                norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type), batch)
+            if self.trains(bias):
+                norms[id(bias)] = groups.per_sample(row_norms(groups.sums(g), norm_type), batch)
+        return norms
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        routed = self._routed(keep)
+        sums = {}
+        for (weight, bias), (a, g) in zip(self.projections, (routed.up, routed.down)):
+            if self.trains(weight):
+                scaled = g * factors[id(weight)][routed.samples].to(g.dtype)[:, None]
+                total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                start = 0
+                for e, n in enumerate(routed.counts):
+                    if n:
+                        left, right = scaled[start:start + n], a[start:start + n]
+                        total[e] = (right.T @ left) if self.module.is_transposed else (left.T @ right)
+                        start += n
+                sums[id(weight)] = total
+            if self.trains(bias):
+                scaled = g * factors[id(bias)][routed.samples].to(g.dtype)[:, None]
+                sums[id(bias)] = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).index_add_(
+                    0, routed.experts, scaled.float())
+        return sums
+
+
+class _Groups:
+    """The (sample, expert) groups of rows sorted by ``key`` (expert, then sample): each row's
+    group and place in it, for the groups' rows padded with zeros to one length (zero rows add
+    nothing to a Gram or a gradient)."""
+
+    def __init__(self, key: torch.Tensor, samples: torch.Tensor):
+        starts = torch.ones_like(key, dtype=torch.bool)
+        starts[1:] = key[1:] != key[:-1]
+        self.group = starts.cumsum(0) - 1
+        self.samples = samples[starts]  # each group's sample
+        sizes = torch.bincount(self.group, minlength=len(self.samples))
+        self.place = torch.arange(len(key), device=key.device) - (sizes.cumsum(0) - sizes)[self.group]
+        self.length = int(sizes.max()) if len(key) else 0
+
+    def padded(self, rows: torch.Tensor) -> torch.Tensor:
+        out = rows.new_zeros(len(self.samples), self.length, rows.shape[-1])
+        out[self.group, self.place] = rows
+        return out
+
+    def weight_norms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tensor:
+        """Each group's norm of sum_r g_r a_r^T (:func:`~privleak.dpsgd.layers.weight_norms`: the
+        ghost norm or the gradient, a few groups at a time where the gradients are formed)."""
+        if not len(self.samples):
+            return torch.zeros(0, dtype=torch.float64, device=a.device)
+        a, g = self.padded(a), self.padded(g)
+        d, p = a.shape[-1], g.shape[-1]
+        formed = self.length > 1 and not (norm_type == 2 and use_ghost_norm(self.length, d, p))
+        step = samples_per_chunk(self.length * (d + p), d * p, at_least=1) if formed else len(a)
+        return torch.cat([weight_norms(a[i:i + step], g[i:i + step], norm_type) for i in range(0, len(a), step)])
+
+    def sums(self, rows: torch.Tensor) -> torch.Tensor:
+        """(groups, p): each group's rows summed, float32 at least."""
+        dtype = torch.promote_types(rows.dtype, torch.float32)
+        return torch.zeros(len(self.samples), rows.shape[-1], dtype=dtype, device=rows.device).index_add_(
+            0, self.group, rows.to(dtype))
+
+    def per_sample(self, values: torch.Tensor, batch: int) -> torch.Tensor:
+        """(B,) float64: the groups' values added per sample."""
+        return torch.zeros(batch, dtype=torch.float64, device=values.device).index_add_(0, self.samples,
+                                                                                        values.double())
