@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 from privleak import dpsgd
 from privleak import mechanisms as M
+from privleak.dpsgd import experts as experts_rule
 from privleak.dpsgd import layers
 
 VOCAB = 50
@@ -258,16 +259,24 @@ def mixtral_experts():
         hidden_size=16, intermediate_size=8, num_local_experts=4))
 
 
+def keep_pairs(monkeypatch, kept):
+    """Whether the experts keep their recomputed pairs from the norms for the sums (where they are
+    no larger than the parameters), or make them again, whatever their size."""
+    monkeypatch.setattr(experts_rule._Routed, "size", lambda self: 0 if kept else float("inf"))
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["pairs-kept", "pairs-recomputed"])
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("length, calls", [(1, 1), (40, 1), (6, 2)])
 @pytest.mark.parametrize("kind", [nemotron_h_experts, mixtral_experts])
-def test_experts_book_kept_on_one_token_a_long_sequence_or_twice(kind, length, calls, experts, monkeypatch):
+def test_experts_book_kept_on_one_token_a_long_sequence_or_twice(kind, length, calls, experts, kept, monkeypatch):
     """Experts without a gate (NemotronH's), one token a sample (no positions flattened: each
     sample's gradients rank one per expert), 40 tokens a sample, whose (sample, expert) groups of
     about 20 rows are past the mixed rule's line (2 T^2 >= d p: the groups' gradients formed, a few
     groups at a time), and the experts used twice in a step (a sample's gradient of an expert is
     the sum over both calls' rows). An experts module in expert-parallel mode is not this rule's:
     it is replayed."""
+    keep_pairs(monkeypatch, kept)
     torch.manual_seed(0)
     module = kind()
     module.config._experts_implementation = experts
@@ -290,9 +299,12 @@ def test_experts_book_kept_on_one_token_a_long_sequence_or_twice(kind, length, c
     assert type(layers.layer_for("experts", module)) is layers.FunctionalLayer
 
 
-def test_experts_leave_out_the_samples_they_drop():
+@pytest.mark.parametrize("kept", [True, False], ids=["pairs-kept", "pairs-recomputed"])
+def test_experts_leave_out_the_samples_they_drop(kept, monkeypatch):
     """non_finite='drop': a sample with a NaN input is left out of the experts' clipped sums
-    (their rows are recomputed without it: 0 * NaN would reach the sums)."""
+    (its pairs taken out of those kept from the norms, or not recomputed: 0 * NaN would reach the
+    sums)."""
+    keep_pairs(monkeypatch, kept)
     torch.manual_seed(0)
     model = ExpertsBlock(mixtral_experts())
     x = torch.randn(5, 6, 16, generator=torch.Generator().manual_seed(2))
