@@ -45,24 +45,28 @@ class _Projection(NamedTuple):
 
 
 class _Routed(NamedTuple):
-    """A call's (token, expert) pairs, sorted by expert, then sample: per pair its sample, expert,
-    and each projection's input and output gradient."""
+    """The recorded calls' (token, expert) pairs, sorted by expert, then sample: per pair its
+    sample, expert, call, token (its row in that call) and routing weight, and the recomputed
+    output gradient u of the up projection and input h of the down projection (the other two
+    factors, x and w g, are gathered from the recorded tensors when wanted)."""
 
     samples: torch.Tensor  # (R,) int64
     experts: torch.Tensor  # (R,) int64
-    counts: list  # rows per expert
-    up: tuple  # (x (R, d), u (R, p))
-    down: tuple  # (h (R, I), v (R, d))
+    calls: torch.Tensor  # (R,) int64
+    tokens: torch.Tensor  # (R,) int64
+    routing: torch.Tensor  # (R,)
+    u: torch.Tensor  # (R, p)
+    h: torch.Tensor  # (R, I)
+    counts: list  # pairs per expert
 
     def size(self) -> int:
-        return sum(t.numel() for t in (*self.up, *self.down))
+        return self.u.numel() + self.h.numel()
 
     def of(self, keep: torch.Tensor) -> _Routed:
         """The pairs of the samples ``keep`` (B,) bool marks."""
         mask = keep[self.samples]
-        experts = self.experts[mask]
-        return _Routed(self.samples[mask], experts, torch.bincount(experts, minlength=len(self.counts)).tolist(),
-                       tuple(t[mask] for t in self.up), tuple(t[mask] for t in self.down))
+        return _Routed(*(t[mask] for t in self[:-1]),
+                       torch.bincount(self.experts[mask], minlength=len(self.counts)).tolist())
 
 
 @layer_kind("transformers.models.*.modeling_*.*Experts")
@@ -129,12 +133,10 @@ class ExpertsLayer(Layer):
         found = [self._routed_call(call, keep) for call in range(len(self.calls))]
         if len(found) == 1:
             return found[0]
-        samples, experts, *rows = (torch.cat(column) for column in zip(*[
-            (r.samples, r.experts, *r.up, *r.down) for r in found]))
+        columns = [torch.cat(column) for column in zip(*[r[:-1] for r in found])]
+        samples, experts = columns[:2]
         order = torch.argsort(experts * max(call[1].shape[0] for call in self.calls) + samples)  # sample < tokens
-        samples, experts, *rows = (t[order] for t in (samples, experts, *rows))
-        counts = torch.bincount(experts, minlength=self.module.num_experts).tolist()
-        return _Routed(samples, experts, counts, tuple(rows[:2]), tuple(rows[2:]))
+        return _Routed(*(t[order] for t in columns), torch.bincount(experts, minlength=len(found[0].counts)).tolist())
 
     def _routed_call(self, call: int, keep: Optional[torch.Tensor]) -> _Routed:
         m = self.module
@@ -157,21 +159,40 @@ class ExpertsLayer(Layer):
             for e, n in enumerate(counts):
                 if n:
                     pick = token[start:start + n]
-                    x = hidden[pick]
-                    pre = self._linear(x, up_weight[e], None if up_bias is None else up_bias[e]).requires_grad_()
-                    h = m._apply_gate(pre) if m.has_gate else m.act_fn(pre)
+                    pre = self._linear(hidden[pick], up_weight[e], None if up_bias is None else up_bias[e])
+                    h = m._apply_gate(pre.requires_grad_()) if m.has_gate else m.act_fn(pre.requires_grad_())
                     v = g[pick] * routing[start:start + n, None].to(g.dtype)
                     down = down_weight[e].detach()
                     dh = v @ (down.T if m.is_transposed else down).to(v.dtype)
                     (u,) = torch.autograd.grad(h, pre, dh.to(h.dtype))
-                    rows.append((x, u, h.detach(), v))
+                    rows.append((u, h.detach()))
                     start += n
-        if not rows:  # no pair routed here: empty rows of each width
-            up, inner = up_weight.shape[1:] if not m.is_transposed else up_weight.shape[:0:-1]
-            width = down_weight.shape[2] if not m.is_transposed else down_weight.shape[1]
-            rows = [(hidden[:0], hidden.new_zeros(0, up), hidden.new_zeros(0, width), g[:0])]
-        x, u, h, v = (torch.cat(column) for column in zip(*rows))
-        return _Routed(samples, experts, counts, _common(x, u), _common(h, v))
+        if rows:
+            u, h = (torch.cat(column) for column in zip(*rows))
+        else:  # no pair routed here
+            up = up_weight.shape[2 if m.is_transposed else 1]
+            u, h = hidden.new_zeros(0, up), hidden.new_zeros(0, down_weight.shape[1 if m.is_transposed else 2])
+        return _Routed(samples, experts, torch.full_like(samples, call), token, routing, u, h, counts)
+
+    def _gathered(self, routed: _Routed) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, v): each pair's input x_n of the up projection and output gradient w g_n of the down
+        projection, from its call's recorded input and output gradient."""
+        if len(self.calls) == 1:
+            hidden, g = self.calls[0][0], self.grads[0].reshape(-1, self.grads[0].shape[-1])
+            return hidden[routed.tokens], g[routed.tokens] * routed.routing[:, None].to(g.dtype)
+        x = self.calls[0][0].new_empty(len(routed.tokens), self.calls[0][0].shape[-1])
+        v = self.grads[0].new_empty(len(routed.tokens), self.grads[0].shape[-1])
+        for call, ((hidden, *_), g) in enumerate(zip(self.calls, self.grads)):
+            pick = routed.calls == call
+            tokens = routed.tokens[pick]
+            x[pick] = hidden[tokens]
+            v[pick] = g.reshape(-1, g.shape[-1])[tokens] * routed.routing[pick, None].to(g.dtype)
+        return x, v
+
+    def _factors(self, routed: _Routed) -> tuple[tuple, tuple]:
+        """((x, u), (h, v)): the input and output gradient of each pair's up and down projections."""
+        x, v = self._gathered(routed)
+        return _common(x, routed.u), _common(routed.h, v)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """The projection of one expert, ``weight`` its (out, in) matrix or (in, out) transposed."""
@@ -183,14 +204,14 @@ class ExpertsLayer(Layer):
         larger than the sums that replace them (the module's trained parameters): the sums of the
         layers before free their inputs and output gradients as the sums are made, so holding
         the pairs until then adds nothing to the clip's peak (bench Mixtral, B 8: 34 MB of pairs a
-        layer against 50 MB of sums; the step 1.44x -> 1.2x of non-private). Larger, they are
+        layer against 50 MB of sums; the step 1.44x -> 1.21x of non-private). Larger, they are
         recomputed (a third of the module's forward and backward again)."""
         routed = self._routed()
         if routed.size() <= sum(p.numel() for p in self.parameters):
             self.kept_rows = routed
         groups = _Groups(routed.experts * batch + routed.samples, routed.samples)
         norms = {}
-        for (weight, bias), (a, g) in zip(self.projections, (routed.up, routed.down)):
+        for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
             if self.trains(weight):
                 norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type), batch)
             if self.trains(bias):
@@ -204,7 +225,7 @@ class ExpertsLayer(Layer):
         elif keep is not None:
             routed = routed.of(keep)
         sums = {}
-        for (weight, bias), (a, g) in zip(self.projections, (routed.up, routed.down)):
+        for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
             if self.trains(weight):
                 scaled = g * factors[id(weight)][routed.samples].to(g.dtype)[:, None]
                 total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
