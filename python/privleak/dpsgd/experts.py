@@ -200,12 +200,13 @@ class ExpertsLayer(Layer):
         return F.linear(x, weight.T if self.module.is_transposed else weight, None if bias is None else bias.detach())
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
-        """The norms; the recomputed pairs are kept for :meth:`sums_by_parameter` where they are no
-        larger than the sums that replace them (the module's trained parameters): the sums of the
-        layers before free their inputs and output gradients as the sums are made, so holding
-        the pairs until then adds nothing to the clip's peak (bench Mixtral, B 8: 34 MB of pairs a
-        layer against 50 MB of sums; the step 1.44x -> 1.21x of non-private). Larger, they are
-        recomputed (a third of the module's forward and backward again)."""
+        """The norms; the pairs' recomputed u and h are kept for :meth:`sums_by_parameter` where
+        they are no larger than the sums that replace them (the module's trained parameters; for
+        gated experts, S <= E d pairs): the layers free their inputs and output gradients as their
+        sums are made, so holding the pairs until then adds nothing to the clip's peak (bench
+        Mixtral, B 16: 50 MB of them a layer, as its sums; the step 1.40x -> 1.32x of non-private,
+        B 8: 1.44x -> 1.21x). Larger, they are recomputed (a third of the module's forward and
+        backward again)."""
         routed = self._routed()
         if routed.size() <= sum(p.numel() for p in self.parameters):
             self.kept_rows = routed

@@ -68,7 +68,8 @@ def samples_per_chunk(held: int, transient: int, at_least: int = 8) -> int:
     about as many as keep the transient within what the layer holds, and at least ``at_least``,
     so that the calls stay few (CIFAR CNN, B 64: peak memory 1.34x -> 1.05x of non-private). A
     replayed module's call is a forward and backward of it, large enough alone: at least 1 (the
-    bench Mixtral's experts, B 8: 8 samples a call -> 1, peak RSS 1134 -> 924 MB, and faster)."""
+    bench Mixtral's experts when they were replayed, B 8: 8 samples a call -> 1, peak RSS 1134 -> 924
+    MB, and faster)."""
     return max(at_least, held // max(transient, 1))
 
 
@@ -994,7 +995,7 @@ class FunctionalLayer(Layer):
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         """A module whose per-sample gradients would be more than 4 times what its replay reads
-        (:func:`when_to_form`; a mixture of experts' experts) is replayed a few samples at a time,
+        (:func:`when_to_form`; experts under LoRA on their parameters) is replayed a few samples at a time,
         for its norms alone; :meth:`sums_by_parameter` makes the clipped sum by a second pass."""
         if not self.chunked:
             return {}
