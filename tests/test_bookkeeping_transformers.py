@@ -290,7 +290,7 @@ def test_experts_book_kept_on_one_token_a_long_sequence_or_twice(kind, length, c
     rows = [torch.autograd.grad(losses(model, x[i:i + 1], target[i:i + 1]).sum(), list(model.parameters()))
             for i in range(len(x))]
     grads = [torch.stack(column) for column in zip(*rows)]
-    assert type(layers.layer_for("experts", module)).__name__ == "ExpertsLayer"
+    assert type(layers.layer_for("experts", module)) is experts_rule.ExpertsLayer
     # Twice through the router and experts, float32 rounding reaches 1.5e-6 of the update's scale (in float64 the
     # two sides agree to float32's rounding of the update).
     assert_the_update_of(grads, model, lambda: losses(model), "gaussian", False, monkeypatch, replayed=("gate",),

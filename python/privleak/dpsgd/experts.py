@@ -33,7 +33,16 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from privleak.dpsgd import graph
-from privleak.dpsgd.layers import Layer, _common, layer_kind, row_norms, samples_per_chunk, use_ghost_norm, weight_norms
+from privleak.dpsgd.layers import (
+    Layer,
+    _common,
+    _input_nodes,
+    layer_kind,
+    row_norms,
+    samples_per_chunk,
+    use_ghost_norm,
+    weight_norms,
+)
 
 
 class _Projection(NamedTuple):
@@ -103,8 +112,7 @@ class ExpertsLayer(Layer):
             return []
         bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
         hidden, index, weights = list(bound.arguments.values())[:3]
-        inputs = frozenset(t.grad_fn for t in (hidden, weights) if t.grad_fn is not None)
-        self.uses.append(graph.count_uses([output.grad_fn], self.parameters, stop=inputs,
+        self.uses.append(graph.count_uses([output.grad_fn], self.parameters, stop=_input_nodes([hidden, weights]),
                                           graph=f"the output of {self.describe()}"))
         device = output.device.type  # the recomputation runs under the same autocast as this call
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -225,22 +233,24 @@ class ExpertsLayer(Layer):
             routed = self._routed(keep)
         elif keep is not None:
             routed = routed.of(keep)
+        def factor(parameter):  # each pair's clip factor: its sample's
+            return factors[id(parameter)][routed.samples][:, None]
+
         sums = {}
         for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
             if self.trains(weight):
-                scaled = g * factors[id(weight)][routed.samples].to(g.dtype)[:, None]
+                left = g * factor(weight).to(g.dtype)
                 total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                 start = 0
                 for e, n in enumerate(routed.counts):
                     if n:
-                        left, right = scaled[start:start + n], a[start:start + n]
-                        total[e] = (right.T @ left) if self.module.is_transposed else (left.T @ right)
+                        g_e, a_e = left[start:start + n], a[start:start + n]
+                        total[e] = (a_e.T @ g_e) if self.module.is_transposed else (g_e.T @ a_e)
                         start += n
                 sums[id(weight)] = total
             if self.trains(bias):
-                scaled = g * factors[id(bias)][routed.samples].to(g.dtype)[:, None]
                 sums[id(bias)] = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).index_add_(
-                    0, routed.experts, scaled.float())
+                    0, routed.experts, (g * factor(bias).to(g.dtype)).float())
         return sums
 
 
