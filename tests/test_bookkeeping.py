@@ -155,7 +155,7 @@ class TiedEmbeddings(nn.Module):
         self.previous.weight = self.head.weight = self.tokens.weight
 
     def forward(self, ids):
-        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1])[None]) + self.previous(ids.roll(1, 1))
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device)[None]) + self.previous(ids.roll(1, 1))
         return self.head(torch.tanh(self.norm(h)))
 
 
@@ -172,7 +172,7 @@ class SharedOutputs(nn.Module):
         self.register_buffer("start", torch.randn(1, 1, 4))
 
     def forward(self, x):
-        table, length = self.positions(torch.arange(10)[None]), x.shape[1]
+        table, length = self.positions(torch.arange(10, device=x.device)[None]), x.shape[1]
         h = torch.sub(x + table[:, :length], table[:, 1:length + 1], alpha=0.5) * self.shift(self.start)
         h = torch.cat([self.start_norm(self.start).expand(len(x), -1, -1), h], 1)
         return self.head(torch.tanh(h))
@@ -203,11 +203,12 @@ class RelativeBias(nn.Module):
 
     def forward(self, x):
         length = x.shape[1]
-        buckets = (torch.arange(length)[None] - torch.arange(length)[:, None]).clamp(-4, 4) + 4
+        positions = torch.arange(length, device=x.device)
+        buckets = (positions[None] - positions[:, None]).clamp(-4, 4) + 4
         bias = self.bias(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()
         q, k = self.qk(x).unflatten(-1, (2, 4)).transpose(1, 2).chunk(2, -1)
         scores = q @ k.transpose(-1, -2)
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         padding = x[:, None, None, :, 0] > 0.5
         maps = [scores + bias, scores + torch.where(causal, bias, 0.0), torch.where(padding, 0.0, bias) + scores,
                 scores + self.second(buckets).permute(2, 0, 1)]
@@ -220,7 +221,7 @@ class LearnedPositions(nn.Embedding):
     expanded to (B, T)."""
 
     def forward(self, x, expand=False):
-        ids = torch.arange(x.shape[1]) + 2
+        ids = torch.arange(x.shape[1], device=x.device) + 2
         return super().forward(ids.expand(len(x), -1) if expand else ids[None])
 
 
@@ -233,7 +234,7 @@ class OwnPositions(nn.Module):
         self.table = nn.Parameter(torch.randn(8, 3))
 
     def forward(self, x):
-        return F.embedding(torch.arange(x.shape[1])[None], self.table)
+        return F.embedding(torch.arange(x.shape[1], device=x.device)[None], self.table)
 
 
 class PositionModules(nn.Module):
@@ -312,7 +313,7 @@ class Adapted(nn.Module):
 
     def forward(self, ids):
         h = torch.tanh(self.embed(ids))
-        adapted = self.base.weight + self.b(self.a(torch.eye(5))).T
+        adapted = self.base.weight + self.b(self.a(torch.eye(5, device=ids.device))).T
         h = self.dora(self.base(h), self.b(self.a(h)), adapted.detach().norm(dim=1))
         return self.head(torch.tanh(h * self.scales[0]))
 
@@ -326,7 +327,7 @@ class PromptTuned(nn.Module):
         self.tokens, self.prompt, self.head = nn.Embedding(9, 4), nn.Embedding(3, 4), nn.Linear(4, 2)
 
     def forward(self, ids):
-        prompts = self.prompt(torch.arange(3)[None]).repeat(len(ids), 1, 1)
+        prompts = self.prompt(torch.arange(3, device=ids.device)[None]).repeat(len(ids), 1, 1)
         return self.head(torch.tanh(torch.cat([prompts, self.tokens(ids)], 1)))
 
 
@@ -703,12 +704,12 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def forward(self, ids):
-        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         h = self.tokens(ids) + self.positions(positions)
         h = h + self.mha(h, h, h, need_weights=False)[0]
         q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
         scores = (q @ k.transpose(1, 2)) / q.shape[-1] ** 0.5
-        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).triu(1)
         h = h + self.proj(scores.masked_fill(causal, float("-inf")).softmax(-1) @ v)
         return self.head(self.norm2(h))
 
