@@ -12,8 +12,10 @@
 //   chain), the chunk sums added in order to a double from 0. Half-precision inputs are widened
 //   exactly first. Chunks bound the float32 rounding error to about kGhostChunk ulp of
 //   |x_t| |x_s| whatever n is; their double sum adds nothing measurable.
-// - w_ts = (a_t . a_s) * (g_t . g_s) in double. Row t's `below` = sum_{s<t} w_ts, added in order of
-//   s from 0; its total is ghost_row_total; the sample's is the sum of its rows in order of t,
+// - w_ts = (a_t . a_s) * (g_t . g_s) in double. Row t's `below` = sum_{s<t} w_ts in two levels:
+//   the columns s in tiles of kGhostRowTile, each tile's w_ts added in order of s from +0, and the
+//   tiles' sums added in order from +0 (so that a GPU can give each tile its own block); its total
+//   is ghost_row_total; the sample's is the sum of its rows in order of t,
 //   finished by ghost_finish. Gram entries are symmetric bit for bit (fma commutes in its product),
 //   so the lower triangle is all that is computed.
 // - Embedding: positions with equal ids form a group, led by its first position t. The group's
@@ -46,6 +48,8 @@ namespace privleak {
 
 // Coordinates per float32 fma chain of a Gram entry. A multiple of the CUDA kernel's k tile.
 constexpr int64_t kGhostChunk = 128;
+// Columns s of a tile whose products w_ts a row adds on their own before adding them to `below`.
+constexpr int64_t kGhostRowTile = 64;
 constexpr int kEmbeddingLanes = 32;  // one per thread of a CUDA warp
 
 // The type a Gram entry's chunk accumulates in: float for float32 and the half types, double for

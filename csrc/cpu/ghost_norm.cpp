@@ -8,7 +8,8 @@
 // (kGhostChunk coordinates, outermost, so the block's slice stays in L1), one call of the tile
 // kernel per panel and NR columns keeps 2 x NR vectors of float32 fma chains in registers, the
 // block's rows in the lanes and each column's value broadcast, and adds them to the stripe's
-// doubles when the chunk ends. The products w_ts then go into each row's `below` in order of s.
+// doubles when the chunk ends. The products w_ts then go into each row's `below` in order of s, by
+// tiles of kGhostRowTile columns (common/ghost_norm.h).
 // The lower triangle is all that is computed, bar the upper half of each block's diagonal panel:
 // about half of what the two batched GEMMs compute (and none of their T x T memory traffic).
 //
@@ -335,16 +336,16 @@ void gram_stripe(const typename P::Acc* x, int64_t n, int64_t q, int64_t cols, i
   }
 }
 
-// below[i] += w_ts for rows t = row0 + i < row0 + rows and columns s = col0 + j, j < cols, s < t,
-// in order of s. Adding +0 where s >= t changes nothing: `below` starts at +0 and is never -0.
+// partial[i] += w_ts for rows t = row0 + i < row0 + rows and columns s = col0 + j, j < cols, s < t,
+// in order of s. Adding +0 where s >= t changes nothing: `partial` starts at +0 and is never -0.
 template <int L>
 PRIVLEAK_SIMD_CLONES void add_below(const double* aa, const double* gg, int64_t row0, int rows, int64_t col0,
-                                    int cols, double* below) {
+                                    int cols, double* partial) {
   for (int j = 0; j < cols; ++j) {
     const int64_t s = col0 + j;
     for (int i = 0; i < rows; ++i) {
       const double w = aa[j * 2 * L + i] * gg[j * 2 * L + i];
-      below[i] += s < row0 + i ? w : 0.0;
+      partial[i] += s < row0 + i ? w : 0.0;
     }
   }
 }
@@ -355,11 +356,16 @@ template <int L>
 void block_rows(const double* aa, const double* gg, int64_t length, int64_t q, int np, double* rows_out) {
   const int64_t row0 = 2 * q * L, cols = 2 * q + np, tile = L * 2 * L;
   const int rows = static_cast<int>(std::min<int64_t>(np * L, length - row0));
-  double below[2 * L] = {};
+  static_assert(kGhostRowTile % L == 0, "a row tile is whole panels");
+  double below[2 * L] = {}, partial[2 * L] = {};
   for (int64_t col = 0; col < cols; ++col) {
     const int64_t col0 = col * L;
     const int width = static_cast<int>(std::min<int64_t>(L, length - col0));
-    add_below<L>(aa + col * tile, gg + col * tile, row0, rows, col0, width, below);
+    add_below<L>(aa + col * tile, gg + col * tile, row0, rows, col0, width, partial);
+    if ((col0 + L) % kGhostRowTile == 0 || col == cols - 1) {
+      for (int i = 0; i < rows; ++i) below[i] += partial[i];
+      std::fill(partial, partial + 2 * L, 0.0);
+    }
   }
   for (int i = 0; i < rows; ++i) {
     const int64_t diagonal = (row0 + i) * 2 * L + i;  // row t = row0 + i against column t of the stripe

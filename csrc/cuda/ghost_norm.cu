@@ -1,18 +1,20 @@
 // CUDA ghost norms, the CPU's arithmetic in the CPU's order (common/ghost_norm.h).
 //
-// Dense form: one block per (sample, 64 rows t). It walks the 64-column tiles s up to its own, in
-// order; for each it computes the a-Gram and then the g-Gram tile as a classic shared-memory SGEMM
-// (16 x 16 threads, 4 x 4 entries each, kStep coordinates per step), every entry one thread's
-// fma chain in coordinate order, restarted per kGhostChunk and added to a double. The products
-// w_ts go to shared memory, and thread t adds its row's into `below` in order of s, as the CPU
-// does. No tensor cores (their accumulation order is not specified) and no atomics. Zero padding
+// Dense form: one block per pair of 64-row tile t and 64-column tile s <= t of a sample (the
+// blocks of one pair loop over the samples past 65535). It computes the a-Gram and then the g-Gram
+// tile as a classic shared-memory SGEMM (16 x 16 threads, 4 x 4 entries each, kStep coordinates
+// per step), every entry one thread's fma chain in coordinate order, restarted per kGhostChunk and
+// added to a double. The products w_ts go to shared memory, and thread t adds its row's in order
+// of s into the tile's partial sum, stored; one thread per row then adds its tiles' partials in
+// order, as the CPU does (common/ghost_norm.h's row tiles). No tensor cores (their accumulation order is not specified) and no atomics. Zero padding
 // past n only adds fma(0, 0, acc) = acc + 0 to the last chunk, which can turn a -0 chain into +0;
 // adding the chunk to its double (which starts at +0) gives the same +0 either way.
 //
 // Convolution form: one block per (sample, 64 x 64 tile of the pixel Gram's lower triangle) stores
-// the pixel Gram in the workspace by the same tile code (the input read channels-first); then
-// blocks as in the dense form, each thread summing its 4 x 4 entries a_t . a_s from it by
-// conv_patch_gram.
+// the pixel Gram in the workspace by the same tile code (the input read channels-first); then one
+// block per (sample, 64 rows t) walks the column tiles up to its own in order, each thread summing
+// its 4 x 4 entries a_t . a_s from the pixel Gram by conv_patch_gram, and adds each tile's partial
+// sum (as in the dense form) to the row's `below`.
 //
 // Embedding form: one thread per (sample, position) finds whether the position leads its group
 // and the next position with its id; one warp per leading position sums its group's rows, lane l
@@ -35,6 +37,7 @@ namespace {
 constexpr int kTile = 64;  // rows t of a block, and columns s of each tile it walks
 constexpr int kThreads = 256;
 constexpr int kSub = 4;  // entries per thread along each side of a tile: 16 x 4 = kTile
+static_assert(kTile == kGhostRowTile, "a block's column tile is the row tile of common/ghost_norm.h");
 static_assert(16 * kSub == kTile && 16 * 16 == kThreads, "one thread per 4 x 4 entries of a 64 x 64 tile");
 
 // Coordinates per shared-memory step: 16 floats or 8 doubles, so that the float64 kernel's
@@ -96,10 +99,11 @@ __device__ void gram_tile(const In* x, int64_t length, int64_t n, int64_t row_st
   }
 }
 
-// A tile pair's products w_ts into `below` of row t0 + threadIdx.x (threads < kTile), in order of
-// s, and the diagonal's Gram entries into diag_a and diag_g.
-__device__ void add_products(const double (&aa)[kSub][kSub], const double (&gg)[kSub][kSub], int64_t t0, int64_t s0,
-                             double (*products)[kTile + 1], double* diag_a, double* diag_g, double& below) {
+// A tile pair's products w_ts (rows t0 + r, columns s0 + c) into shared memory, and the diagonal's
+// Gram entries into diag_a and diag_g. Returns, to threads r < kTile, row t0 + r's sum of the
+// tile's w_ts with s < t, added in order of s from +0 (common/ghost_norm.h's row tile).
+__device__ double tile_partial(const double (&aa)[kSub][kSub], const double (&gg)[kSub][kSub], int64_t t0, int64_t s0,
+                               double (*products)[kTile + 1], double* diag_a, double* diag_g) {
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {
@@ -114,33 +118,58 @@ __device__ void add_products(const double (&aa)[kSub][kSub], const double (&gg)[
     }
   }
   __syncthreads();
+  double partial = 0.0;
   if (threadIdx.x < kTile) {
     const int64_t t = t0 + threadIdx.x;
-    for (int c = 0; c < kTile && s0 + c < t; ++c) below += products[threadIdx.x][c];
+    for (int c = 0; c < kTile && s0 + c < t; ++c) partial += products[threadIdx.x][c];
   }
   __syncthreads();
+  return partial;
 }
 
-// rows[b length + t] = ghost_row_total of row t of sample b = blockIdx.x, t in block blockIdx.y.
+// Tile pair blockIdx.x of each sample b = blockIdx.y, blockIdx.y + gridDim.y, ...: row tile ti and
+// column tile sj <= ti, the lower triangle's pairs numbered row by row. Row t's partial sum over
+// the pair goes to partials[(b length + t) tiles + sj], and on the diagonal pair its Gram
+// diagonals to diagonals[2 (b length + t)] (a) and [... + 1] (g). Every pair has a block of its
+// own, so that a batch of short sequences fills the GPU.
 template <class In, class Acc>
 __global__ void __launch_bounds__(kThreads)
-    ghost_rows(const In* a, const In* g, int64_t length, int64_t d, int64_t p, double* rows) {
+    ghost_tile_pairs(const In* a, const In* g, int64_t batch, int64_t length, int64_t d, int64_t p, int64_t tiles,
+                     double* partials, double* diagonals) {
   constexpr int K = kStep<Acc>;
   __shared__ Acc tile_rows[K][kTile + 1], tile_cols[K][kTile + 1];
   __shared__ double products[kTile][kTile + 1];
   __shared__ double diag_a[kTile], diag_g[kTile];
-  const int64_t b = blockIdx.x, t0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const In* sample_a = a + b * length * d;
-  const In* sample_g = g + b * length * p;
-  double below = 0.0;  // row t0 + threadIdx.x's, for threadIdx.x < kTile
-  for (int64_t s0 = 0; s0 <= t0; s0 += kTile) {
+  const int64_t pair = blockIdx.x;
+  int64_t ti = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(pair) + 1.0) - 1.0) / 2.0);
+  while (ti * (ti + 1) / 2 > pair) --ti;  // the square root's rounding, either way
+  while ((ti + 1) * (ti + 2) / 2 <= pair) ++ti;
+  const int64_t sj = pair - ti * (ti + 1) / 2, t0 = ti * kTile, s0 = sj * kTile;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
     double aa[kSub][kSub], gg[kSub][kSub];
-    gram_tile(sample_a, length, d, d, 1, t0, s0, tile_rows, tile_cols, aa);
-    gram_tile(sample_g, length, p, p, 1, t0, s0, tile_rows, tile_cols, gg);
-    add_products(aa, gg, t0, s0, products, diag_a, diag_g, below);
+    gram_tile(a + b * length * d, length, d, d, 1, t0, s0, tile_rows, tile_cols, aa);
+    gram_tile(g + b * length * p, length, p, p, 1, t0, s0, tile_rows, tile_cols, gg);
+    const double partial = tile_partial(aa, gg, t0, s0, products, diag_a, diag_g);
+    const int64_t t = t0 + threadIdx.x;
+    if (threadIdx.x < kTile && t < length) {
+      partials[(b * length + t) * tiles + sj] = partial;
+      if (sj == ti) {
+        diagonals[2 * (b * length + t)] = diag_a[threadIdx.x];
+        diagonals[2 * (b * length + t) + 1] = diag_g[threadIdx.x];
+      }
+    }
   }
-  if (threadIdx.x < kTile && t0 + threadIdx.x < length)
-    rows[b * length + t0 + threadIdx.x] = ghost_row_total(below, diag_a[threadIdx.x], diag_g[threadIdx.x]);
+}
+
+// rows[e] = ghost_row_total of row e = b length + t: its tiles' partial sums added in order from +0.
+__global__ void ghost_row_totals(const double* partials, const double* diagonals, int64_t batch, int64_t length,
+                                 int64_t tiles, double* rows) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < batch * length; e += stride) {
+    double below = 0.0;
+    for (int64_t j = 0; j <= e % length / kTile; ++j) below += partials[e * tiles + j];
+    rows[e] = ghost_row_total(below, diagonals[2 * e], diagonals[2 * e + 1]);
+  }
 }
 
 // The lower triangle of sample blockIdx.x's pixel Gram, tile (blockIdx.y, blockIdx.z) (entries
@@ -166,8 +195,9 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// ghost_rows for the convolution form: the a side from the pixel Grams, the g side channels-first
-// (outputs, positions) per sample.
+// rows[b length + t] = ghost_row_total of row t of sample b = blockIdx.x, t in block blockIdx.y, for the
+// convolution form: the a side from the pixel Grams, the g side channels-first (outputs, positions)
+// per sample; the block walks the column tiles in order, adding each tile's partial to `below`.
 template <class In, class Acc>
 __global__ void __launch_bounds__(kThreads)
     conv_ghost_rows(const double* gram, const In* g, ConvGeometry c, double* rows) {
@@ -191,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
         aa[i][j] = s <= t && t < length ? conv_patch_gram(c, sample_gram, t, s) : 0.0;
       }
     gram_tile(sample_g, length, c.outputs, 1, length, t0, s0, tile_rows, tile_cols, gg);
-    add_products(aa, gg, t0, s0, products, diag_a, diag_g, below);
+    below += tile_partial(aa, gg, t0, s0, products, diag_a, diag_g);
   }
   if (threadIdx.x < kTile && t0 + threadIdx.x < length)
     rows[b * length + t0 + threadIdx.x] = ghost_row_total(below, diag_a[threadIdx.x], diag_g[threadIdx.x]);
@@ -258,7 +288,8 @@ void check_batch(int64_t batch) {
 }  // namespace
 
 int64_t ghost_norm_workspace_bytes(int64_t batch, int64_t length) {
-  return batch * length * static_cast<int64_t>(sizeof(double));
+  const int64_t tiles = (length + kTile - 1) / kTile;  // rows, each row's partials, its two diagonals
+  return batch * length * (1 + tiles + 2) * static_cast<int64_t>(sizeof(double));
 }
 
 void ghost_norm(NoiseDType dtype, const void* activations, const void* output_grads, int64_t batch, int64_t length,
@@ -271,13 +302,20 @@ void ghost_norm(NoiseDType dtype, const void* activations, const void* output_gr
   const DeviceGuard guard(device);
   const auto s = static_cast<cudaStream_t>(stream);
   auto* rows = static_cast<double*>(workspace);
+  double* partials = rows + batch * length;
+  double* diagonals = partials + batch * length * tiles;
   dispatch_ghost_dtype(dtype, [&](auto zero) {
     using In = decltype(zero);
     using Acc = typename GhostAcc<In>::type;
     if (tiles == 0) return;  // no rows; a 0-block launch is an error
-    ghost_rows<In, Acc><<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(tiles)), kThreads, 0, s>>>(
-        static_cast<const In*>(activations), static_cast<const In*>(output_grads), length, d, p, rows);
-    check(cudaGetLastError(), "ghost_norm: ghost_rows launch");
+    const auto pairs = static_cast<unsigned>(tiles * (tiles + 1) / 2);
+    const auto samples = static_cast<unsigned>(std::min<int64_t>(batch, 65535));
+    ghost_tile_pairs<In, Acc><<<dim3(pairs, samples), kThreads, 0, s>>>(
+        static_cast<const In*>(activations), static_cast<const In*>(output_grads), batch, length, d, p, tiles,
+        partials, diagonals);
+    check(cudaGetLastError(), "ghost_norm: ghost_tile_pairs launch");
+    ghost_row_totals<<<blocks_for(batch * length), kThreads, 0, s>>>(partials, diagonals, batch, length, tiles, rows);
+    check(cudaGetLastError(), "ghost_norm: ghost_row_totals launch");
   });
   sample_totals<<<blocks_for(batch), kThreads, 0, s>>>(rows, batch, length, out);
   check(cudaGetLastError(), "ghost_norm: sample_totals launch");
