@@ -155,7 +155,8 @@ class TiedEmbeddings(nn.Module):
         self.previous.weight = self.head.weight = self.tokens.weight
 
     def forward(self, ids):
-        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device)[None]) + self.previous(ids.roll(1, 1))
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        h = self.tokens(ids) + self.positions(positions) + self.previous(ids.roll(1, 1))
         return self.head(torch.tanh(self.norm(h)))
 
 
@@ -1094,6 +1095,58 @@ def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
     with pytest.raises(ValueError, match=rf"per_sample_losses has 4 samples, but module 'mix' \(Linear\) saw a batch "
                                          rf"of {4 * length}"):
         bk.step(model(torch.randn(4, length, 3)).pow(2).sum((1, 2)))
+
+
+class FlatteningRouter(nn.Module):
+    """DeepSeek-V3's router in small: it flattens the hidden states (B, T, d) itself, computes its
+    logits with the weight cast to float64 (DeepSeek's casts to float32, a cast in a bfloat16
+    model), and returns them and its normalised top-2 weights gathered from their sigmoid, (B T,
+    ...); ``mixed``: the weights from a softmax over the rows, which mixes the samples."""
+
+    def __init__(self, width, experts, mixed):
+        super().__init__()
+        self.weight, self.mixed = nn.Parameter(torch.randn(experts, width) * 0.5), mixed
+
+    def forward(self, hidden):
+        logits = F.linear(hidden.view(-1, hidden.shape[-1]).double(), self.weight.type(torch.float64))
+        scores = logits.softmax(0) if self.mixed else logits.sigmoid()
+        top = scores.gather(1, scores.topk(2, dim=-1).indices)
+        return logits.float(), (top / (top.sum(-1, keepdim=True) + 1e-20) * 2.5).float()
+
+
+class RoutedScale(nn.Module):
+    """Hidden states scaled by a flattening router's first routing weight and its logits' mean."""
+
+    def __init__(self, mixed=False):
+        super().__init__()
+        self.inp, self.router, self.head = nn.Linear(3, 4), FlatteningRouter(4, 3, mixed), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        logits, weights = self.router(h)
+        scale = (weights[:, :1] + logits.mean(-1, keepdim=True)).view(*h.shape[:2], 1)
+        return self.head(torch.tanh(h * scale))
+
+
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
+def test_a_module_that_flattens_the_batch_itself_is_replayed_by_sample(mechanism, per_layer):
+    """A router that flattens its input (B, T, d) itself gives outputs (B T, ...) whose graph shows
+    each row made from its own token (a Linear of a cast weight, a sigmoid, a gather and a sum along
+    the rows): the replay gives each sample its T rows, the update that of each sample's own
+    backward pass. A softmax over the rows mixes the samples: the weights made from it are refused
+    (the logits, a Linear of each row, are still read by sample)."""
+    generator = torch.Generator().manual_seed(0)
+    x, target = torch.randn(5, 6, 3, generator=generator), torch.randn(5, 6, 2, generator=generator)
+    torch.manual_seed(0)
+    model = RoutedScale()
+    grads = one_backward_per_sample(model, x, target)
+    config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
+    mixed = RoutedScale(mixed=True)
+    with pytest.raises(ValueError, match=r"module 'router' \(FlatteningRouter\) returned an output of shape \(30, 2\), "
+                                         r"without the batch of 5"):
+        make(mixed).step(regression(mixed(x), target))
 
 
 def one_backward_per_sample(model, x, target):

@@ -6,7 +6,8 @@ head), Gemma (its RMSNorm the batch times 1 + weight), BERT, T5 (a relative posi
 buckets (T, T) added to every layer's scores), BART (learned position embeddings that make their
 own ids, (B, T) in the encoder and (1, T) in the decoder), Falcon (FalconLinear) and OPT (its MLP on
 the hidden states flattened to (B T, d); position ids from the attention mask), mixtures of
-experts (Mixtral, Qwen2-MoE: routers and experts replayed on the flattened tokens); and LoRA,
+experts (Mixtral, Qwen2-MoE, GPT-OSS, DeepSeek-V3, GLM-4-MoE, NemotronH: experts book-kept,
+routers replayed on each sample's tokens, flattened before the router or by it); and LoRA,
 DoRA, a LoRA embedding, LoRA on parameters and prompt tuning by peft on some of them. The
 reference is independent of book-keeping and of torch.func: each sample's gradient from its own
 backward pass (on a batch of one; with LoRA's dropout, through the batch's forward), through
@@ -99,6 +100,31 @@ def gpt_oss():
         layer_types=["full_attention"] * 2, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def deepseek_v3():  # its router flattens (B, T, d) itself: sigmoid scores, groups of experts, a scaling factor
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=2.5, q_lora_rank=None,
+        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=16,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def glm4_moe():  # DeepSeek-V3's router, partial rotary positions, a dense first layer
+    return transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=16,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def nemotron_h():  # attention and mixture-of-experts layers; the router as DeepSeek-V3's, ReLU^2 experts
+    return transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4, hybrid_override_pattern="*E*E", num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        moe_shared_expert_intermediate_size=8, n_group=1, topk_group=1, max_position_embeddings=16,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 def padding_of(ids):
     """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
     return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
@@ -123,8 +149,11 @@ MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (ge
           "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token),
           "opt": (opt, next_token)}
 #: mixtures of experts: their experts book-kept, their routers replayed per sample
-MIXTURES = {"mixtral": (mixtral, next_token), "qwen2-moe": (qwen2_moe, next_token), "gpt-oss": (gpt_oss, next_token)}
-ROUTERS = {"mixtral": "gate", "qwen2-moe": "gate", "gpt-oss": "router"}
+MIXTURES = {"mixtral": (mixtral, next_token), "qwen2-moe": (qwen2_moe, next_token), "gpt-oss": (gpt_oss, next_token),
+            "deepseek-v3": (deepseek_v3, next_token), "glm4-moe": (glm4_moe, next_token),
+            "nemotron-h": (nemotron_h, next_token)}
+ROUTERS = {"mixtral": "gate", "qwen2-moe": "gate", "gpt-oss": "router", "deepseek-v3": "gate", "glm4-moe": "gate",
+           "nemotron-h": "gate"}
 #: the shape of the ids: (5, 12); T5's and BART's also (5, 5), where T5's relative position buckets (T, T) have
 #: the batch's size in dim 0 (only their output, added to the batch's attention scores, tells them apart)
 SHAPES = [(name, (5, 12)) for name in MODELS] + [("t5", (5, 5)), ("bart", (5, 5))]

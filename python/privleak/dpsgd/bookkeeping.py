@@ -43,7 +43,7 @@ from torch import nn
 from privleak import validation
 from privleak.dpsgd import experts, tied  # noqa: F401 (experts: registers its rule in the layers' table)
 from privleak.dpsgd.clip import GRAD_DTYPES
-from privleak.dpsgd.graph import count_uses, flattened_batch, shared_output_uses
+from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
 from privleak.dpsgd.layers import Layer, layer_for
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
@@ -404,6 +404,8 @@ class BookKeeping:
                                      "output is broadcast over the batch (added to, multiplied into or expanded over "
                                      "it), so they were not the batch's: its per-sample gradients are not its rows; "
                                      "give it inputs with the batch in dim 0, or use its outputs only broadcast")
+                elif layer.flattened_output_calls and (flat := flattened_outputs(edges, batch)):
+                    layer.unflatten_outputs(call, batch, flat)
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared
 

@@ -256,6 +256,11 @@ _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, t
                                                                        F.silu))))
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
+#: ops along dims that they name, each output row from the same input row where dim 0 is not one
+#: of them (a router's softmax, its top-k weights gathered from the scores, and their sum)
+_ALONG_DIMS = frozenset(node_type(op) for op in (
+    lambda x: x.softmax(-1), lambda x: x.sum(-1), lambda x: x.gather(1, torch.zeros(2, 1, dtype=torch.long))))
+_MASKED_FILL = node_type(lambda x: x.masked_fill(torch.ones(2, 2, dtype=torch.bool), 0.0))
 _LAYER_NORM = node_type(lambda x: F.layer_norm(x, (2,)))
 _ADDMM, _MM = node_type(lambda x: torch.addmm(x[0], x, x)), node_type(lambda x: x @ x)
 _RESHAPES = frozenset(node_type(op) for op in (  # a view; a copy's view; an alias of a strided view
@@ -265,11 +270,21 @@ _PERMUTE = node_type(lambda x: x.permute(1, 0))
 
 
 def _a_weight(child) -> bool:
-    """Whether a node's input edge comes from a parameter, or its transpose (nn.Linear's W^T)."""
+    """Whether a node's input edge comes from a parameter, or its transpose (nn.Linear's W^T), or a
+    cast of either (a router's ``weight.type(torch.float32)`` in a bfloat16 model)."""
     node = child[0]
-    if type(node) is _TRANSPOSE:
-        node = node.next_functions[0][0]
+    for kind in (_TRANSPOSE, _CAST):
+        if type(node) is kind:
+            node = node.next_functions[0][0]
     return node is None or hasattr(node, "variable")
+
+
+def _along_later_dims(node) -> bool:
+    """Whether a node of :data:`_ALONG_DIMS` works along dims after dim 0 only."""
+    sizes = getattr(node, "_saved_self_sym_sizes", None)  # a sum's input; the others' output has its dims
+    ndim = len(sizes if sizes is not None else node._input_metadata[0].shape)
+    dims = node._saved_dim if isinstance(node._saved_dim, tuple) else (node._saved_dim,)
+    return all((dim if dim < 2**63 else dim - 2**64) % max(ndim, 1) != 0 for dim in dims)  # -1 comes unsigned
 
 
 def _moves_dim_0(node) -> bool:
@@ -318,7 +333,7 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
             if sizes[0] != rows:
                 return False
             stack.append(children[0][0])  # dims after the rows reshaped
-        elif kind in _ROW_BY_ROW:
+        elif kind in _ROW_BY_ROW or kind is _MASKED_FILL or (kind in _ALONG_DIMS and _along_later_dims(node)):
             stack.append(children[0][0])
         elif kind in _ELEMENTWISE:  # the operands of all the rows (others are broadcast along them)
             dims = len(node._input_metadata[0].shape)
@@ -340,6 +355,19 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
         else:
             return False
     return True
+
+
+def flattened_outputs(edges: list, batch: int) -> list[int]:
+    """The indices of the gradient edges ``edges`` (a call's outputs) whose tensors hold the batch
+    of ``batch`` flattened with its positions, (B T, ...) by :func:`flattened_batch`: the outputs
+    of a DeepSeek-style router, which flattens its input (B, T, d) itself."""
+    found = []
+    for k, edge in enumerate(edges):
+        shape = _forward_shape(edge.node, edge.output_nr)
+        if (shape and shape[0] != batch and batch and shape[0] % batch == 0
+                and flattened_batch(edge.node, shape[0], batch)):
+            found.append(k)
+    return found
 
 
 def shared_output_uses(edge, parents: dict, batch: int) -> Optional[Broadcasts]:

@@ -131,6 +131,9 @@ class Layer:
     #: a call on the batch flattened with its positions (dim 0 of B T, as OPT's MLP reshapes its hidden states) may
     #: be read as (B, T, ...) (:meth:`unflatten`)
     flattened_batch_calls: ClassVar[bool] = False
+    #: a call on the batch whose outputs have it flattened with their positions (B T, ...: a DeepSeek-style router
+    #: flattens its input itself) may read their gradients as (B, T, ...) (:meth:`unflatten_outputs`)
+    flattened_output_calls: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -828,7 +831,9 @@ class FunctionalLayer(Layer):
 
     Tensor arguments whose first dim is the batch size are split by sample, the others shared;
     a call on the batch flattened with its positions, (B T, ...) as the graph shows it (a mixture
-    of experts' router and experts), gives each sample its T rows. The forward must treat samples
+    of experts' router and experts), gives each sample its T rows; a call on the batch whose
+    outputs have it so flattened (DeepSeek-V3's router flattens its (B, T, d) input itself) takes
+    each sample's T output rows as their cotangent. The forward must treat samples
     independently and be deterministic: one that draws random numbers (dropout in training mode)
     could not be replayed and is refused at the step (vmap says it drew them); a dropout module
     it holds but does not run (peft's LoRA embedding) is no matter. A forward that torch.func
@@ -862,7 +867,7 @@ class FunctionalLayer(Layer):
     """
 
     uses_per_call = None
-    broadcast_calls = flattened_batch_calls = True
+    broadcast_calls = flattened_batch_calls = flattened_output_calls = True
 
     def __init__(self, name: str, module: nn.Module):
         self._replay_warned = False
@@ -877,6 +882,7 @@ class FunctionalLayer(Layer):
         self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
         self.shared_calls: set = set()  # calls whose outputs the batch shares (broadcast)
         self.chunked = False  # the replay gives norms a few samples at a time and the clipped sum by a second pass
+        self.flattened_outputs: dict = {}  # call: {recorded output: batch size} for outputs of the batch flattened
 
     def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
         """A call whose outputs the batch shares (BART's learned position embedding, which makes its
@@ -927,14 +933,22 @@ class FunctionalLayer(Layer):
     def renumber(self, new: dict) -> None:
         super().renumber(new)
         self.shared_calls = {new[call] for call in self.shared_calls if call in new}
+        self.flattened_outputs = {new[call]: outputs for call, outputs in self.flattened_outputs.items() if call in new}
 
     def unflatten(self, call: int, batch: int) -> None:
         """A call on the batch flattened with its positions (a mixture of experts' router and
         experts take the tokens (B T, d)): the replay gives each sample its T rows, whole."""
         self.flattened[call] = batch
 
+    def unflatten_outputs(self, call: int, batch: int, outputs: list[int]) -> None:
+        """Recorded outputs ``outputs`` of call ``call``, on the batch of ``batch``, hold it flattened
+        with its positions, sample after sample (a DeepSeek-style router makes its logits and routing
+        weights (B T, ...) of the hidden states (B, T, d)): their gradients are read as (B, T, ...),
+        and the replay of each sample takes its T rows as the cotangent of its output's rows."""
+        self.flattened_outputs[call] = dict.fromkeys(outputs, batch)
+
     def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
-        batch = self.flattened.get(call)
+        batch = self.flattened.get(call, self.flattened_outputs.get(call, {}).get(output))
         if batch is not None and grad.ndim and grad.shape[0] % batch == 0:  # else refused by the replay
             grad = grad.unflatten(0, (batch, -1))
         self.grads[call][output] = grad
@@ -1056,12 +1070,12 @@ class FunctionalLayer(Layer):
                         if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows:
                             values[i] = _zero_dropped(x.unflatten(0, (batch, -1)), keep).view(x.shape)
                 cotangents = {}
-                for i, g in zip(live, output_grads):
+                for k, (i, g) in enumerate(zip(live, output_grads)):
                     if g is not None:
                         weighted = _scaled(_zero_dropped(g, keep), factors)
                         if shared:  # one output for the batch: its samples' weighted gradients summed
                             weighted = weighted.sum(0)
-                        elif call in self.flattened:
+                        elif call in self.flattened or k in self.flattened_outputs.get(call, {}):
                             weighted = weighted.flatten(0, 1)
                         cotangents[i] = weighted
                 with torch.autocast(device, dtype=dtype, enabled=autocast):
@@ -1101,21 +1115,26 @@ class FunctionalLayer(Layer):
             flattened = call in self.flattened
             split = [] if call in self.shared_calls else [
                 i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows]
+            flat = self.flattened_outputs.get(call, {})  # outputs whose rows a sample's replay gives as they are
             pairs = [(i, g) for i, g in zip(live, output_grads) if g is not None]
+            unsqueezed = [not flattened and k not in flat for k, g in enumerate(output_grads) if g is not None]
             for _, g in pairs:
                 if g.ndim == 0 or g.shape[0] != batch:
                     raise ValueError(f"{self.describe()} returned an output of shape {tuple(g.shape)}, without the "
                                      f"batch of {batch} in dim 0 (a position embedding that makes its own position "
-                                     "ids of shape (1, T)), and no book-keeping rule fits it: its per-sample "
-                                     "gradients cannot be replayed; give it inputs whose batch its output keeps")
+                                     "ids of shape (1, T)), or flattened with its positions by ops its graph does not "
+                                     "show to keep the samples apart, and no book-keeping rule fits it: its "
+                                     "per-sample gradients cannot be replayed; give it inputs whose batch its output "
+                                     "keeps")
 
             def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs,
-                            whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0))):
+                            unsqueezed=unsqueezed, whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0))):
                 values = list(leaves)
                 for i, x in zip(split, samples):
                     values[i] = whole(x)
                 outputs = self._outputs(params, values, spec)
-                return sum((outputs[i] * whole(g)).sum() for (i, _), g in zip(pairs, cotangents))
+                return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
+                           for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
 
             inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
             cotangents = [g[samples] for _, g in pairs]
