@@ -6,9 +6,10 @@
 // per step), every entry one thread's fma chain in coordinate order, restarted per kGhostChunk and
 // added to a double. The products w_ts go to shared memory, and thread t adds its row's in order
 // of s into the tile's partial sum, stored; one thread per row then adds its tiles' partials in
-// order, as the CPU does (common/ghost_norm.h's row tiles). No tensor cores (their accumulation order is not specified) and no atomics. Zero padding
-// past n only adds fma(0, 0, acc) = acc + 0 to the last chunk, which can turn a -0 chain into +0;
-// adding the chunk to its double (which starts at +0) gives the same +0 either way.
+// order, as the CPU does (common/ghost_norm.h's row tiles). No tensor cores (their accumulation
+// order is not specified) and no atomics. Zero padding past n only adds fma(0, 0, acc) = acc + 0
+// to the last chunk, which can turn a -0 chain into +0; adding the chunk to its double (which
+// starts at +0) gives the same +0 either way.
 //
 // Convolution form: one block per (sample, 64 x 64 tile of the pixel Gram's lower triangle) stores
 // the pixel Gram in the workspace by the same tile code (the input read channels-first); then one
