@@ -59,7 +59,7 @@ def assert_mean_and_variance(z, variance, kurtosis):
 def integer_draws(distribution, scale, n, key=(1, 2, 3, 4, 5, 6, 7, 8)):
     """Raw discrete samples: grid 2^0, nothing added."""
     out = np.empty(n)
-    _backend.core.apply_secure_noise(distribution, "float64", out.ctypes.data, n, list(key), 0, scale, 0, False)
+    _backend.core.apply_secure_noise(distribution, "float64", [out.ctypes.data], [n], list(key), 0, scale, 0, False)
     return out.astype(np.int64)
 
 

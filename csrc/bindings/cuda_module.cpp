@@ -76,27 +76,34 @@ PYBIND11_MODULE(_cuda, m) {
 
   m.def(
       "apply_noise",
-      [](const std::string& distribution, const std::string& dtype, std::uintptr_t out, int64_t n, uint64_t key,
-         uint64_t offset, double scale, bool add, int device, std::uintptr_t stream) {
+      [](const std::string& distribution, const std::string& dtype, const std::vector<std::uintptr_t>& outs,
+         const std::vector<int64_t>& numels, uint64_t key, uint64_t offset, double scale, bool add, int device,
+         std::uintptr_t stream) {
         const privleak::Distribution d = marshal::parse_distribution(distribution);
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         py::gil_scoped_release release;
-        privleak::cuda::apply_noise(d, t, as_pointer(out), n, key, offset, scale, add, device, as_pointer(stream));
+        marshal::each_in_stream(outs, numels, offset, [&](void* out, int64_t n, uint64_t at) {
+          privleak::cuda::apply_noise(d, t, out, n, key, at, scale, add, device, as_pointer(stream));
+        });
       },
-      py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("distribution"), py::arg("dtype"), py::arg("outs"), py::arg("numels"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("add"), py::arg("device"), py::arg("stream"));
 
   m.def(
       "apply_secure_noise",
-      [](const std::string& distribution, const std::string& dtype, std::uintptr_t out, int64_t n,
-         const std::array<uint32_t, 8>& key, uint64_t offset, uint64_t scale, int grid_exponent, bool add, int device, std::uintptr_t stream) {
+      [](const std::string& distribution, const std::string& dtype, const std::vector<std::uintptr_t>& outs,
+         const std::vector<int64_t>& numels, const std::array<uint32_t, 8>& key, uint64_t offset, uint64_t scale,
+         int grid_exponent, bool add, int device, std::uintptr_t stream) {
         const privleak::Distribution d = marshal::parse_distribution(distribution);
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         const privleak::ChaChaKey k = marshal::to_chacha_key(key);
         py::gil_scoped_release release;
-        privleak::cuda::apply_secure_noise(d, t, as_pointer(out), n, k, offset, scale, grid_exponent, add, device, as_pointer(stream));
+        marshal::each_in_stream(outs, numels, offset, [&](void* out, int64_t n, uint64_t at) {
+          privleak::cuda::apply_secure_noise(d, t, out, n, k, at, scale, grid_exponent, add, device,
+                                             as_pointer(stream));
+        });
       },
-      py::arg("distribution"), py::arg("dtype"), py::arg("out"), py::arg("n"), py::arg("key"), py::arg("offset"),
+      py::arg("distribution"), py::arg("dtype"), py::arg("outs"), py::arg("numels"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("grid_exponent"), py::arg("add"), py::arg("device"), py::arg("stream"));
 
   m.def("vmf_workspace_bytes", &privleak::cuda::vmf_workspace_bytes, py::arg("p"), py::arg("n"));

@@ -56,6 +56,19 @@ inline std::vector<float*> float_pointers(const std::vector<std::uintptr_t>& add
   return pointers;
 }
 
+// Calls fill(address, n, offset) for each of the arrays at `addresses` of `numels` elements, laid
+// end to end in one noise stream from `offset`: a model's tensors take their noise in one call.
+template <class Fill>
+void each_in_stream(const std::vector<std::uintptr_t>& addresses, const std::vector<int64_t>& numels, uint64_t offset,
+                    Fill fill) {
+  if (addresses.size() != numels.size()) throw std::invalid_argument("one numel per output array is needed");
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (numels[i] < 0) throw std::invalid_argument("numels must be >= 0");
+    fill(as_pointer(addresses[i]), numels[i], offset);
+    offset += static_cast<uint64_t>(numels[i]);
+  }
+}
+
 inline ChaChaKey to_chacha_key(const std::array<uint32_t, 8>& words) {
   ChaChaKey key;
   for (int i = 0; i < 8; ++i) key.w[i] = words[i];

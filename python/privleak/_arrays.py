@@ -1,8 +1,9 @@
 """Turn numpy arrays and torch tensors into what the native core takes.
 
 The core links no libtorch (DESIGN.md): it receives an address, a shape, strides in elements, a
-dtype name, a device and, on CUDA, the current stream. Every op builds an :class:`ArrayView` here,
-so argument checking and its error messages live in one place. torch is imported only when the
+dtype name and a device (on CUDA, :func:`privleak._backend.call` adds the caller's current
+stream). Every op builds an :class:`ArrayView` here, so argument checking and its error messages
+live in one place. torch is imported only when the
 caller hands in a tensor (or a DLPack array that lives on a GPU).
 """
 from __future__ import annotations
@@ -30,7 +31,6 @@ class ArrayView(NamedTuple):
     dtype: str
     device: str  # "cpu" or "cuda"
     device_index: int  # -1 on the CPU
-    stream: int  # the caller's current CUDA stream; 0 on the CPU
 
     @property
     def is_cuda(self) -> bool:
@@ -85,7 +85,7 @@ def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = 
         raise ValueError(f"{name} has strides {x.strides} that are not a multiple of its item size {itemsize}; "
                          "pass a copy (np.array(x)), which is aligned")
     strides = tuple(s // itemsize for s in x.strides)
-    return _checked(ArrayView(x, x.__array_interface__["data"][0], x.shape, strides, x.dtype.name, "cpu", -1, 0),
+    return _checked(ArrayView(x, x.__array_interface__["data"][0], x.shape, strides, x.dtype.name, "cpu", -1),
                     name, ndim, dtypes, x.size, itemsize)
 
 
@@ -101,10 +101,9 @@ def _tensor_view(x: Any, name: str, ndim: int | None, dtypes: Sequence[str]) -> 
     if x.is_nested:
         raise ArgumentTypeError(f"{name} is a nested tensor; privleak takes dense strided tensors only")
     if x.is_cpu:
-        device, index, stream = "cpu", -1, 0
+        device, index = "cpu", -1
     elif x.is_cuda:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        device, stream = "cuda", torch.cuda.current_stream(x.device).cuda_stream
+        device, index = "cuda", x.device.index if x.device.index is not None else torch.cuda.current_device()
     elif x.is_meta:
         raise ArgumentTypeError(f"{name} is on device meta (a tensor without data); "
                                 "privleak needs data on cpu or cuda")
@@ -115,7 +114,7 @@ def _tensor_view(x: Any, name: str, ndim: int | None, dtypes: Sequence[str]) -> 
     dtype = _DTYPE_NAMES.get(x.dtype)
     if dtype is None:
         dtype = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-    view = ArrayView(x, x.data_ptr(), tuple(x.shape), x.stride(), dtype, device, index, stream)
+    view = ArrayView(x, x.data_ptr(), tuple(x.shape), x.stride(), dtype, device, index)
     return _checked(view, name, ndim, dtypes, size, x.element_size())
 
 

@@ -65,11 +65,11 @@ def call(name: str, on: Any, *args: Any, cuda_args: Sequence[Any] = (),
     import torch  # data on a GPU came through torch
 
     if isinstance(on, _arrays.ArrayView):
-        device, index, stream = on.array.device, on.device_index, on.stream
+        device, index = on.array.device, on.device_index
     else:
         device = on.device
         index = torch.cuda.current_device() if device.index is None else device.index
-        stream = torch.cuda.current_stream(device).cuda_stream
+    stream = torch.cuda.current_stream(device).cuda_stream
     scratch = ()
     if workspace is not None:
         nbytes = workspace(module)

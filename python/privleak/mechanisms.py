@@ -38,6 +38,7 @@ This module imports torch; ``import privleak`` does not.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
@@ -310,16 +311,19 @@ def _discrete_parameters(distribution: str, scale: float) -> tuple[float, int]:
     return float(integer_scale), k
 
 
-def _apply(out: torch.Tensor, distribution: str, scale: float, key: list[int], offset: int, grid_exponent: int,
+def _apply(outs: list, distribution: str, scale: float, key: list[int], offset: int, grid_exponent: int,
            add: bool) -> None:
-    """The kernel call: ``out`` (contiguous) = or += noise elements offset .. offset + numel - 1."""
-    v = _arrays.view(out, "x", dtypes=NOISE_DTYPES)
+    """The kernel call: ``outs`` (contiguous, of one dtype, on one device), laid end to end, = or +=
+    noise elements offset .. offset + their numel - 1. One call for a model's tensors: a call per
+    tensor cost more than its noise on a small model."""
+    v = _arrays.view(outs[0], "x", dtypes=NOISE_DTYPES)
+    addresses, numels = [out.data_ptr() for out in outs], [out.numel() for out in outs]
     if distribution.startswith("discrete_"):
-        name, args = "apply_secure_noise", (distribution.removeprefix("discrete_"), v.dtype, v.address, out.numel(),
-                                           key, offset, int(scale), grid_exponent, add)
+        name, args = "apply_secure_noise", (distribution.removeprefix("discrete_"), v.dtype, addresses, numels, key,
+                                           offset, int(scale), grid_exponent, add)
     else:
-        name, args = "apply_noise", (distribution, v.dtype, v.address, out.numel(), key[0] | (key[1] << 32), offset,
-                                     scale, add)
+        name, args = "apply_noise", (distribution, v.dtype, addresses, numels, key[0] | (key[1] << 32), offset, scale,
+                                     add)
     _backend.call(name, v, *args)
 
 
@@ -330,7 +334,7 @@ def _apply(out: torch.Tensor, distribution: str, scale: float, key: list[int], o
 def _noise_op(size: Sequence[int], distribution: str, scale: float, key: Sequence[int], offset: int,
               grid_exponent: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.empty(size, dtype=dtype, device=device)
-    _apply(out, distribution, scale, list(key), offset, grid_exponent, add=False)
+    _apply([out], distribution, scale, list(key), offset, grid_exponent, add=False)
     return out
 
 
@@ -339,20 +343,24 @@ def _(size, distribution, scale, key, offset, grid_exponent, dtype, device):
     return torch.empty(size, dtype=dtype, device=device)
 
 
-def _add_into(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
+def _add_into(xs: list, distribution: str, scale: float, key: Sequence[int], offset: int,
               grid_exponent: int) -> None:
-    if x.is_contiguous():
-        _apply(x, distribution, scale, list(key), offset, grid_exponent, add=True)
-    else:  # noise element i goes to x's i-th element in row-major order, as for contiguous x
-        dense = x.contiguous()
-        _apply(dense, distribution, scale, list(key), offset, grid_exponent, add=True)
-        x.copy_(dense)
+    """xs (one stream, laid end to end) += noise; a kernel call per run of tensors of one dtype."""
+    # Noise element i goes to a strided x's i-th element in row-major order, as for a contiguous x.
+    dense = [x if x.is_contiguous() else x.contiguous() for x in xs]
+    for _, run in itertools.groupby(dense, key=lambda x: x.dtype):
+        run = list(run)
+        _apply(run, distribution, scale, list(key), offset, grid_exponent, add=True)
+        offset += sum(x.numel() for x in run)
+    for x, d in zip(xs, dense):
+        if d is not x:
+            x.copy_(d)
 
 
 @_ops.operator("add_noise_", mutates_args={"x"})
 def _add_noise_inplace_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
                           grid_exponent: int) -> None:
-    _add_into(x, distribution, scale, key, offset, grid_exponent)
+    _add_into([x], distribution, scale, key, offset, grid_exponent)
 
 
 @_add_noise_inplace_op.register_fake
@@ -365,9 +373,7 @@ def _add_noise_many_inplace_op(xs: list[torch.Tensor], distribution: str, scale:
                                offset: int, grid_exponent: int) -> None:
     """add_noise_ on tensors laid end to end: one stream, one op call (a model's tensors are many
     and often small, and each op call costs tens of microseconds)."""
-    for x in xs:
-        _add_into(x, distribution, scale, key, offset, grid_exponent)
-        offset += x.numel()
+    _add_into(xs, distribution, scale, key, offset, grid_exponent)
 
 
 @_add_noise_many_inplace_op.register_fake
@@ -379,7 +385,7 @@ def _(xs, distribution, scale, key, offset, grid_exponent):
 def _add_noise_op(x: torch.Tensor, distribution: str, scale: float, key: Sequence[int], offset: int,
                   grid_exponent: int) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    _apply(out, distribution, scale, list(key), offset, grid_exponent, add=True)
+    _apply([out], distribution, scale, list(key), offset, grid_exponent, add=True)
     return out
 
 
@@ -501,10 +507,10 @@ def _add(distribution: str, x, scale: float, scale_name: str, generator, key, of
     views = [validation.tensor(t, name, dtypes=NOISE_DTYPES) for t, name in zip(tensors, names)]
     for view, t, name in zip(views, tensors, names):
         _arrays.require_same_device(view, name, views[0], names[0])
-        if view.is_cuda:
-            _check_cuda(t.device, f"{name}'s device")
         if inplace:
             _check_inplace_target(t)
+    if views and views[0].is_cuda:  # one device for all
+        _check_cuda(tensors[0].device, f"{names[0]}'s device")
     scale = validation.non_negative(scale, scale_name)
     _check_generator(generator)
     secure = isinstance(generator, SecureNoiseGenerator)

@@ -253,8 +253,8 @@ class BookKeeping:
         clipping = config.clipping(len(self.params))
         mechanism = config.mechanism
         update = mechanism.noise(sums, clipping, 1.0, self._dp.generator, inplace=True)
-        if not mechanism.releases_direction:
-            update = [u.mul_(1.0 / self._dp.expected_batch_size) for u in update]
+        if not mechanism.releases_direction:  # secure noise is discretised on the sum's grid: divide after it
+            torch._foreach_mul_(update, 1.0 / self._dp.expected_batch_size)
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()
@@ -340,11 +340,11 @@ class BookKeeping:
         else:
             norm_sums = given
             factors = torch.ops.privleak.clip_factors(norm_sums, clip_norms, config.per_layer, norm_type)
-        keep = finite_samples(norm_sums)
-        if keep is not None and config.non_finite == "raise":
-            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are not "
-                             "finite; pass non_finite='drop' to leave such samples out")
-        column = {slot: factors[:, i] for i, slot in enumerate(order)}
+        # Raising for a non-finite sample waits (a host sync on a GPU) until the sums are queued,
+        # so the GPU runs the backward pass meanwhile; dropping one needs to know it before them.
+        dropping = config.non_finite == "drop"
+        keep = finite_samples(norm_sums) if dropping else None
+        column = dict(zip(sorted(norms), factors[:, len(rows):].unbind(1)))
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
         # it can reuse: one buffer for the whole update, allocated up front, would add a model's
         # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).
@@ -356,6 +356,9 @@ class BookKeeping:
                     slot = self._slots[key]
                     sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
             layer.clear()
+        if not dropping and (keep := finite_samples(norm_sums)) is not None:
+            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are not "
+                             "finite; pass non_finite='drop' to leave such samples out")
         return sums
 
     def _clip_norms(self, order: tuple) -> torch.Tensor:
@@ -425,16 +428,17 @@ class BookKeeping:
             for uses in layer.uses:
                 for p, count in zip(layer.parameters, uses):
                     seen[self._slots[id(p)]] += count
-        for owner, count, recorded in zip(self._owners(), used, seen):
+        for slot, (count, recorded) in enumerate(zip(used, seen)):
             if count > recorded:
+                owner = self._owner(slot)
                 raise ValueError(f"parameter '{owner}' is used {count} time(s) in the graph of per_sample_losses, but "
                                  f"its module's forward recorded {recorded}: it is used where the book-keeping hooks "
                                  "cannot see (outside its module's forward, e.g. functionally or by weight tying); "
                                  "use it through its module, or make that code a module of its own")
 
-    def _owners(self) -> list[str]:
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        return [names[id(p)] for p in self.params]
+    def _owner(self, slot: int) -> str:
+        """The name of the parameter in ``slot``, for messages."""
+        return next(name for name, p in self.model.named_parameters() if p is self.params[slot])
 
 
 def lowest(edges: list) -> list:
