@@ -290,7 +290,7 @@ class BookKeeping:
             # Parameters whose gradients come from pre-hooks on the nodes using them (broadcast
             # parameters): asking for theirs makes the backward run those nodes.
             forced = [t for layer in self.layers for t in layer.forced_inputs()]
-            torch.autograd.grad(losses, lowest(edges) + forced, grad_outputs=torch.ones_like(losses),
+            torch.autograd.grad(losses, lowest(edges, parents) + forced, grad_outputs=torch.ones_like(losses),
                                 allow_unused=True)
         finally:
             self._collecting, self._shared = False, frozenset()
@@ -441,25 +441,19 @@ class BookKeeping:
         return next(name for name, p in self.model.named_parameters() if p is self.params[slot])
 
 
-def lowest(edges: list) -> list:
+def lowest(edges: list, parents: dict) -> list:
     """The gradient edges (of the layers' outputs) with no other of them below: none is reached
-    from their node in the autograd graph. A backward to these passes through every node with an
-    edge on the way down, so the tensor hooks of every one of them fire."""
-    targets = {edge.node for edge in edges}
-    below: dict = {}  # node: whether a target is reached from it, itself not counted
-    for root in targets:
-        stack = [(root, False)]
-        while stack:
-            node, children_done = stack.pop()
-            if node in below:
-                continue
-            children = [child for child, _ in node.next_functions if child is not None]
-            if children_done:
-                below[node] = any(child in targets or below[child] for child in children)
-            else:
-                stack.append((node, True))
-                stack.extend((child, False) for child in children if child not in below)
-    return [edge for edge in edges if not below[edge.node]]
+    from their node in the autograd graph, whose nodes' parents ``parents`` holds
+    (:func:`~privleak.dpsgd.graph.count_uses`). A backward to these passes through every node
+    with an edge on the way down, so the tensor hooks of every one of them fire."""
+    above: set = set()  # the nodes from which a target is reached: the targets' ancestors
+    stack = [parent for node in {edge.node for edge in edges} for parent, _ in parents.get(node, ())]
+    while stack:
+        node = stack.pop()
+        if node not in above:
+            above.add(node)
+            stack.extend(parent for parent, _ in parents[node])
+    return [edge for edge in edges if edge.node not in above]
 
 
 def finite_samples(norm_sums: torch.Tensor) -> Optional[torch.Tensor]:
