@@ -4,6 +4,7 @@ stream. The clip norms are set between the samples' norms, so some samples are c
 import copy
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -1299,6 +1300,22 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
         bk.step(model(x).pow(2).sum(1))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # as plain torch
         model(x).pow(2).sum().backward()
+
+
+def test_a_layer_that_forms_its_rows_in_the_backward_lets_its_input_go():
+    """A LayerNorm forms its per-sample gradients as the backward reaches it and drops its input:
+    by the time the backward reaches the layer below, nothing of book-keeping's holds that input
+    (the in-place check held it to the end of the step: CIFAR's peak 8 MB higher at B 64)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    bk = make(model)
+    h = model[0](torch.randn(5, 3))
+    out = model[1](h)
+    (norm,) = [layer for layer in bk.layers if layer.module is model[1]]
+    recorded = weakref.ref(norm.calls[0])
+    alive = []
+    h.register_hook(lambda grad: alive.append(recorded() is not None))
+    bk.step(out.pow(2).sum(1))
+    assert alive == [False]
 
 
 class BroadcastUses(nn.Module):

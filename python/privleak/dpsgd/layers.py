@@ -176,8 +176,12 @@ class Layer:
 
     def check_inputs(self) -> None:
         """Raise if a recorded input was changed in place since its forward call (autograd raises
-        for the tensors it saves; book-keeping reads its own in the step)."""
-        for x, version in self.versions:
+        for the tensors it saves; book-keeping reads its own in the step). Called before the
+        backward pass, which changes none: the list then lets the inputs go, so that a layer
+        reducing a call in the backward frees its input (held here too, CIFAR's B 64 step kept
+        8 MB more at its peak)."""
+        versions, self.versions = self.versions, []
+        for x, version in versions:
             if x._version != version:
                 raise ValueError(f"an input of {self.describe()} was modified in place after its forward call "
                                  "(e.g. `x += layer(x)`), and book-keeping reads it in step(): write `x = x + "
