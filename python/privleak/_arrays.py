@@ -3,8 +3,8 @@
 The core links no libtorch (DESIGN.md): it receives an address, a shape, strides in elements, a
 dtype name and a device (on CUDA, :func:`privleak._backend.call` adds the caller's current
 stream). Every op builds an :class:`ArrayView` here, so argument checking and its error messages
-live in one place. torch is imported only when the
-caller hands in a tensor (or a DLPack array that lives on a GPU).
+live in one place. torch is imported only when the caller hands in a tensor (or a DLPack array
+that lives on a GPU).
 """
 from __future__ import annotations
 
