@@ -325,11 +325,7 @@ class BookKeeping:
         if sorted(order) != list(range(len(self.params))):
             raise RuntimeError("book-keeping: the layers' rows and norms do not cover each parameter once")
         clip_norms = self._clip_norms(tuple(order))
-        given = None
-        if norms:  # columns filled in place: torch.stack paged in 0.4 MiB of libtorch's code
-            given = torch.empty(batch, len(norms), dtype=torch.float64, device=clip_norms.device)
-            for column, slot in enumerate(sorted(norms)):
-                given[:, column] = norms[slot]
+        given = torch.stack([norms[slot] for slot in sorted(norms)], 1) if norms else None
         sums: list = [None] * len(self.params)
         if rows:
             tensors = _kernel_rows([rows[s] for s in sorted(rows)])

@@ -37,6 +37,11 @@ _VIEWS = frozenset(node_type(view) for view in (
     lambda x: x.permute(1, 0)))
 
 
+#: The node kinds through which :func:`_uses_from` finds uses (:func:`_passed_on`,
+#: :func:`_broadcast_use`, views); a consumer of any other kind makes a use of another kind.
+_USE_KINDS = frozenset((_ADD, _SUB, _EXPAND, _MUL, _CAST, _CLONE, _WHERE, _DIV, _REPEAT, *_VIEWS))
+
+
 class _Use(NamedTuple):
     """A use of a parameter broadcast over the batch: the node whose output gradient it takes; the
     factor of that gradient (alpha, negated for a subtrahend); the shape of the operand broadcast
@@ -163,6 +168,8 @@ def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -
 def _uses_above(above: list, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
     """The uses of an output of ``shape`` by its consumers ``above`` (:func:`_uses_from`), stopping
     at the first that is not broadcast."""
+    if any(type(parent) not in _USE_KINDS for parent, _ in above):
+        return None  # a consumer of no kind that _uses_from follows: found before any walk up the others
     found: list = []
     for parent, at in above:
         uses = _uses_from(parent, at, shape, views, parents)

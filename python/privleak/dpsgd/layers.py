@@ -96,6 +96,8 @@ def _zero_dropped(x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor
 def _common(*tensors: torch.Tensor) -> tuple:
     """The tensors in one dtype, the widest of theirs: under autocast a layer's input and its output
     gradient can differ (float32 and bfloat16)."""
+    if all(t.dtype == tensors[0].dtype for t in tensors):
+        return tensors
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
     return tuple(t.to(dtype) for t in tensors)
 
@@ -416,20 +418,25 @@ class LinearLayer(Layer):
     broadcast_calls = flattened_batch_calls = True
 
     def finish(self) -> None:
+        """The calls become one, a (B, T, d) and g (B, T, p), their positions laid end to end,
+        which the norms and the sums both read. g is made contiguous here, once: the ghost-norm
+        kernel and the clipped sum's GEMM read it as (B T, p) rows (a transformer head's logit
+        gradient comes transposed from a cross-entropy over dim 1; the bench transformer's head
+        norm and sum, B 32: 21 -> 18 ms)."""
         super().finish()
-        # The ghost-norm kernel and the clipped sum's GEMM read g as (B T, p) rows: copy a strided
-        # g once here, not in each (a transformer head's logit gradient comes transposed from a
-        # cross-entropy over dim 1; the bench transformer's head norm and sum, B 32: 21 -> 18 ms).
-        self.grads = [g.contiguous() for g in self.grads]
-        if self.calls and self.trains(self.module.bias):
-            self.per_sample[id(self.module.bias)] = bias_rows(self.grads, channels_last=True)
-
-    def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """a (B, T, d) and g (B, T, p), the calls' positions laid end to end."""
+        if not self.calls:
+            return
         batch = self.calls[0].shape[0]
         a = [x.reshape(batch, -1, x.shape[-1]) for x in self.calls]
         g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
-        return _common(a[0], g[0]) if len(a) == 1 else _common(torch.cat(a, 1), torch.cat(g, 1))
+        one = len(a) == 1
+        self.calls, self.grads = [a[0] if one else torch.cat(a, 1)], [g[0].contiguous() if one else torch.cat(g, 1)]
+        if self.trains(self.module.bias):
+            self.per_sample[id(self.module.bias)] = bias_rows(self.grads, channels_last=True)
+
+    def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """a (B, T, d) and g (B, T, p) of the calls (:meth:`finish`), in one dtype."""
+        return _common(self.calls[0], self.grads[0])
 
     def weight_factors(self, a: torch.Tensor, g: torch.Tensor) -> Factors:
         """The weight's per-sample gradient sum_t L_t R_t^T: (p, d), L = g, R = a."""
@@ -683,8 +690,8 @@ class EmbeddingLayer(Layer):
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         ids, g = self._sites()
-        if norm_type == 2:
-            return {id(self.module.weight): ghost_norm.embedding_ghost_norm_squared(ids, g)}
+        if norm_type == 2:  # the kernel's op itself, as for a Linear layer (:func:`weight_norms`)
+            return {id(self.module.weight): torch.ops.privleak.embedding_ghost_norm(ids.to(torch.int64), g)}
         # L1 needs the rows of the per-sample gradient: the g of equal tokens summed at the
         # position of the token's first occurrence in its sample.
         batch, length = ids.shape
