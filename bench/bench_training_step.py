@@ -3,7 +3,7 @@ materialised path and Opacus, in one run.
 
     python bench/bench_training_step.py [--quick] [--models paper-cnn cifar-cnn transformer large]
                                         [--skip-large] [--device cpu|cuda] [--threads 1] [--max-gb 16]
-                                        [--batches 64 256] [--physical 16]
+                                        [--batches 64 256] [--physical 16] [--profile]
 
 A step is forward, backward, clipping, noise and the optimizer step (SGD) on one batch, clip norm
 1, noise multiplier 1, flat clipping. Sides: "non-private" is plain torch (mean loss, backward,
@@ -40,7 +40,11 @@ per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --
 run. --quick runs the smallest settings with few repeats, as a smoke test. --physical N takes
 each batch in physical batches of N samples, as a logical batch too large for memory is taken:
 non-private torch accumulates the gradients of the batch's mean loss, book-keeping calls
-accumulate() per physical batch and step() once (the other sides are not run).
+accumulate() per physical batch and step() once (the other sides are not run). --profile adds
+what each side's step asks of the host: the ATen ops it dispatches ("ops", views included, each
+a call into torch's dispatcher), and on a GPU the kernels it launches and the GPU's busy time a
+step (torch.profiler; a step whose busy time is a small part of its wall time is bound by the
+host's Python and launches).
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ from _measure import cpu_name, ratio_by_round, seconds, seconds_by_round, table
 from privleak import dpsgd
 from privleak.models import PaperNetwork
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CLIP, SIGMA, LR = 1.0, 1.0, 0.05
 SIDES = ("non-private", "materialised", "book-keeping", "opacus hooks", "opacus ghost")
@@ -276,6 +281,41 @@ def needs_gb(model: nn.Module, batch: int) -> float:
     return batch * sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2**30
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the ATen ops dispatched (views included: each is a call into torch's dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_profile(fn, device: str, steps: int = 5) -> dict:
+    """What a side's step asks of the host: ATen ops dispatched a step, and on a GPU the kernels
+    launched a step and the GPU's busy time a step (its kernels' time, from torch.profiler). A small
+    model's GPU step is bound by the host (Python and launches) where the busy time is a small part
+    of the step's wall time."""
+    with _OpCount() as counter:
+        fn()
+    found = {"ops": counter.count}
+    if device == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+        events = prof.events()
+        launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                                       "cuLaunchKernelEx"))
+        busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        found.update(launches=launches / steps, busy_ms=busy / steps / 1e3)
+    return found
+
+
 def status_bytes(field: str) -> int:
     """A size from /proc/self/status (VmRSS: resident now, VmHWM: its peak), in bytes."""
     with open("/proc/self/status") as f:
@@ -367,6 +407,8 @@ def main() -> None:
                         help="take each batch in physical batches of this many samples (non-private and "
                              "book-keeping sides only)")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes instead of each model's own")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each side's ATen ops a step and, on a GPU, its kernel launches and GPU busy time")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -407,6 +449,7 @@ def main() -> None:
             rounds, repeat = (2, 2) if args.quick else (args.rounds, max(3, math.ceil(0.05 / once)))
             by_round = seconds_by_round(fns, rounds=rounds, repeat=repeat, sync=sync)
             times = {s: statistics.median(t) for s, t in by_round.items()}
+            hosts = {s: host_profile(fns[s], args.device) for s in sides} if args.profile else {}
             del steps, fns  # the children measure on the same GPU
             if args.device == "cuda":
                 torch.cuda.empty_cache()
@@ -422,14 +465,22 @@ def main() -> None:
                 else:
                     row["ms"] = f"{times[side] * 1e3:.1f}"
                     row["x non-private"] = f"{ratio_by_round(by_round, side, 'non-private'):.2f}x"
+                    if side in hosts:
+                        host = hosts[side]
+                        row["ops"] = str(host["ops"])
+                        if "launches" in host:
+                            row["launches"] = f"{host['launches']:.0f}"
+                            row["GPU busy ms"] = f"{host['busy_ms']:.2f}"
                     if side in memory:
                         peaks, floor = memory[side], memory["non-private"]
                         row["peak MiB"] = f"{peaks['peak'] / 2**20:.0f}"
                         row["mem x non-private"] = f"{peaks['peak'] / max(floor['peak'], 1):.2f}x"
                         row["after step 1"] = f"{peaks['later'] / max(floor['later'], 1):.2f}x"
                 rows.append(row)
-            print(table(rows[-len(SIDES):], ["model", "params", "batch", "side", "ms", "x non-private", "peak MiB",
-                                             "mem x non-private", "after step 1"]), flush=True)
+            profiled = ["ops", "launches", "GPU busy ms"] if args.device == "cuda" else ["ops"]
+            profiled = profiled if args.profile else []
+            print(table(rows[-len(SIDES):], ["model", "params", "batch", "side", "ms", "x non-private", *profiled,
+                                             "peak MiB", "mem x non-private", "after step 1"]), flush=True)
             print()
 
 
