@@ -531,9 +531,13 @@ class ConvLayer(Layer):
         """Values of the recorded inputs and output gradients per sample."""
         return sum(math.prod(x.shape[1:]) + math.prod(shape[1:]) for x, shape in zip(self.calls, self._output_sizes))
 
+    def _patch_size(self) -> int:
+        """d, the values of a patch: those of one output channel's weights (``weight[0]`` would be an op)."""
+        return math.prod(self.module.weight.shape[1:])
+
     def _ghost(self, norm_type: int) -> bool:
         m = self.module
-        return norm_type == 2 and use_ghost_norm(self._positions(), m.weight[0].numel(), m.out_channels // m.groups)
+        return norm_type == 2 and use_ghost_norm(self._positions(), self._patch_size(), m.out_channels // m.groups)
 
     def _choose(self, norm_type: int) -> Forming:
         m = self.module
@@ -610,7 +614,7 @@ class ConvLayer(Layer):
         elif pixels:
             norms, transient = self._pixel_ghost_norms, m.groups * 2 * pixels * pixels
         else:
-            norms, transient = self._ghost_norms, m.groups * self._positions() * m.weight[0].numel()
+            norms, transient = self._ghost_norms, m.groups * self._positions() * self._patch_size()
         if ghost:
             transient += self._positions() * m.out_channels
         step = samples_per_chunk(self._held_per_sample(), transient)
@@ -826,8 +830,9 @@ class GroupNormLayer(_AffineNorm):
             return super().weight_rows(call, x, g)
         x, g = _common(x, g)
         x, g = x.reshape(x.shape[0], x.shape[1], -1), g.reshape(g.shape[0], g.shape[1], -1)
-        mean, inverse_sigma = (s.to(x.dtype).repeat_interleave(x.shape[1] // s.shape[1], 1) for s in statistics)
-        return (torch.linalg.vecdot(x, g) - g.sum(2) * mean) * inverse_sigma
+        mean, inverse_sigma = (s.to(x.dtype).unsqueeze(2) for s in statistics)  # (B, groups, 1)
+        dot, total = (t.view(*mean.shape[:2], -1) for t in (torch.linalg.vecdot(x, g), g.sum(2)))  # by group
+        return ((dot - total * mean) * inverse_sigma).flatten(1)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         return F.group_norm(x, self.module.num_groups, eps=self.module.eps)
