@@ -96,6 +96,18 @@ CASES = [
     ("x list of floats", lambda: M.add_laplace_noise([1.0], 1.0), TypeError, "x\\[0\\] must be a torch tensor"),
     ("x list with an int tensor", lambda: M.add_gaussian_noise_([torch.ones(2), torch.ones(2, dtype=torch.int64)], 1.0),
      TypeError, "x\\[1\\] must have dtype"),
+    # Past the first tensor of a list each refusal still names its tensor (a quick test passes the usual case).
+    ("x list with a float", lambda: M.add_gaussian_noise_([torch.ones(2), 1.0], 1.0), TypeError,
+     "x\\[1\\] must be a torch tensor"),
+    ("x list with a sparse", lambda: M.add_gaussian_noise([torch.ones(2), torch.ones(3), torch.eye(2).to_sparse()],
+                                                          1.0), TypeError, "x\\[2\\] has layout"),
+    ("x list with a meta", lambda: M.add_gaussian_noise([torch.ones(2), torch.ones(2, device="meta")], 1.0),
+     ValueError, "x\\[1\\] is on device meta"),
+    ("x list misaligned", lambda: M.add_gaussian_noise(
+        [torch.ones(2), torch.frombuffer(bytearray(9), dtype=torch.float32, offset=1)], 1.0),
+     ValueError, "x\\[1\\] is not aligned"),
+    ("x list with a leaf", lambda: M.add_gaussian_noise_([torch.ones(2), LEAF], 1.0, key=1), RuntimeError,
+     "x\\[1\\] is a leaf tensor"),
     ("x numpy", lambda: M.add_gaussian_noise_(np.ones(3), 1.0), TypeError, "x must be a torch tensor"),
     ("x int", lambda: M.add_gaussian_noise(torch.ones(3, dtype=torch.int64), 1.0), TypeError, "x must have dtype"),
     ("x bool", lambda: M.add_gaussian_noise(torch.ones(3, dtype=torch.bool), 1.0), TypeError, "x must have dtype"),

@@ -126,6 +126,21 @@ def test_layouts_and_mixed_dtypes():
     assert torch.equal(ghost_norm_squared(a16, g), ghost_norm_squared(a16.float(), g))
 
 
+def test_one_call_for_many_layers_gives_each_layer_s_bits():
+    # Layers of other lengths, widths and dtypes (the workspace is the longest layer's) in one call.
+    layers = [(draw(3, 9, 20, seed=60), draw(3, 9, 7, seed=61)), (draw(3, 1, 5, seed=62), draw(3, 1, 300, seed=63)),
+              (draw(3, 130, 16, torch.bfloat16, seed=64), draw(3, 130, 4, torch.bfloat16, seed=65)),
+              (draw(3, 2, 3, torch.float64, seed=66), draw(3, 2, 9, torch.float64, seed=67))]
+    got = torch.ops.privleak.ghost_norm([a for a, _ in layers], [g for _, g in layers])
+    assert got.shape == (4, 3) and got.dtype == torch.float64
+    for row, (a, g) in zip(got, layers):
+        assert row.numpy().tobytes() == ghost_norm_squared(a, g).numpy().tobytes()
+        torch.testing.assert_close(row, per_sample_gradient_norm(a, g), rtol=1e-5, atol=0.0)
+    empty = torch.ops.privleak.ghost_norm([torch.empty(0, 2, 3), torch.empty(0, 4, 1)],
+                                          [torch.empty(0, 2, 5), torch.empty(0, 4, 2)])
+    assert empty.shape == (2, 0)
+
+
 def test_threads_do_not_change_the_bits(threads):
     a, g = draw(5, 70, 150, seed=13), draw(5, 70, 140, seed=14)
     results = []
@@ -141,8 +156,8 @@ CPU_BEST = _backend.core.build_info()["cpu_best_capability"]
 
 def core_ghost_norm(a, g, capability=None):
     out = torch.empty(a.shape[0], dtype=torch.float64)
-    _backend.core.ghost_norm(str(a.dtype).removeprefix("torch."), a.data_ptr(), g.data_ptr(), a.shape[0], a.shape[1],
-                             a.shape[2], g.shape[2], out.data_ptr(), capability)
+    _backend.core.ghost_norm([str(a.dtype).removeprefix("torch.")], [a.data_ptr()], [g.data_ptr()], a.shape[0],
+                             [a.shape[1]], [a.shape[2]], [g.shape[2]], out.data_ptr(), capability)
     return out
 
 
@@ -281,10 +296,12 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="output_grads must have dtype"):
         embedding_ghost_norm_squared(ids, g.long())
     # The ops themselves refuse what their kernels cannot read.
-    with pytest.raises(ValueError, match="privleak::ghost_norm takes"):
-        torch.ops.privleak.ghost_norm(a, g.double())
-    with pytest.raises(ValueError, match="privleak::ghost_norm takes"):
-        torch.ops.privleak.ghost_norm(a[0], g[0])
+    for activations, output_grads in [([a], [g.double()]), ([a[0]], [g[0]]), ([], []), ([a, a], [g]),
+                                      ([a, a[:1]], [g, g[:1]])]:  # dtypes, shapes, no layer, lengths, batches
+        with pytest.raises(ValueError, match="privleak::ghost_norm takes"):
+            torch.ops.privleak.ghost_norm(activations, output_grads)
+    with pytest.raises(ValueError, match="one dtype, activations, output_grads, length, d and p per layer"):
+        _backend.core.ghost_norm(["float32"], [a.data_ptr()], [], 2, [3], [4], [5], 0)
     with pytest.raises(ValueError, match="privleak::embedding_ghost_norm takes"):
         torch.ops.privleak.embedding_ghost_norm(ids.int(), g)
 
@@ -464,6 +481,16 @@ def test_cuda_gives_the_cpu_bits(shape, dtype):
     cpu = embedding_ghost_norm_squared(ids, g)
     gpu = embedding_ghost_norm_squared(ids.cuda(), g.cuda())
     assert cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
+
+
+@requires_cuda
+def test_cuda_many_layers_in_one_call_give_the_cpu_bits():
+    # The launches share one workspace, sized for the longest layer, on one stream.
+    layers = [(draw(3, 130, 20, seed=68), draw(3, 130, 7, seed=69)), (draw(3, 1, 5, seed=70), draw(3, 1, 300, seed=71)),
+              (draw(3, 9, 16, torch.bfloat16, seed=72), draw(3, 9, 4, torch.bfloat16, seed=73))]
+    cpu = torch.ops.privleak.ghost_norm([a for a, _ in layers], [g for _, g in layers])
+    gpu = torch.ops.privleak.ghost_norm([a.cuda() for a, _ in layers], [g.cuda() for _, g in layers])
+    assert gpu.device.type == "cuda" and cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
 
 
 @requires_cuda

@@ -161,16 +161,22 @@ PYBIND11_MODULE(_cuda, m) {
 
   m.def(
       "ghost_norm",
-      [](const std::string& dtype, std::uintptr_t activations, std::uintptr_t output_grads, int64_t batch,
-         int64_t length, int64_t d, int64_t p, std::uintptr_t out, std::uintptr_t workspace, int device,
-         std::uintptr_t stream) {
-        const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+      [](const std::vector<std::string>& dtypes, const std::vector<std::uintptr_t>& activations,
+         const std::vector<std::uintptr_t>& output_grads, int64_t batch, const std::vector<int64_t>& lengths,
+         const std::vector<int64_t>& ds, const std::vector<int64_t>& ps, std::uintptr_t out, std::uintptr_t workspace,
+         int device, std::uintptr_t stream) {
+        const std::vector<privleak::NoiseDType> types = marshal::ghost_norm_layers(dtypes, activations, output_grads,
+                                                                                  lengths, ds, ps);
         py::gil_scoped_release release;
-        privleak::cuda::ghost_norm(t, as_pointer(activations), as_pointer(output_grads), batch, length, d, p,
-                                   as_pointer<double>(out), as_pointer(workspace), device, as_pointer(stream));
+        // One stream: each launch finds the workspace free (sized for the longest layer).
+        for (size_t k = 0; k < types.size(); ++k)
+          privleak::cuda::ghost_norm(types[k], as_pointer(activations[k]), as_pointer(output_grads[k]), batch,
+                                     lengths[k], ds[k], ps[k], as_pointer<double>(out) + k * batch,
+                                     as_pointer(workspace), device, as_pointer(stream));
       },
-      py::arg("dtype"), py::arg("activations"), py::arg("output_grads"), py::arg("batch"), py::arg("length"),
-      py::arg("d"), py::arg("p"), py::arg("out"), py::arg("workspace"), py::arg("device"), py::arg("stream"));
+      "Layer k's ghost norms into row k of out (layers, batch).", py::arg("dtypes"), py::arg("activations"),
+      py::arg("output_grads"), py::arg("batch"), py::arg("lengths"), py::arg("ds"), py::arg("ps"), py::arg("out"),
+      py::arg("workspace"), py::arg("device"), py::arg("stream"));
 
   m.def("conv_ghost_norm_workspace_bytes", &privleak::cuda::conv_ghost_norm_workspace_bytes, py::arg("batch"),
         py::arg("pixels"), py::arg("length"));

@@ -42,6 +42,21 @@ inline NoiseDType parse_noise_dtype(const std::string& name) {
   throw std::invalid_argument("unsupported noise dtype '" + name + "' (expected float32, float64, bfloat16 or float16)");
 }
 
+// The dtypes of a ghost-norm call's layers, once its per-layer lists are checked to be one length.
+inline std::vector<NoiseDType> ghost_norm_layers(const std::vector<std::string>& dtypes,
+                                                 const std::vector<std::uintptr_t>& activations,
+                                                 const std::vector<std::uintptr_t>& output_grads,
+                                                 const std::vector<int64_t>& lengths, const std::vector<int64_t>& ds,
+                                                 const std::vector<int64_t>& ps) {
+  const size_t layers = dtypes.size();
+  if (activations.size() != layers || output_grads.size() != layers || lengths.size() != layers ||
+      ds.size() != layers || ps.size() != layers)
+    throw std::invalid_argument("ghost_norm: one dtype, activations, output_grads, length, d and p per layer");
+  std::vector<NoiseDType> types;
+  for (const std::string& name : dtypes) types.push_back(parse_noise_dtype(name));
+  return types;
+}
+
 inline std::vector<PerSampleGrads> per_sample_grads(const std::vector<std::uintptr_t>& grads,
                                              const std::vector<int64_t>& numels) {
   if (grads.size() != numels.size()) throw std::invalid_argument("one numel per gradient tensor is needed");

@@ -89,6 +89,14 @@ def view(x: Any, name: str, *, ndim: int | None = None, dtypes: Sequence[str] = 
                     name, ndim, dtypes, x.size, itemsize)
 
 
+def dtype_name(x: Any) -> str:
+    """A torch tensor's dtype as the core names it ("float32")."""
+    name = _DTYPE_NAMES.get(x.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+    return name
+
+
 def _tensor_view(x: Any, name: str, ndim: int | None, dtypes: Sequence[str]) -> ArrayView:
     """:func:`view` of a torch tensor. Runs on every kernel call, so it asks the tensor only what
     it must (a kernel call on a small tensor costs a few microseconds, and a step makes many)."""
@@ -111,10 +119,7 @@ def _tensor_view(x: Any, name: str, ndim: int | None, dtypes: Sequence[str]) -> 
         raise ValueError(f"{name} is on device {x.device}; privleak runs on cpu and cuda")
     # traced by torch.compile: no real address to check (the op itself runs on real data)
     size = 0 if torch.compiler.is_compiling() else x.numel()
-    dtype = _DTYPE_NAMES.get(x.dtype)
-    if dtype is None:
-        dtype = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-    view = ArrayView(x, x.data_ptr(), tuple(x.shape), x.stride(), dtype, device, index)
+    view = ArrayView(x, x.data_ptr(), tuple(x.shape), x.stride(), dtype_name(x), device, index)
     return _checked(view, name, ndim, dtypes, size, x.element_size())
 
 

@@ -40,9 +40,7 @@ class Operator:
             def kernel(*args):
                 result = function(*args)
                 for index in mutated:
-                    tensors = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
-                    for tensor in tensors:
-                        torch.autograd.graph.increment_version(tensor)
+                    torch.autograd.graph.increment_version(args[index])  # a tensor or a list of them
                 return result
         _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
         if not differentiable:

@@ -478,23 +478,23 @@ def _draw(distribution: str, size, scale: float, scale_name: str, generator, key
     return torch.ops.privleak.noise(dims, op_distribution, op_scale, words, offset, grid, dtype, device)
 
 
-def _check_inplace_target(x: torch.Tensor) -> None:
+def _check_inplace_target(x: torch.Tensor, name: str) -> None:
     """Refuse to modify x in place where torch's own in-place ops (``x.add_``) refuse, with the same
     RuntimeError: an inference tensor outside inference mode, or (with grad mode on) a leaf that
     requires grad or a view of one."""
     if x.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError("x is an inference tensor: an in-place update to it outside torch.inference_mode() is not "
-                           "allowed (torch's own in-place ops refuse it too); clone it first, or use the out-of-place "
-                           "add_*_noise")
+        raise RuntimeError(f"{name} is an inference tensor: an in-place update to it outside torch.inference_mode() "
+                           "is not allowed (torch's own in-place ops refuse it too); clone it first, or use the "
+                           "out-of-place add_*_noise")
     if torch.is_grad_enabled() and x.requires_grad:
         if x.is_leaf:
-            raise RuntimeError("x is a leaf tensor that requires grad: it cannot be used in an in-place operation "
-                               "(torch's own in-place ops refuse it too); use the out-of-place add_*_noise, "
+            raise RuntimeError(f"{name} is a leaf tensor that requires grad: it cannot be used in an in-place "
+                               "operation (torch's own in-place ops refuse it too); use the out-of-place add_*_noise, "
                                "or wrap the call in torch.no_grad()")
         base = x._base
         if base is not None and base.is_leaf and base.requires_grad:
-            raise RuntimeError("x is a view of a leaf tensor that requires grad: it cannot be used in an in-place "
-                               "operation (torch's own in-place ops refuse it too); use the out-of-place "
+            raise RuntimeError(f"{name} is a view of a leaf tensor that requires grad: it cannot be used in an "
+                               "in-place operation (torch's own in-place ops refuse it too); use the out-of-place "
                                "add_*_noise, or wrap the call in torch.no_grad()")
 
 
@@ -504,13 +504,12 @@ def _add(distribution: str, x, scale: float, scale_name: str, generator, key, of
     many = isinstance(x, (list, tuple))
     tensors = list(x) if many else [x]
     names = [f"x[{j}]" for j in range(len(tensors))] if many else ["x"]
-    views = [validation.tensor(t, name, dtypes=NOISE_DTYPES) for t, name in zip(tensors, names)]
-    for view, t, name in zip(views, tensors, names):
-        _arrays.require_same_device(view, name, views[0], names[0])
+    if tensors:
+        if validation.tensors(tensors, names, dtypes=NOISE_DTYPES).is_cuda:  # one device for all
+            _check_cuda(tensors[0].device, f"{names[0]}'s device")
         if inplace:
-            _check_inplace_target(t)
-    if views and views[0].is_cuda:  # one device for all
-        _check_cuda(tensors[0].device, f"{names[0]}'s device")
+            for t, name in zip(tensors, names):
+                _check_inplace_target(t, name)
     scale = validation.non_negative(scale, scale_name)
     _check_generator(generator)
     secure = isinstance(generator, SecureNoiseGenerator)

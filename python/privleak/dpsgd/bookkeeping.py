@@ -43,8 +43,9 @@ from torch import nn
 from privleak import validation
 from privleak.dpsgd import experts, tied  # noqa: F401 (experts: registers its rule in the layers' table)
 from privleak.dpsgd.clip import GRAD_DTYPES
+from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
-from privleak.dpsgd.layers import Layer, layer_for
+from privleak.dpsgd.layers import Layer, layer_for, total
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 
 
@@ -311,12 +312,12 @@ class BookKeeping:
         instead of four torch ops per tensor: on a small model each op costs more than its
         arithmetic, and on a GPU each is a launch."""
         config, norm_type = self.config, self.config.mechanism.clip_norm_type
-        rows, norms = {}, {}  # by slot
+        rows, terms = {}, {}  # by slot
         for layer in self.layers:
             rows.update((self._slots[key], r) for key, r in layer.rows(batch).items())
             for key, n in layer.norms(batch, norm_type).items():
-                slot = self._slots[key]
-                norms[slot] = n if slot not in norms else norms[slot] + n  # a tied parameter's layers: all of them
+                terms.setdefault(self._slots[key], []).append(n)  # a tied parameter's layers: all of them
+        norms = _summed_norms(terms)
         for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
             found = [f for f in (layer.factors(self.params[self._slots[key]]) for layer in sharing) if f is not None]
             if len(found) > 1:
@@ -450,6 +451,17 @@ def lowest(edges: list, parents: dict) -> list:
             above.add(node)
             stack.extend(parent for parent, _ in parents[node])
     return [edge for edge in edges if edge.node not in above]
+
+
+def _summed_norms(terms: dict) -> dict:
+    """Per slot the sum of its layers' norms, the ghost norms given as their inputs computed first,
+    all in one kernel call."""
+    pending = [n for ns in terms.values() for n in ns if isinstance(n, GhostNormInputs)]
+    if pending:
+        computed = iter(ghost_norms(pending))
+        terms = {slot: [next(computed) if isinstance(n, GhostNormInputs) else n for n in ns]
+                 for slot, ns in terms.items()}
+    return {slot: total(ns) for slot, ns in terms.items()}
 
 
 def finite_samples(norm_sums: torch.Tensor) -> Optional[torch.Tensor]:

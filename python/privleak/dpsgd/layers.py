@@ -305,7 +305,8 @@ class Layer:
 
     def norms(self, batch: int, norm_type: int) -> dict:
         """(B,) float64 per parameter without :meth:`rows`, by id: each sample's squared L2 norm
-        (norm_type 2) or L1 norm."""
+        (norm_type 2) or L1 norm; or a ghost norm's :class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`,
+        which the caller computes with the other layers' in one kernel call."""
         if not self.calls and not self.reduced:
             return {id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters}
         return self.norms_by_parameter(batch, norm_type)
@@ -379,17 +380,20 @@ def _named_rule(name: str) -> Optional[type]:
     return rule
 
 
-def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tensor:
+def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: bool = False):
     """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
     ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
     the gradient). At T = 1 the gradient g a^T has rank one and both norms factor:
-    |g a^T|_F^2 = |g|_2^2 |a|_2^2 and |g a^T|_1 = |g|_1 |a|_1."""
+    |g a^T|_F^2 = |g|_2^2 |a|_2^2 (the ghost norm's one term) and |g a^T|_1 = |g|_1 |a|_1. With
+    ``deferred``, a ghost norm is returned as its inputs (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`),
+    for the caller to compute with other layers' in one kernel call."""
+    if norm_type == 2 and (a.shape[1] == 1 or use_ghost_norm(a.shape[1], a.shape[2], g.shape[2])):
+        # A layer's own a and g (one dtype, as bmm below needs too) go to the kernel's op
+        # unchecked: ghost_norm_squared's checks cost twice the kernel on a small layer.
+        inputs = ghost_norm.GhostNormInputs(a, g)
+        return inputs if deferred else ghost_norm.ghost_norms([inputs])[0]
     if a.shape[1] == 1:
         return row_norms(a, norm_type) * row_norms(g, norm_type)
-    if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
-        # The kernel's op itself: a layer's own a and g (one dtype, as bmm below needs too) pass
-        # ghost_norm_squared's checks, which cost twice the kernel on a small layer.
-        return torch.ops.privleak.ghost_norm(a, g)
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
 
 
@@ -452,7 +456,7 @@ class LinearLayer(Layer):
         if not self.trains(self.module.weight):
             return {}
         a, g = self._sites()
-        return {id(self.module.weight): weight_norms(a, g, norm_type)}
+        return {id(self.module.weight): weight_norms(a, g, norm_type, deferred=True)}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         left, right = self.weight_factors(*(_zero_dropped(t, keep) for t in self._sites()))
