@@ -25,11 +25,12 @@ layers' outputs only (the ordinary parameter gradients are never computed), and 
 3. for the weights not formed, the clipped sum sum_i f_i sum_t g_{i,t} a_{i,t}^T, one GEMM
    over (i, t) with g scaled by f_i.
 
-The clipped sum goes to the mechanism as the materialised path's does: the noise is added to
-the sum, and the result divided by the expected batch size L (``mechanism.noise(sum, clipping,
-1, generator) / L``; VMF releases the direction, no division), so the update equals
-:func:`~privleak.dpsgd.privatize` of the materialised per-sample gradients for the same config
-and the same noise stream, up to float32 rounding.
+The clipped sum goes to the mechanism as the materialised path's does: divided by the expected
+batch size L (the clip factors scaled by 1/L), the noise's scale divided by L too
+(``mechanism.noise(sum / L, clipping, L, generator)``); secure noise is added to the sum itself,
+on its grid, and the result divided after it; VMF releases the direction, no division. So the
+update equals :func:`~privleak.dpsgd.privatize` of the materialised per-sample gradients for the
+same config and the same noise stream, up to float32 rounding.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from privleak import validation
+from privleak.mechanisms import SecureNoiseGenerator
 from privleak.dpsgd import experts, tied  # noqa: F401 (experts: registers its rule in the layers' table)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
@@ -186,8 +188,9 @@ class BookKeeping:
             output = layer.separated(args, kwargs, output)
             outputs = layer.record(args, kwargs, output)
             call = len(layer.calls) - 1
-            for index, y in enumerate(outputs):
-                y.register_hook(functools.partial(self._take_grad, layer, call, index))
+            if layer.acts_in_backward:  # else the backward hands the gradients over as its results
+                for index, y in enumerate(outputs):
+                    y.register_hook(functools.partial(self._take_grad, layer, call, index))
             for key, node in layer.nodes(call) if outputs else ():
                 node.register_prehook(functools.partial(self._take_node_grad, layer, key))
             return output
@@ -218,19 +221,29 @@ class BookKeeping:
         update is the one of the whole batch at once (float32 rounding aside), and the privacy
         accounting is the logical batch's. Holds one float32 sum per parameter between calls."""
         losses = _check_losses(per_sample_losses)
+        averaged = self._accumulated[1] if self._accumulated is not None else self._averages_in_clip()
         self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
         try:
-            sums = self._clipped_sums(losses)
+            sums = self._clipped_sums(losses, 1.0 / self._dp.expected_batch_size if averaged else 1.0)
         finally:
             self._recording = True
             self._clear()
         if sums is None:
             return
         if self._accumulated is None:
-            self._accumulated = sums
+            self._accumulated = (sums, averaged)
         else:
-            for total, s in zip(self._accumulated, sums):
+            for total, s in zip(self._accumulated[0], sums):
                 total.add_(s)
+
+    def _averages_in_clip(self) -> bool:
+        """Whether the clipped sums come divided by the expected batch size L (the clip factors
+        scaled by 1/L, which costs nothing, where a division of the sum would be a pass over the
+        model's size), and the noise then has its scale divided by L too, as the materialised
+        path's kernel scales its sum. Not for secure noise, which is discretised on the sum's
+        grid and so divided after it, nor for a release of the direction (VMF), which is not
+        divided at all."""
+        return not (self.config.mechanism.releases_direction or isinstance(self._dp.generator, SecureNoiseGenerator))
 
     def step(self, per_sample_losses: Optional[torch.Tensor] = None) -> list:
         """Privatise the batch and step the optimizer with the update as the parameters' ``.grad``
@@ -247,15 +260,18 @@ class BookKeeping:
             raise ValueError("step() got no per_sample_losses, but the model ran a forward pass with grad since the "
                              "last step or accumulate(): pass that batch's per-sample losses (run an evaluation "
                              "under torch.no_grad())")
-        sums, self._accumulated = self._accumulated, None
-        if sums is None:  # an empty batch
-            sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
+        accumulated, self._accumulated = self._accumulated, None
+        if accumulated is None:  # an empty batch
+            accumulated = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params], \
+                self._averages_in_clip()
+        sums, averaged = accumulated
         config = self.config
         clipping = config.clipping(len(self.params))
         mechanism = config.mechanism
-        update = mechanism.noise(sums, clipping, 1.0, self._dp.generator, inplace=True)
-        if not mechanism.releases_direction:  # secure noise is discretised on the sum's grid: divide after it
-            torch._foreach_mul_(update, 1.0 / self._dp.expected_batch_size)
+        batch_size = self._dp.expected_batch_size
+        update = mechanism.noise(sums, clipping, batch_size if averaged else 1.0, self._dp.generator, inplace=True)
+        if not averaged and not mechanism.releases_direction:
+            torch._foreach_mul_(update, 1.0 / batch_size)
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()
@@ -264,8 +280,8 @@ class BookKeeping:
             p.grad = None
         return update
 
-    def _clipped_sums(self, losses: torch.Tensor) -> Optional[list]:
-        """sum_i f_i g_i per parameter, float32, in the optimizer's order; None for no samples."""
+    def _clipped_sums(self, losses: torch.Tensor, scale: float) -> Optional[list]:
+        """scale sum_i f_i g_i per parameter, float32, in the optimizer's order; None for no samples."""
         batch = losses.shape[0]
         if batch == 0:
             return None
@@ -283,28 +299,40 @@ class BookKeeping:
                              "last step")
         handles = [node.register_prehook(functools.partial(self._take_shared_grad, uses, use))
                    for _, _, found in shared for uses in found for (_, use), node in uses.nodes()]
-        # The layers take their gradients from tensor hooks, as the backward reaches them, and may
-        # reduce them there. Asking autograd only for the lowest layers' gradients keeps it from
-        # holding every layer's until the end; the backward still runs through all the others.
+        # The layers that act on their gradients in the backward (reduce them, so that they are
+        # freed as it goes on) take them from tensor hooks as it reaches them; the others' are its
+        # results (they keep them to the end anyway). Asking autograd for the lowest layers'
+        # gradients too makes the backward run through all the layers, without holding the others'.
+        after = [(layer, call, layer.call_edges(call)) for layer in self.layers if not layer.acts_in_backward
+                 for call in range(len(layer.calls)) if (id(layer), call) not in self._shared]
+        wanted = [edge for _, _, call_edges in after for edge in call_edges]
+        taken = set(wanted)
         self._collecting = True
         try:
             # Parameters whose gradients come from pre-hooks on the nodes using them (broadcast
             # parameters): asking for theirs makes the backward run those nodes.
             forced = [t for layer in self.layers for t in layer.forced_inputs()]
-            torch.autograd.grad(losses, lowest(edges, parents) + forced, grad_outputs=torch.ones_like(losses),
-                                allow_unused=True)
+            grads = torch.autograd.grad(
+                losses, wanted + [edge for edge in lowest(edges, parents) if edge not in taken] + forced,
+                grad_outputs=torch.ones_like(losses), allow_unused=True)
         finally:
             self._collecting, self._shared = False, frozenset()
             for handle in handles:
                 handle.remove()
+        grads, norm_type = iter(grads), self.config.mechanism.clip_norm_type
+        for layer, call, call_edges in after:
+            for output in range(len(call_edges)):
+                grad = next(grads)
+                if grad is not None:  # None: the loss does not use the output
+                    layer.take_grad(call, output, grad, norm_type)
         for layer, call, found in shared:
-            layer.broadcast(call, [uses.rows(0) for uses in found], self.config.mechanism.clip_norm_type)
+            layer.broadcast(call, [uses.rows(0) for uses in found], norm_type)
         for layer in self.layers:
             layer.finish()
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
-            return self._clip(batch)
+            return self._clip(batch, scale)
 
-    def _clip(self, batch: int) -> list:
+    def _clip(self, batch: int, scale: float) -> list:
         """Norms, clip factors and clipped sums of the layers' gradients after the backward pass.
         The per-sample gradients the layers formed go through the fused clip kernel, one call for
         their norms and clipped sums both, with the other layers' norms (ghost norms) as given
@@ -331,7 +359,7 @@ class BookKeeping:
         if rows:
             tensors = _kernel_rows([rows[s] for s in sorted(rows)])
             *totals, norm_sums, factors = torch.ops.privleak.clip_accumulate(
-                tensors, clip_norms, config.per_layer, 0.0, [0, 0], 0, 1.0, norm_type, given)
+                tensors, clip_norms, config.per_layer, 0.0, [0, 0], 0, scale, norm_type, given)
             for slot, t in zip(sorted(rows), totals):
                 sums[slot] = t
         else:
@@ -341,7 +369,8 @@ class BookKeeping:
         # so the GPU runs the backward pass meanwhile; dropping one needs to know it before them.
         dropping = config.non_finite == "drop"
         keep = finite_samples(norm_sums) if dropping else None
-        column = dict(zip(sorted(norms), factors[:, len(rows):].unbind(1)))
+        columns = factors[:, len(rows):]
+        column = dict(zip(sorted(norms), (columns if scale == 1.0 else columns * scale).unbind(1)))
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
         # it can reuse: one buffer for the whole update, allocated up front, would add a model's
         # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).

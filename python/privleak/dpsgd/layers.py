@@ -259,8 +259,18 @@ class Layer:
     def take_node_grad(self, key: tuple, grad: Optional[torch.Tensor]) -> None:
         """The output gradient of the node of :meth:`nodes` named ``key``, during the backward pass."""
 
+    @property
+    def acts_in_backward(self) -> bool:
+        """Whether the layer acts on its output gradients as the backward pass brings them (a
+        :meth:`reduce` or :meth:`take_grad` of its own). Else it may take them once the backward
+        is over, as results of it, without a tensor hook per output (a Python call each in the
+        backward, and the hook's registration in the forward)."""
+        cls = type(self)
+        return cls.reduce is not Layer.reduce or cls.take_grad is not Layer.take_grad
+
     def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
-        """The gradient of recorded output ``output`` of call ``call``, during the backward pass."""
+        """The gradient of recorded output ``output`` of call ``call``, during the backward pass
+        (after it, for a layer that does not :attr:`acts_in_backward`)."""
         if call in self.flattened:
             grad = grad.unflatten(0, (self.flattened[call], -1))
         grads = self.grads[call]
