@@ -42,13 +42,13 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.mechanisms import SecureNoiseGenerator
 from privleak.dpsgd import experts, tied  # noqa: F401 (experts: registers its rule in the layers' table)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
 from privleak.dpsgd.layers import Layer, layer_for, total
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
+from privleak.mechanisms import SecureNoiseGenerator
 
 
 class BookKeeping:
