@@ -296,8 +296,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="output_grads must have dtype"):
         embedding_ghost_norm_squared(ids, g.long())
     # The ops themselves refuse what their kernels cannot read.
-    for activations, output_grads in [([a], [g.double()]), ([a[0]], [g[0]]), ([], []), ([a, a], [g]),
-                                      ([a, a[:1]], [g, g[:1]])]:  # dtypes, shapes, no layer, lengths, batches
+    # dtypes, shapes (a 0-d first one too), no layer, list lengths, batches
+    for activations, output_grads in [([a], [g.double()]), ([a[0]], [g[0]]), ([a[0, 0, 0]], [g]), ([], []),
+                                      ([a, a], [g]), ([a, a[:1]], [g, g[:1]])]:
         with pytest.raises(ValueError, match="privleak::ghost_norm takes"):
             torch.ops.privleak.ghost_norm(activations, output_grads)
     with pytest.raises(ValueError, match="one dtype, activations, output_grads, length, d and p per layer"):

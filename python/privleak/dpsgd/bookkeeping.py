@@ -6,7 +6,8 @@ input a; :meth:`BookKeeping.step` takes the per-sample losses, runs one backward
 layers' outputs only (the ordinary parameter gradients are never computed), and per layer
 (:mod:`privleak.dpsgd.layers`):
 
-0. the layer takes its output gradient g from a tensor hook as the backward reaches it. Where
+0. the layer takes its output gradient g from a tensor hook as the backward reaches it (a layer
+   that keeps g to the end anyway, Linear or Embedding, takes it as a result of the backward). Where
    its per-sample gradients are no larger than a and g (GroupNorm, LayerNorm, convolutions with
    few weights) it forms them there, so a and g are freed as the backward goes on, as an
    ordinary backward frees its activations; a convolution whose per-sample gradients are up to

@@ -83,7 +83,8 @@ def _ghost_norm_op(activations: list[torch.Tensor], output_grads: list[torch.Ten
     kernels (the tiny transformer's nine Linear layers, with the stack of their norms: 55 -> 40 us
     on the CPU)."""
     pairs = [(a.contiguous(), g.contiguous()) for a, g in zip(activations, output_grads)]
-    batch, device = (pairs[0][0].shape[0], pairs[0][0].get_device()) if pairs else (0, 0)
+    first = pairs[0][0] if pairs else torch.empty(())
+    batch, device = (first.shape[0], first.get_device()) if first.ndim else (-1, 0)
     dtypes = [_dtype_name(a) for a, _ in pairs]
     if (not pairs or len(activations) != len(output_grads)
             or any(a.ndim != 3 or g.ndim != 3 or a.shape[0] != batch or g.shape[0] != batch or a.shape[1] != g.shape[1]
@@ -92,7 +93,7 @@ def _ghost_norm_op(activations: list[torch.Tensor], output_grads: list[torch.Ten
         raise ValueError("privleak::ghost_norm takes one or more layers' activations (B, T, d) and output_grads (B, "
                          "T, p), each pair of one float dtype, all of one B and device; ghost_norm_squared checks and "
                          "converts any other input")
-    first, lengths = pairs[0][0], [a.shape[1] for a, _ in pairs]
+    lengths = [a.shape[1] for a, _ in pairs]
     out = torch.empty(len(pairs), batch, dtype=torch.float64, device=first.device)
     if batch:
         _backend.call("ghost_norm", first, dtypes, [a.data_ptr() for a, _ in pairs],
