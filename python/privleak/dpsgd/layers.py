@@ -394,16 +394,17 @@ def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: 
     """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
     ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
     the gradient). At T = 1 the gradient g a^T has rank one and both norms factor:
-    |g a^T|_F^2 = |g|_2^2 |a|_2^2 (the ghost norm's one term) and |g a^T|_1 = |g|_1 |a|_1. With
-    ``deferred``, a ghost norm is returned as its inputs (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`),
-    for the caller to compute with other layers' in one kernel call."""
-    if norm_type == 2 and (a.shape[1] == 1 or use_ghost_norm(a.shape[1], a.shape[2], g.shape[2])):
+    |g a^T|_F^2 = |g|_2^2 |a|_2^2 and |g a^T|_1 = |g|_1 |a|_1 (the ghost-norm kernel, whose panels
+    are 8 or 16 positions, was 10-30x slower there: B 64, d 512, p 32). With ``deferred``, a ghost
+    norm is returned as its inputs (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for the
+    caller to compute with other layers' in one kernel call."""
+    if a.shape[1] == 1:
+        return row_norms(a, norm_type) * row_norms(g, norm_type)
+    if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
         # A layer's own a and g (one dtype, as bmm below needs too) go to the kernel's op
         # unchecked: ghost_norm_squared's checks cost twice the kernel on a small layer.
         inputs = ghost_norm.GhostNormInputs(a, g)
         return inputs if deferred else ghost_norm.ghost_norms([inputs])[0]
-    if a.shape[1] == 1:
-        return row_norms(a, norm_type) * row_norms(g, norm_type)
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
 
 
