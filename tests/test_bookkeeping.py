@@ -1318,6 +1318,29 @@ def test_a_layer_that_forms_its_rows_in_the_backward_lets_its_input_go():
     assert alive == [False]
 
 
+def test_a_layer_s_input_and_output_gradient_go_before_the_next_layer_s_sum():
+    """The clip forms the layers' sums in turn, each after the layer before let go of its input
+    and output gradient: nothing of book-keeping's holds them on (the ghost norms' inputs and the
+    backward's results, held through the sums, added the model's activations to the clip's peak:
+    69M transformer, B 8, 1.35x the non-private step's peak RSS)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # ghost norms at T = 3: 2 T^2 < 8 x 8
+    bk = make(model)
+    first, second = bk.layers
+    held, alive = [], []
+
+    def first_sums(factors, keep, original=first.sums_by_parameter):
+        held.extend(weakref.ref(t) for t in (first.calls[0], first.grads[0]))
+        return original(factors, keep)
+
+    def second_sums(factors, keep, original=second.sums_by_parameter):
+        alive.extend(ref() is not None for ref in held)
+        return original(factors, keep)
+
+    first.sums_by_parameter, second.sums_by_parameter = first_sums, second_sums
+    bk.step(model(torch.randn(5, 3, 8)).pow(2).sum((1, 2)))
+    assert alive == [False, False]
+
+
 class BroadcastUses(nn.Module):
     """Parameters of the model itself beside its layers, used as ``use`` says: a class token cls
     (1, 1, 4) expanded over the batch and prepended, a position embedding p (1, 5, 4) (or repeated
