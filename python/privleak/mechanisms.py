@@ -479,9 +479,9 @@ def _draw(distribution: str, size, scale: float, scale_name: str, generator, key
 
 
 def _check_inplace_target(x: torch.Tensor, name: str) -> None:
-    """Refuse to modify x in place where torch's own in-place ops (``x.add_``) refuse, with the same
-    RuntimeError: an inference tensor outside inference mode, or (with grad mode on) a leaf that
-    requires grad or a view of one."""
+    """Refuse to modify x (named ``name``) in place where torch's own in-place ops (``x.add_``)
+    refuse, with the same RuntimeError: an inference tensor outside inference mode, or (with grad
+    mode on) a leaf that requires grad or a view of one."""
     if x.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name} is an inference tensor: an in-place update to it outside torch.inference_mode() "
                            "is not allowed (torch's own in-place ops refuse it too); clone it first, or use the "

@@ -167,12 +167,13 @@ def tensors(values: Sequence[Any], names: Sequence[str], *, dtypes: Sequence[str
     device; the first one's :class:`privleak._arrays.ArrayView`. A tensor that passes a quick test
     of the usual case (dense and strided, of one of ``dtypes``, on the first one's device,
     aligned) is not described: a model's tensors are many and often small, and describing each
-    cost more than its noise (26 tensors: 45 us of a 2.2 ms DP step). Any other gets
-    :func:`tensor`'s checks, which name what is wrong."""
+    cost more than its noise (the noise of a small transformer's 26 tensors, checks included: 95
+    -> 61 us). Any other gets :func:`tensor`'s checks, which name what is wrong."""
+    import torch  # loaded: values[0] is a tensor
+
     from privleak import _arrays
 
     first = tensor(values[0], names[0], dtypes=dtypes)
-    torch = _arrays._loaded_torch()
     quick = not torch.compiler.is_compiling()  # traced by torch.compile: no real address to check
     device, strided = values[0].device, torch.strided
     for value, name in zip(values[1:], names[1:]):
