@@ -225,6 +225,11 @@ def test_ops_work_under_torch_compile():
     fn = torch.compile(lambda x: M.add_gaussian_noise(x * 2, 1.0, key=5), backend="eager", fullgraph=True)
     x = torch.ones(8)
     assert torch.equal(fn(x), M.add_gaussian_noise(x * 2, 1.0, key=5))
+    # A list of tensors: their checks traced too (no real address to test while tracing).
+    many = torch.compile(lambda xs: M.add_laplace_noise([x * 2 for x in xs], 1.0, key=5), backend="eager",
+                         fullgraph=True)
+    xs = [torch.ones(3), torch.ones(2, 2)]
+    assert all(torch.equal(g, w) for g, w in zip(many(xs), M.add_laplace_noise([x * 2 for x in xs], 1.0, key=5)))
 
 
 def test_generator_state_round_trips():
