@@ -56,7 +56,7 @@ def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor,
         sums[:, len(grads):] = other_sums
     factors = torch.empty(batch, columns, dtype=torch.float32, device=device)
     numels = [math.prod(g.shape[1:]) for g in grads]
-    args = (str(grads[0].dtype).removeprefix("torch."), [g.data_ptr() for g in grads], numels,
+    args = (_arrays.dtype_name(grads[0]), [g.data_ptr() for g in grads], numels,
             [o.data_ptr() for o in outs], batch, columns, clip_norms.data_ptr(), per_layer, norm_type, noise_std,
             key[0] | (key[1] << 32), offset, scale, sums.data_ptr(), factors.data_ptr())
     _backend.call("clip_accumulate", grads[0], *args,

@@ -39,10 +39,6 @@ INPUT_DTYPES = ("float32", "float64", "bfloat16", "float16")
 Size = Union[int, Sequence[int]]
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 @_ops.operator("conv_weight_grads")
 def _conv_weight_grads_op(inputs: torch.Tensor, output_grads: torch.Tensor, kernel_size: list[int],
                           stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
@@ -54,7 +50,8 @@ def _conv_weight_grads_op(inputs: torch.Tensor, output_grads: torch.Tensor, kern
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.empty(batch, g.shape[1], channels, *kernel_size, dtype=accumulate, device=x.device)
     if batch:
-        _backend.call("conv_weight_grads", x, _dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr())
+        _backend.call("conv_weight_grads", x, _arrays.dtype_name(x), x.data_ptr(), g.data_ptr(), geometry,
+                      out.data_ptr())
     return out
 
 
@@ -65,7 +62,7 @@ def op_arguments(op: str, inputs: torch.Tensor, output_grads: torch.Tensor, kern
     and convert their arguments first)."""
     x, g = inputs.contiguous(), output_grads.contiguous()
     if (x.ndim != 4 or g.ndim != 4 or x.shape[0] != g.shape[0] or x.dtype != g.dtype or x.device != g.device
-            or x.device.type not in ("cpu", "cuda") or _dtype_name(x) not in INPUT_DTYPES):
+            or x.device.type not in ("cpu", "cuda") or _arrays.dtype_name(x) not in INPUT_DTYPES):
         raise ValueError(f"privleak::{op} takes inputs (N, C, H, W) and output_grads (N, O, H_out, W_out) of one float "
                          "dtype and device (cpu or cuda); the public functions check and convert any other input")
     for name, sizes in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding),

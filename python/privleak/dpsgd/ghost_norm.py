@@ -56,10 +56,6 @@ MAX_PIXELS = 2**14
 _ID_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 class GhostNormInputs(NamedTuple):
     """A layer's activations (B, T, d) and output gradients (B, T, p), of one dtype, whose ghost
     norm :func:`ghost_norms` computes with other layers' in one kernel call."""
@@ -85,7 +81,7 @@ def _ghost_norm_op(activations: list[torch.Tensor], output_grads: list[torch.Ten
     pairs = [(a.contiguous(), g.contiguous()) for a, g in zip(activations, output_grads)]
     first = pairs[0][0] if pairs else torch.empty(())
     batch, device = (first.shape[0], first.get_device()) if first.ndim else (-1, 0)
-    dtypes = [_dtype_name(a) for a, _ in pairs]
+    dtypes = [_arrays.dtype_name(a) for a, _ in pairs]
     if (not pairs or len(activations) != len(output_grads)
             or any(a.ndim != 3 or g.ndim != 3 or a.shape[0] != batch or g.shape[0] != batch or a.shape[1] != g.shape[1]
                    or a.dtype != g.dtype or a.get_device() != device or g.get_device() != device for a, g in pairs)
@@ -119,7 +115,7 @@ def _conv_ghost_norm_op(inputs: torch.Tensor, output_grads: torch.Tensor, kernel
     batch, pixels, positions = x.shape[0], x.shape[2] * x.shape[3], g.shape[2] * g.shape[3]
     out = torch.empty(batch, dtype=torch.float64, device=x.device)
     if batch:
-        _backend.call("conv_ghost_norm", x, _dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr(),
+        _backend.call("conv_ghost_norm", x, _arrays.dtype_name(x), x.data_ptr(), g.data_ptr(), geometry, out.data_ptr(),
                       workspace=lambda module: module.conv_ghost_norm_workspace_bytes(batch, pixels, positions))
     return out
 
@@ -135,13 +131,13 @@ def _embedding_ghost_norm_op(ids: torch.Tensor, output_grads: torch.Tensor) -> t
     and output gradients (B, T, p) on one device."""
     ids, g = ids.contiguous(), output_grads.contiguous()
     if (g.ndim != 3 or ids.shape != g.shape[:2] or ids.dtype != torch.int64 or ids.device != g.device
-            or _dtype_name(g) not in INPUT_DTYPES):
+            or _arrays.dtype_name(g) not in INPUT_DTYPES):
         raise ValueError("privleak::embedding_ghost_norm takes int64 ids (B, T) and output_grads (B, T, p) of a float "
                          "dtype on one device; embedding_ghost_norm_squared checks and converts any other input")
     batch, length, p = g.shape
     out = torch.empty(batch, dtype=torch.float64, device=g.device)
     if batch:
-        _backend.call("embedding_ghost_norm", g, _dtype_name(g), ids.data_ptr(), g.data_ptr(), batch, length, p,
+        _backend.call("embedding_ghost_norm", g, _arrays.dtype_name(g), ids.data_ptr(), g.data_ptr(), batch, length, p,
                       out.data_ptr(),
                       workspace=lambda module: module.embedding_ghost_norm_workspace_bytes(batch, length))
     return out
