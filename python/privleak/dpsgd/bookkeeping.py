@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs,
 from privleak.dpsgd.layers import Layer, layer_for, total
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 from privleak.mechanisms import SecureNoiseGenerator
+
+if TYPE_CHECKING:
+    from privleak.dpsgd.graphed import GraphedStep
 
 
 class BookKeeping:
@@ -223,19 +226,28 @@ class BookKeeping:
         accounting is the logical batch's. Holds one float32 sum per parameter between calls."""
         losses = _check_losses(per_sample_losses)
         averaged = self._accumulated[1] if self._accumulated is not None else self._averages_in_clip()
-        self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
-        try:
-            sums = self._clipped_sums(losses, 1.0 / self._dp.expected_batch_size if averaged else 1.0)
-        finally:
-            self._recording = True
-            self._clear()
-        if sums is None:
+        clipped = self._clipped_batch(losses, averaged)
+        if clipped is None:
             return
+        sums, norm_sums = clipped
+        # Raising for a non-finite sample waits (a host sync on a GPU) until the sums are queued,
+        # so the GPU runs the backward pass meanwhile.
+        self._check_finite(norm_sums, losses.shape[0])
         if self._accumulated is None:
             self._accumulated = (sums, averaged)
         else:
             for total, s in zip(self._accumulated[0], sums):
                 total.add_(s)
+
+    def _clipped_batch(self, losses: torch.Tensor, averaged: bool, *, synced: bool = True) -> Optional[tuple]:
+        """:meth:`_clipped_sums` of the batch recorded since the last step, its sums divided by L
+        if ``averaged``; the layers' records let go after."""
+        self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
+        try:
+            return self._clipped_sums(losses, 1.0 / self._dp.expected_batch_size if averaged else 1.0, synced=synced)
+        finally:
+            self._recording = True
+            self._clear()
 
     def _averages_in_clip(self) -> bool:
         """Whether the clipped sums come divided by the expected batch size L (the clip factors
@@ -265,7 +277,41 @@ class BookKeeping:
         if accumulated is None:  # an empty batch
             accumulated = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params], \
                 self._averages_in_clip()
-        sums, averaged = accumulated
+        return self._release(*accumulated)
+
+    def graphed(self, loss_fn, *example_inputs: torch.Tensor, max_batch: Optional[int] = None,
+                warmup: int = 2) -> "GraphedStep":
+        """This step for ``per_sample_losses = loss_fn(*inputs)``, its forward, backward and clip
+        captured once in a CUDA graph and replayed each call; the noise, the optimizer step and the
+        accounting run eagerly after each replay, as :meth:`step` runs them
+        (:mod:`privleak.dpsgd.graphed`)::
+
+            step = bk.graphed(lambda x, y: F.cross_entropy(model(x), y, reduction="none"), x0, y0,
+                              max_batch=300)
+            for x, y in batches:                   # Poisson batches of up to max_batch samples
+                update = step(x, y)                # = bk.step(loss_fn(x, y)), float32 rounding aside
+
+        The graph is captured for ``max_batch`` samples (default: the example's), a smaller batch
+        padded with copies of its first sample whose losses are multiplied by 0; an empty batch or
+        a larger one takes the eager step. ``warmup`` runs of the captured part on the example
+        precede the capture (they change nothing). The model's forward must be capturable: no
+        host syncs or data-dependent shapes (a mixture of experts' routing is neither); a capture
+        that meets one fails with torch's error. On a CPU there is no graph, and the returned
+        step runs the padded step eagerly."""
+        from privleak.dpsgd.graphed import GraphedStep
+
+        return GraphedStep(self, loss_fn, example_inputs, max_batch=max_batch, warmup=warmup)
+
+    def _check_finite(self, norm_sums: torch.Tensor, batch: int) -> None:
+        """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
+        non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used."""
+        if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums)) is not None:
+            raise ValueError(f"per-sample gradients of samples {(~keep[:batch]).nonzero().flatten().tolist()} are "
+                             "not finite; pass non_finite='drop' to leave such samples out")
+
+    def _release(self, sums: list, averaged: bool) -> list:
+        """Noise the clipped sums (divided by L if ``averaged``), make them the parameters'
+        gradients and step the optimizer: the step's privacy, always run eagerly."""
         config = self.config
         clipping = config.clipping(len(self.params))
         mechanism = config.mechanism
@@ -281,8 +327,11 @@ class BookKeeping:
             p.grad = None
         return update
 
-    def _clipped_sums(self, losses: torch.Tensor, scale: float) -> Optional[list]:
-        """scale sum_i f_i g_i per parameter, float32, in the optimizer's order; None for no samples."""
+    def _clipped_sums(self, losses: torch.Tensor, scale: float, *, synced: bool = True) -> Optional[tuple]:
+        """(sums, norm sums): scale sum_i f_i g_i per parameter, float32, in the optimizer's
+        order, and the clip kernel's per-sample norm sums (B, C), not yet checked for non-finite
+        samples (:meth:`_check_finite`); None for no samples. ``synced=False``: nothing in it waits
+        for the device (a CUDA graph captures it), so samples to drop are masked, not looked up."""
         batch = losses.shape[0]
         if batch == 0:
             return None
@@ -302,7 +351,7 @@ class BookKeeping:
         for layer in self.layers:
             layer.finish()
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
-            return self._clip(batch, scale)
+            return self._clip(batch, scale, synced)
 
     def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:
         """The one backward pass, its gradients handed to the layers. The layers that act on their
@@ -339,7 +388,7 @@ class BookKeeping:
         for layer, call, found in shared:
             layer.broadcast(call, [uses.rows(0) for uses in found], norm_type)
 
-    def _clip(self, batch: int, scale: float) -> list:
+    def _clip(self, batch: int, scale: float, synced: bool) -> tuple:
         """Norms, clip factors and clipped sums of the layers' gradients after the backward pass.
         The per-sample gradients the layers formed go through the fused clip kernel, one call for
         their norms and clipped sums both, with the other layers' norms (ghost norms) as given
@@ -367,10 +416,11 @@ class BookKeeping:
         else:
             norm_sums = given
             factors = torch.ops.privleak.clip_factors(norm_sums, clip_norms, config.per_layer, norm_type)
-        # Raising for a non-finite sample waits (a host sync on a GPU) until the sums are queued,
-        # so the GPU runs the backward pass meanwhile; dropping one needs to know it before them.
-        dropping = config.non_finite == "drop"
-        keep = finite_samples(norm_sums) if dropping else None
+        # Dropping a non-finite sample needs to know it before the sums: on a GPU a host sync,
+        # or, where none may wait (a graph), a mask over every sample.
+        keep = None
+        if config.non_finite == "drop":
+            keep = finite_samples(norm_sums) if synced else torch.isfinite(norm_sums).all(1)
         columns = factors[:, len(rows):]
         column = dict(zip(sorted(norms), (columns if scale == 1.0 else columns * scale).unbind(1)))
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
@@ -384,10 +434,7 @@ class BookKeeping:
                     slot = self._slots[key]
                     sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
             layer.clear()
-        if not dropping and (keep := finite_samples(norm_sums)) is not None:
-            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are not "
-                             "finite; pass non_finite='drop' to leave such samples out")
-        return sums
+        return sums, norm_sums
 
     def _rows_and_norms(self, batch: int, norm_type: int) -> tuple[dict, dict]:
         """By slot, the per-sample gradients the layers formed and the other parameters' norms

@@ -1,0 +1,163 @@
+"""BookKeeping.graphed: the step with its forward, backward and clip captured in a CUDA graph (on a
+CPU, the same padded step run eagerly), against the materialised path (torch.func per-sample
+gradients through DPOptimizer, same config, same noise stream), and what its captured part may
+not do: wait for the device."""
+import copy
+import re
+
+import pytest
+import torch
+from conftest import requires_cuda
+from privleak import dpsgd
+from privleak import mechanisms as M
+from test_bookkeeping import CONFIGS, TinyTransformer, assert_same_update, data, small_cnn
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytestmark = [
+    # torch.func has no batching rule for the fused CPU attention kernel that nn.MultiheadAttention calls
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]
+
+#: ops that read a tensor's value on the host: a sync on a GPU, refused inside a graph capture
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
+              "aten.is_nonzero.default", "aten.equal.default"}
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in HOST_READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def make(kind, mechanism, per_layer, device, max_batch, non_finite="raise"):
+    torch.manual_seed(3)
+    reference = TinyTransformer() if kind == "transformer" else small_cnn()
+    model = copy.deepcopy(reference).to(device)
+    inputs, targets, loss = data(kind, 24, torch.Generator().manual_seed(4))
+    clip = [0.3] * len(list(model.parameters())) if per_layer else 0.5
+    config = CONFIGS[mechanism](clip, per_layer)
+    if non_finite != "raise":
+        config = dpsgd.DPSGDConfig(clip, "gaussian", noise_multiplier=0.7, per_layer=per_layer, non_finite=non_finite)
+    dp = dpsgd.DPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.5), config, 4.0,
+                           M.NoiseGenerator(11))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), config,
+                           expected_batch_size=4.0, generator=M.NoiseGenerator(11))
+    step = bk.graphed(lambda x, y: loss(model(x), y), inputs[:3].to(device), targets[:3].to(device),
+                      max_batch=max_batch)
+    return reference, model, dp, bk, step, inputs, targets, loss
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("kind, mechanism, per_layer", [
+    ("transformer", "gaussian", False), ("transformer", "vmf", True), ("cnn", "gaussian", True),
+    ("cnn", "laplace", False)])
+def test_a_graphed_step_matches_the_materialised_path(kind, mechanism, per_layer, device):
+    """Steps of SGD with momentum on batches of 3, 5 (the graph's size), 0, 7 (more than it: the
+    eager step), 1 and 4 samples: the materialised path's updates and parameters after every step,
+    its step count and privacy report. On CUDA the reference runs on the CPU (the noise streams
+    give the same bits on both) and the step replays a captured graph."""
+    reference, model, dp, bk, step, inputs, targets, loss = make(kind, mechanism, per_layer, device, max_batch=5)
+    assert (step._graph is not None) == (device == "cuda")
+    start = 0
+    for size in (3, 5, 0, 7, 1, 4):
+        rows = torch.arange(start, start + size)
+        start += size
+        if size:
+            grads = dpsgd.per_sample_gradients(reference, lambda out, y: loss(out, y).sum(), inputs[rows],
+                                               targets[rows])
+        else:  # torch.func cannot vmap nn.MultiheadAttention over zero samples
+            grads = [torch.zeros(0, *p.shape) for p in reference.parameters()]
+        want = dp.step(grads)
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+            got = step(inputs[rows].to(device), targets[rows].to(device))
+        assert_same_update([g.cpu() for g in got], want)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), q, rtol=1e-4, atol=1e-6)
+    assert bk.steps == dp.steps == 6
+    assert bk.privacy_report(24, 1e-5) == dp.privacy_report(24, 1e-5)
+
+
+@pytest.mark.parametrize("non_finite", ["raise", "drop"])
+@pytest.mark.parametrize("kind", ["transformer", "cnn"])
+def test_the_captured_part_reads_nothing_on_the_host(kind, non_finite):
+    """The captured part (forward, backward, clip) has no op that reads a tensor's value on the host
+    (a sync, which a capture refuses); the eager step has one, the non-finite check, which shows
+    that the probe sees them."""
+    *_, bk, step, inputs, targets, loss = make(kind, "gaussian", False, "cpu", max_batch=5, non_finite=non_finite)
+    with HostReads() as captured:
+        step._clipped_sums()
+    assert captured.seen == []
+    with HostReads() as eager:
+        bk.step(loss(bk.model(inputs[:4]), targets[:4]))
+    assert "aten._local_scalar_dense.default" in eager.seen
+
+
+@pytest.mark.parametrize("non_finite", ["raise", "drop"])
+def test_a_non_finite_sample_follows_the_config(non_finite):
+    """A batch of 3 with a NaN in sample 1, padded to 5 with copies of sample 0: raise names sample 1
+    alone and leaves the model and the step count as they were; drop gives the materialised update
+    of the batch with that sample dropped."""
+    reference, model, dp, bk, step, inputs, targets, loss = make("cnn", "gaussian", False, "cpu", max_batch=5,
+                                                                 non_finite=non_finite)
+    x = inputs[:3].clone()
+    x[1, 0, 2, 2] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    if non_finite == "raise":
+        with pytest.raises(ValueError, match=re.escape("samples [1] are not finite")):
+            step(x, targets[:3])
+        assert bk.steps == 0
+        for p, p0 in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), p0)
+        return
+    grads = dpsgd.per_sample_gradients(reference, lambda out, y: loss(out, y).sum(), x, targets[:3])
+    got = step(x, targets[:3])
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    assert_same_update(got, dp.step(grads))
+
+
+def test_bad_arguments_are_refused_by_name():
+    model = nn.Linear(4, 2)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=3)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+
+    def loss(x, y):
+        return (model(x) - y).pow(2).mean(1)
+
+    for args, kwargs, error, match in [
+        ((None, x), {}, TypeError, "loss_fn must be callable"),
+        ((loss,), {}, ValueError, "example_inputs: give at least one"),
+        ((loss, x, [1.0]), {}, TypeError, r"example_inputs\[1\] must be a torch tensor"),
+        ((loss, x, torch.tensor(1.0)), {}, ValueError, r"example_inputs\[1\] must have the batch in dim 0"),
+        ((loss, x, y[:2]), {}, ValueError, r"example_inputs must all have the batch in dim 0, got dim 0 sizes "
+                                            r"\[3, 2\]"),
+        ((loss, x[:0], y[:0]), {}, ValueError, "the example batch is empty"),
+        ((loss, x, y), {"max_batch": 2}, ValueError, "max_batch"),
+        ((loss, x, y), {"warmup": 0}, ValueError, "warmup"),
+        ((lambda x, y: loss(x, y).mean(), x, y), {}, ValueError,
+         r"loss_fn must return the per-sample losses, shape \(3,\)"),
+    ]:
+        with pytest.raises(error, match=match):
+            bk.graphed(*args, **kwargs)
+    step = bk.graphed(loss, x, y, max_batch=4)
+    for inputs, error, match in [
+        ((x,), ValueError, r"inputs: the step was made for 2 input\(s\) of loss_fn, got 1"),
+        ((x, 1.0), TypeError, r"inputs\[1\] must be a torch tensor"),
+        ((x, y[:, :1]), ValueError, r"inputs\[1\] must be like the example: \(B, 2\) torch.float32"),
+        ((x, y.double()), ValueError, r"inputs\[1\] must be like the example"),
+        ((x, y[:2]), ValueError, "inputs must all have the batch in dim 0"),
+    ]:
+        with pytest.raises(error, match=match):
+            step(*inputs)
+    bk.accumulate(loss(x, y))
+    with pytest.raises(ValueError, match="accumulated since the last step"):
+        step(x, y)
+    with pytest.raises(ValueError, match="accumulated since the last step"):
+        bk.graphed(loss, x, y)
+    assert bk.steps == 0
