@@ -11,7 +11,11 @@ step: the floor); "materialised" is privleak's per-sample gradients (torch.func)
 "book-keeping" is privleak.dpsgd.BookKeeping (ghost norms, one backward, no per-sample
 gradients); "opacus hooks" and "opacus ghost" are Opacus's PrivacyEngine.make_private with
 grad_sample_mode "hooks" (per-sample gradients from hooks) and "ghost" (ghost clipping, two
-backward passes). Every side gets its own copy of the same initial model and the same batch.
+backward passes). On a GPU two more: "book-keeping graphed" is BookKeeping.graphed (forward,
+backward and clip replayed from a CUDA graph, the noise and the optimizer step eager), and
+"non-private graphed" the non-private step captured whole in a CUDA graph (torch's whole-network
+capture: the floor for a graphed step). Every side gets its own copy of the same initial model
+and the same batch.
 
 Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-style CNN of about
 0.8M parameters (Conv2d + GroupNorm + Linear on 32x32x3), a 2-layer transformer of about 2.3M
@@ -69,6 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 CLIP, SIGMA, LR = 1.0, 1.0, 0.05
 SIDES = ("non-private", "materialised", "book-keeping", "opacus hooks", "opacus ghost")
+GRAPHED = ("non-private graphed", "book-keeping graphed")  #: CUDA graph replays, run on a GPU only
 MATERIALISING = ("materialised", "opacus hooks")  # sides that hold B x P per-sample gradients
 
 
@@ -210,12 +215,21 @@ LARGE = ("large", "gpt2", "llama", "opt", "gpt2-lora", "mixtral")  #: left out b
 HOST_BOUND = ("tiny-transformer",)  #: run only when named in --models
 
 
-def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0):
+def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0,
+              y: torch.Tensor | None = None):
     """A function running one training step of ``side`` on ``model`` (which it owns) and the batch;
     with ``physical``, the batch in physical batches of that many samples (non-private: gradient
-    accumulation of the batch's mean loss; book-keeping: accumulate())."""
+    accumulation of the batch's mean loss; book-keeping: accumulate()). The graphed sides capture
+    their step on the example batch ``x``, ``y``."""
     criterion = criterion_class()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if side == "non-private graphed":
+        return graphed_torch_step(model, optimizer, criterion, x, y)
+    if side == "book-keeping graphed":
+        bk = dpsgd.BookKeeping(model, optimizer, dpsgd.DPSGDConfig(CLIP, noise_multiplier=SIGMA),
+                               expected_batch_size=batch)
+        per_sample = criterion_class(reduction="none")
+        return bk.graphed(lambda x, y: per_sample(model(x), y), x, y)
     if physical and side not in ("non-private", "book-keeping"):
         raise ValueError(f"--physical: only the non-private and book-keeping sides take physical batches, not {side}")
     if side == "non-private" and physical:
@@ -266,6 +280,31 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
         dp_optimizer.zero_grad(set_to_none=True)
         loss_fn(wrapped(x), y).backward()
         dp_optimizer.step()
+    return step
+
+
+def graphed_torch_step(model: nn.Module, optimizer, criterion, x: torch.Tensor, y: torch.Tensor):
+    """The non-private step (forward, backward, optimizer step) captured whole in a CUDA graph, as
+    torch's documentation captures a whole network: the floor of a graphed step."""
+    inputs, targets = x.clone(), y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(inputs), targets).backward()
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        criterion(model(inputs), targets).backward()
+        optimizer.step()
+
+    def step(x, y):
+        inputs.copy_(x)
+        targets.copy_(y)
+        graph.replay()
     return step
 
 
@@ -356,7 +395,7 @@ def child(side: str, name: str, batch: int, device: str, steps: int, physical: i
     parameters' .grad go before that base: torch's optimizers keep them between steps where
     book-keeping frees its update, and in the base they would leave P floats out of one side only."""
     model, x, y, criterion_class = setting(name, batch, device)
-    step = make_side(side, model, criterion_class, batch, x, physical)
+    step = make_side(side, model, criterion_class, batch, x, physical, y)
     base = start_peak(device)
     step(x, y)
     first = peak_since_start(device) - base
@@ -431,13 +470,14 @@ def main() -> None:
         batches = args.batches or (MODELS[name][4] if args.quick else MODELS[name][3])
         for batch in batches:
             model, x, y, criterion_class = setting(name, batch, args.device)
-            sides = [s for s in SIDES if s not in MATERIALISING or needs_gb(model, batch) <= args.max_gb]
+            every = SIDES + GRAPHED if args.device == "cuda" else SIDES
+            sides = [s for s in every if s not in MATERIALISING or needs_gb(model, batch) <= args.max_gb]
             if args.physical:
                 sides = ["non-private", "book-keeping"]
             steps, failed = {}, {}
             for side in sides:  # a side that cannot train the model says why (Opacus on GPT-2)
                 try:
-                    steps[side] = make_side(side, copy.deepcopy(model), criterion_class, batch, x, args.physical)
+                    steps[side] = make_side(side, copy.deepcopy(model), criterion_class, batch, x, args.physical, y)
                     steps[side](x, y)
                 except Exception as error:  # the row shows what the library raised
                     failed[side] = f"fails: {type(error).__name__}: {str(error).splitlines()[0][:70]}"
@@ -455,7 +495,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             memory = {} if args.no_memory else {s: peak_memory(s, name, batch, args) for s in sides}
             params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            for side in SIDES:
+            for side in every:
                 row = {"model": name, "params": f"{params / 1e6:.2f}M", "batch": batch, "side": side}
                 if side in failed:
                     row["ms"] = failed[side]
@@ -479,7 +519,7 @@ def main() -> None:
                 rows.append(row)
             profiled = ["ops", "launches", "GPU busy ms"] if args.device == "cuda" else ["ops"]
             profiled = profiled if args.profile else []
-            print(table(rows[-len(SIDES):], ["model", "params", "batch", "side", "ms", "x non-private", *profiled,
+            print(table(rows[-len(every):], ["model", "params", "batch", "side", "ms", "x non-private", *profiled,
                                              "peak MiB", "mem x non-private", "after step 1"]), flush=True)
             print()
 
