@@ -21,6 +21,7 @@ from privleak import dpsgd
 from privleak import mechanisms as M
 from privleak.dpsgd import experts as experts_rule
 from privleak.dpsgd import layers
+from test_graphed_step import HostReads
 
 VOCAB = 50
 
@@ -401,3 +402,28 @@ def test_peft_adapters_get_the_update_of_their_per_sample_gradients(case, mechan
     grads = [torch.stack(column) for column in zip(*rows)]
     torch.manual_seed(3)
     assert_the_update_of(grads, model, lambda: losses(model, ids), mechanism, per_layer, monkeypatch, replayed)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "bert", "falcon", "opt"])
+def test_a_graphed_step_reads_nothing_on_the_host_and_gets_the_update(name):
+    """BookKeeping.graphed with a graph of 5 samples, on a batch of 3 (padded with copies of its
+    first): privatize's update of the 3 samples' per-sample gradients, and its captured part reads
+    no tensor on the host, so a CUDA graph can capture it (T5's and BART's own forward does:
+    transformers' checks of their attention masks)."""
+    build, losses = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    ids = torch.randint(1, VOCAB, (5, 12), generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, losses, ids[:3])
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.2, non_finite="drop")
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(7))
+    step = bk.graphed(lambda ids: losses(model, ids), ids)
+    with HostReads() as captured:
+        step._clipped_sums()
+    assert captured.seen == []
+    got = step(ids[:3])
+    scale = max(float(w.abs().max()) for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)

@@ -10,7 +10,16 @@ import torch
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from test_bookkeeping import CONFIGS, TinyTransformer, assert_same_update, data, small_cnn
+from test_bookkeeping import (
+    CONFIGS,
+    LAYER_CASES,
+    TinyTransformer,
+    assert_same_update,
+    data,
+    regression,
+    setting,
+    small_cnn,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,6 +34,9 @@ HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.
 
 
 class HostReads(TorchDispatchMode):
+    """Records the ops reading a tensor on the host, and Tensor.tolist (which reads a CPU tensor's
+    data without dispatching an op)."""
+
     def __init__(self):
         super().__init__()
         self.seen = []
@@ -33,6 +45,19 @@ class HostReads(TorchDispatchMode):
         if str(func) in HOST_READS:
             self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(tensor):
+            self.seen.append("Tensor.tolist")
+            return self._tolist(tensor)
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
 
 def make(kind, mechanism, per_layer, device, max_batch, non_finite="raise"):
@@ -96,6 +121,24 @@ def test_the_captured_part_reads_nothing_on_the_host(kind, non_finite):
     with HostReads() as eager:
         bk.step(loss(bk.model(inputs[:4]), targets[:4]))
     assert "aten._local_scalar_dense.default" in eager.seen
+    with HostReads() as listed:
+        torch.arange(3).tolist()
+    assert listed.seen == ["Tensor.tolist"]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_no_layer_rule_reads_a_tensor_on_the_host_in_the_captured_part(case):
+    """Every layer rule (shared outputs, views of broadcast parameters, the fallback, tied weights
+    among them), drop mode: the captured part of a step after the warm-up reads nothing on the
+    host. (A view's positions, computed on the CPU with a nonzero, are kept from the warm-up.)"""
+    model, x, target = setting(case)
+    config = dpsgd.DPSGDConfig(1.0, noise_multiplier=1.0, non_finite="drop")
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                           config, expected_batch_size=4)
+    step = bk.graphed(lambda x, target: regression(model(x), target), x, target, max_batch=len(x) + 2)
+    with HostReads() as captured:
+        step._clipped_sums()
+    assert captured.seen == []
 
 
 @pytest.mark.parametrize("non_finite", ["raise", "drop"])

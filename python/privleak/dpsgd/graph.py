@@ -124,19 +124,48 @@ def _passed_on(node, position: int, shape: tuple) -> Optional[tuple[float, tuple
     return None
 
 
-def _view_positions(node) -> Optional[torch.Tensor]:
-    """For a view ``node``, the flat position in its input of each element of its output, in order:
-    the view's backward applied to 1, 2, ..., n (exact in float64) places each where it came from;
-    None unless each lands once."""
+def _view_positions(node, device) -> Optional[torch.Tensor]:
+    """For a view ``node``, the flat position in its input of each element of its output, in order,
+    on ``device``: the view's backward applied to 1, 2, ..., n (exact in float64, on the CPU)
+    places each where it came from; None unless each lands once. Kept by the view's kind, shapes
+    and arguments (:func:`_view_key`): a later step's view, the same, finds them on the device,
+    with no copy to it and no read of a tensor on the host, which a CUDA graph's capture refuses
+    (:meth:`BookKeeping.graphed <privleak.dpsgd.BookKeeping.graphed>`)."""
+    key = _view_key(node)
+    if key is not None and (key, device) in _VIEW_POSITIONS:
+        return _VIEW_POSITIONS[key, device]
     shape = tuple(node._input_metadata[0].shape)
     count = math.prod(shape)
     placed = node(torch.arange(1, count + 1, dtype=torch.float64).view(shape)).flatten()
     positions = placed.nonzero().flatten()
-    if len(positions) != count:
-        return None
-    ordered = torch.empty_like(positions)
-    ordered[placed[positions].long() - 1] = positions
+    ordered = None
+    if len(positions) == count:
+        ordered = torch.empty_like(positions)
+        ordered[placed[positions].long() - 1] = positions
+        ordered = ordered.to(device)
+    if key is not None:
+        if len(_VIEW_POSITIONS) >= _VIEW_POSITIONS_KEPT:  # shapes that vary from step to step: the oldest go
+            del _VIEW_POSITIONS[next(iter(_VIEW_POSITIONS))]
+        _VIEW_POSITIONS[key, device] = ordered
     return ordered
+
+
+#: (view key, device): the view's positions (:func:`_view_positions`), the most recent kept
+_VIEW_POSITIONS: dict = {}
+_VIEW_POSITIONS_KEPT = 1024
+_SAVED_NAMES: dict = {}  # node type: the names of its saved attributes
+
+
+def _view_key(node) -> Optional[tuple]:
+    """What a view's placement depends on: its kind, its input's shape and its saved arguments
+    (dims, start, end, step, index, sizes); None if an argument is not plain integers."""
+    kind = type(node)
+    names = _SAVED_NAMES.get(kind)
+    if names is None:
+        names = _SAVED_NAMES[kind] = tuple(name for name in dir(node) if name.startswith("_saved_"))
+    saved = tuple(getattr(node, name) for name in names)
+    plain = all(v is None or type(v) is int or (type(v) is tuple and all(type(i) is int for i in v)) for v in saved)
+    return (kind, tuple(node._input_metadata[0].shape), saved) if plain else None
 
 
 def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
@@ -186,11 +215,11 @@ def _resolved(uses: list, device) -> Optional[list]:
     for use in uses:
         positions = None
         for view in use.views:
-            placed = _view_positions(view)
+            placed = _view_positions(view, device)
             if placed is None:
                 return None
             positions = placed if positions is None else positions[placed]
-        resolved.append(use if positions is None else use._replace(positions=positions.to(device)))
+        resolved.append(use if positions is None else use._replace(positions=positions))
     return resolved
 
 

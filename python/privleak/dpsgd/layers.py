@@ -751,11 +751,14 @@ EmbeddingLayer.own_forward_rule = LookupEmbeddingLayer
 class ScaledEmbeddingLayer(EmbeddingLayer):
     """Hugging Face's scaled word embeddings (Gemma's, BART's, ...: an nn.Embedding whose forward
     multiplies the lookup by ``embed_scale``, a constant): an Embedding rule whose output gradient
-    is the module's times that constant, so it can be tied to the head as an nn.Embedding can."""
+    is the module's times that constant, so it can be tied to the head as an nn.Embedding can. A
+    constant kept as a tensor (Gemma's buffer) multiplies as the forward's does, in the weight's
+    dtype, and is not read on the host (a sync on a GPU, which a CUDA graph's capture refuses)."""
 
     def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, g = super()._sites()
-        return ids, g * float(self.module.embed_scale)
+        scale = self.module.embed_scale
+        return ids, g * (scale.to(self.module.weight.dtype) if isinstance(scale, torch.Tensor) else scale)
 
 
 def _rows_added(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
