@@ -156,6 +156,12 @@ _VIEW_POSITIONS_KEPT = 1024
 _SAVED_NAMES: dict = {}  # node type: the names of its saved attributes
 
 
+def kept_view_positions() -> list:
+    """The views' positions kept now (:func:`_view_positions`): a CUDA graph that read them must
+    hold them, or a later eviction would free memory its replays read."""
+    return [positions for positions in _VIEW_POSITIONS.values() if positions is not None]
+
+
 def _view_key(node) -> Optional[tuple]:
     """What a view's placement depends on: its kind, its input's shape and its saved arguments
     (dims, start, end, step, index, sizes); None if an argument is not plain integers."""

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from privleak import validation
+from privleak.dpsgd import graph as graph_walk
 
 
 class GraphedStep:
@@ -137,6 +138,10 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outputs = self._clipped_sums()
+        # Tensors made outside the graph's pool that its kernels read, held by caches that could
+        # let them go (an eager step with other layers in use, other views): held here too, or a
+        # replay would read freed memory.
+        self._read = [self._bk._clip_norm_cache[1], *graph_walk.kept_view_positions()]
         return graph, outputs
 
 
