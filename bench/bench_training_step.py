@@ -395,8 +395,12 @@ def child(side: str, name: str, batch: int, device: str, steps: int, physical: i
     parameters' .grad go before that base: torch's optimizers keep them between steps where
     book-keeping frees its update, and in the base they would leave P floats out of one side only."""
     model, x, y, criterion_class = setting(name, batch, device)
-    step = make_side(side, model, criterion_class, batch, x, physical, y)
-    base = start_peak(device)
+    if side in GRAPHED:  # the capture allocates the step's memory (the graph's pool): from before it
+        base = start_peak(device)
+        step = make_side(side, model, criterion_class, batch, x, physical, y)
+    else:
+        step = make_side(side, model, criterion_class, batch, x, physical, y)
+        base = start_peak(device)
     step(x, y)
     first = peak_since_start(device) - base
     for p in model.parameters():
