@@ -464,9 +464,10 @@ LAYER_CASES = {
 }
 
 CONFIGS = {
-    "gaussian": lambda c, per_layer: dpsgd.DPSGDConfig(c, noise_multiplier=0.7, per_layer=per_layer),
-    "vmf": lambda c, per_layer: dpsgd.DPSGDConfig(c, "vmf", kappa=20.0, per_layer=per_layer),
-    "laplace": lambda c, per_layer: dpsgd.DPSGDConfig(c, "laplace", noise_multiplier=0.7, per_layer=per_layer),
+    "gaussian": lambda c, per_layer, **kw: dpsgd.DPSGDConfig(c, noise_multiplier=0.7, per_layer=per_layer, **kw),
+    "vmf": lambda c, per_layer, **kw: dpsgd.DPSGDConfig(c, "vmf", kappa=20.0, per_layer=per_layer, **kw),
+    "laplace": lambda c, per_layer, **kw: dpsgd.DPSGDConfig(c, "laplace", noise_multiplier=0.7, per_layer=per_layer,
+                                                            **kw),
 }
 
 
@@ -733,6 +734,23 @@ def data(kind, n, generator):
     return images, labels, lambda out, y: F.cross_entropy(out, y, reduction="none")
 
 
+def training_pair(kind, mechanism, per_layer, device, **config):
+    """A transformer or CNN trained by the materialised path (DPOptimizer, on the CPU: the reference)
+    and its copy on ``device`` by BookKeeping, both SGD with momentum, the same config (``config``:
+    more of its fields) and noise stream, expected batch size 4; and 24 samples and their loss."""
+    torch.manual_seed(3)
+    reference = TinyTransformer() if kind == "transformer" else small_cnn()
+    model = copy.deepcopy(reference).to(device)
+    inputs, targets, loss = data(kind, 24, torch.Generator().manual_seed(4))
+    clip = [0.3] * len(list(model.parameters())) if per_layer else 0.5
+    config = CONFIGS[mechanism](clip, per_layer, **config)
+    dp = dpsgd.DPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.5), config, 4.0,
+                           M.NoiseGenerator(11))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), config,
+                           expected_batch_size=4.0, generator=M.NoiseGenerator(11))
+    return reference, model, dp, bk, inputs, targets, loss
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("kind, mechanism, per_layer", [
     ("transformer", "gaussian", False), ("transformer", "vmf", True), ("cnn", "gaussian", True), ("cnn", "vmf", False)])
@@ -741,17 +759,7 @@ def test_training_with_poisson_batches_matches_the_materialised_path(kind, mecha
     of zero samples, once without any): the same updates and the same parameters after every step.
     On CUDA: book-keeping and the batches on the GPU, the materialised reference on the CPU (the
     noise streams give the same bits on both)."""
-    torch.manual_seed(3)
-    reference = TinyTransformer() if kind == "transformer" else small_cnn()
-    model = copy.deepcopy(reference).to(device)
-    inputs, targets, loss = data(kind, 24, torch.Generator().manual_seed(4))
-    clip = [0.3] * len(list(model.parameters())) if per_layer else 0.5
-    config = CONFIGS[mechanism](clip, per_layer)
-    expected = 4.0
-    dp = dpsgd.DPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.5), config, expected,
-                           M.NoiseGenerator(11))
-    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), config,
-                           expected_batch_size=expected, generator=M.NoiseGenerator(11))
+    reference, model, dp, bk, inputs, targets, loss = training_pair(kind, mechanism, per_layer, device)
     sampler = torch.Generator(device).manual_seed(5)
     batches = [dpsgd.sample_batch(24, 4, "poisson", sampler), torch.arange(0), dpsgd.sample_batch(24, 4, "poisson",
                                                                                                    sampler), None]

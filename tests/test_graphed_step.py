@@ -2,23 +2,18 @@
 CPU, the same padded step run eagerly), against the materialised path (torch.func per-sample
 gradients through DPOptimizer, same config, same noise stream), and what its captured part may
 not do: wait for the device."""
-import copy
 import re
 
 import pytest
 import torch
 from conftest import requires_cuda
 from privleak import dpsgd
-from privleak import mechanisms as M
 from test_bookkeeping import (
-    CONFIGS,
     LAYER_CASES,
-    TinyTransformer,
     assert_same_update,
-    data,
     regression,
     setting,
-    small_cnn,
+    training_pair,
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,18 +56,8 @@ class HostReads(TorchDispatchMode):
 
 
 def make(kind, mechanism, per_layer, device, max_batch, non_finite="raise"):
-    torch.manual_seed(3)
-    reference = TinyTransformer() if kind == "transformer" else small_cnn()
-    model = copy.deepcopy(reference).to(device)
-    inputs, targets, loss = data(kind, 24, torch.Generator().manual_seed(4))
-    clip = [0.3] * len(list(model.parameters())) if per_layer else 0.5
-    config = CONFIGS[mechanism](clip, per_layer)
-    if non_finite != "raise":
-        config = dpsgd.DPSGDConfig(clip, "gaussian", noise_multiplier=0.7, per_layer=per_layer, non_finite=non_finite)
-    dp = dpsgd.DPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.5), config, 4.0,
-                           M.NoiseGenerator(11))
-    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), config,
-                           expected_batch_size=4.0, generator=M.NoiseGenerator(11))
+    reference, model, dp, bk, inputs, targets, loss = training_pair(kind, mechanism, per_layer, device,
+                                                                    non_finite=non_finite)
     step = bk.graphed(lambda x, y: loss(model(x), y), inputs[:3].to(device), targets[:3].to(device),
                       max_batch=max_batch)
     return reference, model, dp, bk, step, inputs, targets, loss
