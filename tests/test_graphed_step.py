@@ -72,7 +72,9 @@ def test_a_graphed_step_matches_the_materialised_path(kind, mechanism, per_layer
     eager step), 1 and 4 samples: the materialised path's updates and parameters after every step,
     its step count and privacy report. On CUDA the reference runs on the CPU (the noise streams
     give the same bits on both) and the step replays a captured graph."""
-    reference, model, dp, bk, step, inputs, targets, loss = make(kind, mechanism, per_layer, device, max_batch=5)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+        reference, model, dp, bk, step, inputs, targets, loss = make(kind, mechanism, per_layer, device,
+                                                                     max_batch=5)
     assert (step._graph is not None) == (device == "cuda")
     start = 0
     for size in (3, 5, 0, 7, 1, 4):
@@ -84,7 +86,7 @@ def test_a_graphed_step_matches_the_materialised_path(kind, mechanism, per_layer
         else:  # torch.func cannot vmap nn.MultiheadAttention over zero samples
             grads = [torch.zeros(0, *p.shape) for p in reference.parameters()]
         want = dp.step(grads)
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # captured so; the eager steps too
             got = step(inputs[rows].to(device), targets[rows].to(device))
         assert_same_update([g.cpu() for g in got], want)
         for p, q in zip(model.parameters(), reference.parameters()):
