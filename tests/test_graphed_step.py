@@ -170,8 +170,10 @@ def test_bad_arguments_are_refused_by_name():
         ((loss, x[:0], y[:0]), {}, ValueError, "the example batch is empty"),
         ((loss, x, y), {"max_batch": 2}, ValueError, "max_batch"),
         ((loss, x, y), {"warmup": 0}, ValueError, "warmup"),
-        ((lambda x, y: loss(x, y).mean(), x, y), {}, ValueError,
-         r"loss_fn must return the per-sample losses, shape \(3,\)"),
+        ((lambda x, y: loss(x, y).mean(), x, y), {}, ValueError, r"per_sample_losses must be a 1-D tensor"),
+        ((lambda x, y: loss(x, y)[:2], x, y), {}, ValueError,
+         r"loss_fn must return the per-sample losses, shape \(3,\) for inputs of 3 rows, got \(2,\)"),
+        ((lambda x, y: 1.0, x, y), {}, TypeError, "per_sample_losses must be a torch tensor"),
     ]:
         with pytest.raises(error, match=match):
             bk.graphed(*args, **kwargs)

@@ -224,7 +224,7 @@ class BookKeeping:
         BatchMemoryManager does: each sample's clip factor needs only its own gradient, so the
         update is the one of the whole batch at once (float32 rounding aside), and the privacy
         accounting is the logical batch's. Holds one float32 sum per parameter between calls."""
-        losses = _check_losses(per_sample_losses)
+        losses = check_losses(per_sample_losses)
         averaged = self._accumulated[1] if self._accumulated is not None else self._averages_in_clip()
         clipped = self._clipped_batch(losses, averaged)
         if clipped is None:
@@ -591,7 +591,7 @@ def _layers_of(model: nn.Module) -> tuple[list[Layer], dict]:
     return layers, {key: sharing for key, sharing in owners.items() if len(sharing) > 1}
 
 
-def _check_losses(losses) -> torch.Tensor:
+def check_losses(losses) -> torch.Tensor:
     if not isinstance(losses, torch.Tensor):
         raise validation.ArgumentTypeError(f"per_sample_losses must be a torch tensor, got {type(losses).__name__}")
     if losses.ndim != 1:

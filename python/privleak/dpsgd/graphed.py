@@ -29,6 +29,7 @@ import torch
 
 from privleak import validation
 from privleak.dpsgd import graph as graph_walk
+from privleak.dpsgd.bookkeeping import check_losses
 
 
 class GraphedStep:
@@ -116,11 +117,10 @@ class GraphedStep:
     def _clipped_sums(self) -> tuple:
         """The captured part: (sums, norm sums) of the batch in the graph's inputs, its padding's
         losses multiplied by 0, nothing waiting for the device."""
-        losses = self._loss_fn(*self._inputs)
-        if not isinstance(losses, torch.Tensor) or losses.shape != (self.max_batch,):
-            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        losses = check_losses(self._loss_fn(*self._inputs))
+        if losses.shape != (self.max_batch,):
             raise ValueError(f"loss_fn must return the per-sample losses, shape ({self.max_batch},) for inputs of "
-                             f"{self.max_batch} rows, got {shape}")
+                             f"{self.max_batch} rows, got {tuple(losses.shape)}")
         losses = losses * (self._positions < self._count).to(losses.dtype)
         return self._bk._clipped_batch(losses, self._averaged, synced=False)
 
