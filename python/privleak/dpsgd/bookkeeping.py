@@ -592,6 +592,8 @@ def _layers_of(model: nn.Module) -> tuple[list[Layer], dict]:
 
 
 def check_losses(losses) -> torch.Tensor:
+    """``losses`` if they are per-sample losses (a 1-D floating-point tensor), else the error naming
+    per_sample_losses; for the eager and the graphed step alike."""
     if not isinstance(losses, torch.Tensor):
         raise validation.ArgumentTypeError(f"per_sample_losses must be a torch tensor, got {type(losses).__name__}")
     if losses.ndim != 1:
