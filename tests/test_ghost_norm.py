@@ -172,6 +172,22 @@ def test_simd_paths_give_the_portable_bits(shape, dtype, path):
     assert core_ghost_norm(a, g, path).numpy().tobytes() == core_ghost_norm(a, g, "default").numpy().tobytes()
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 8, 9])
+def test_short_samples_packed_into_a_panel_give_each_sample_s_own_bits(length, path):
+    """Samples of at most half a panel's rows (8 or 16) share one: their cross terms are computed
+    and left out, so each sample's norm has the bits of a call with that sample alone, for batches
+    that fill the last panel or not, with any thread count."""
+    if CPU_PATHS.index(path) > CPU_PATHS.index(CPU_BEST):
+        pytest.skip(f"this CPU has no {path} (its best path is {CPU_BEST})")
+    a, g = draw(19, length, 40, seed=23), draw(19, length, 150, seed=24)
+    alone = b"".join(core_ghost_norm(a[i:i + 1], g[i:i + 1], path).numpy().tobytes() for i in range(19))
+    for batch in (2, 5, 16, 19):
+        want = alone[:8 * batch]
+        assert core_ghost_norm(a[:batch], g[:batch], path).numpy().tobytes() == want
+    assert_within_bound(a, g)
+
+
 def test_an_unknown_path_or_one_the_cpu_lacks_is_refused():
     a = torch.ones(1, 2, 3)
     with pytest.raises(ValueError, match="capability must be 'default', 'avx2' or 'avx512'"):

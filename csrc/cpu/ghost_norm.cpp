@@ -337,31 +337,38 @@ void gram_stripe(const typename P::Acc* x, int64_t n, int64_t q, int64_t cols, i
 }
 
 // partial[i] += w_ts for rows t = row0 + i < row0 + rows and columns s = col0 + j, j < cols, s < t,
-// in order of s. Adding +0 where s >= t changes nothing: `partial` starts at +0 and is never -0.
+// in order of s. Adding +0 where s >= t, or where s is another sample's row (s < first[i]: several
+// short samples share a panel), changes nothing: `partial` starts at +0 and is never -0.
 template <int L>
 PRIVLEAK_SIMD_CLONES void add_below(const double* aa, const double* gg, int64_t row0, int rows, int64_t col0,
-                                    int cols, double* partial) {
+                                    int cols, const int64_t* first, double* partial) {
   for (int j = 0; j < cols; ++j) {
     const int64_t s = col0 + j;
     for (int i = 0; i < rows; ++i) {
       const double w = aa[j * 2 * L + i] * gg[j * 2 * L + i];
-      partial[i] += s < row0 + i ? w : 0.0;
+      partial[i] += s >= first[i] && s < row0 + i ? w : 0.0;
     }
   }
 }
 
 // Rows t = row0 + i of block q (rows of two panels from row0 = 2 q L) into rows_out[t], from the
 // block's Gram stripes of a and g (entry (t, s) at [s 2L + i], s < (2q + np) L; common/ghost_norm.h).
+// The rows are those of samples of `sample_length` rows laid end to end (one sample, or several
+// short ones packed into a panel): row t's sum runs over the columns of its own sample only.
 template <int L>
-void block_rows(const double* aa, const double* gg, int64_t length, int64_t q, int np, double* rows_out) {
+void block_rows(const double* aa, const double* gg, int64_t length, int64_t sample_length, int64_t q, int np,
+                double* rows_out) {
   const int64_t row0 = 2 * q * L, cols = 2 * q + np, tile = L * 2 * L;
   const int rows = static_cast<int>(std::min<int64_t>(np * L, length - row0));
+  // Packed samples (one panel) lie within one row tile, as each would alone.
   static_assert(kGhostRowTile % L == 0, "a row tile is whole panels");
+  int64_t first[2 * L];  // the first row of each row's sample
+  for (int i = 0; i < rows; ++i) first[i] = (row0 + i) - (row0 + i) % sample_length;
   double below[2 * L] = {}, partial[2 * L] = {};
   for (int64_t col = 0; col < cols; ++col) {
     const int64_t col0 = col * L;
     const int width = static_cast<int>(std::min<int64_t>(L, length - col0));
-    add_below<L>(aa + col * tile, gg + col * tile, row0, rows, col0, width, partial);
+    add_below<L>(aa + col * tile, gg + col * tile, row0, rows, col0, width, first, partial);
     if ((col0 + L) % kGhostRowTile == 0 || col == cols - 1) {
       for (int i = 0; i < rows; ++i) below[i] += partial[i];
       std::fill(partial, partial + 2 * L, 0.0);
@@ -382,8 +389,8 @@ int block_panels(int64_t length, int64_t q) {
 // Rows of block q of one sample (packed a and g panels) into rows_out[t]; `scratch` holds its
 // Gram tiles (2L x T doubles of each).
 template <class P>
-void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t length, int64_t d, int64_t p,
-                 int64_t q, std::vector<double>& scratch, double* rows_out) {
+void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t length, int64_t sample_length,
+                 int64_t d, int64_t p, int64_t q, std::vector<double>& scratch, double* rows_out) {
   constexpr int L = P::L;
   const int np = block_panels<L>(length, q);
   const int64_t cols = 2 * q + np, tile = L * 2 * L;
@@ -392,7 +399,7 @@ void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t l
   double* gg = aa + cols * tile;
   gram_stripe<P>(pa, d, q, cols, np, aa);
   gram_stripe<P>(pg, p, q, cols, np, gg);
-  block_rows<L>(aa, gg, length, q, np, rows_out);
+  block_rows<L>(aa, gg, length, sample_length, q, np, rows_out);
 }
 
 // Where each sample's packed panels go: a's panels, then g's, panel_stride apart.
@@ -415,55 +422,67 @@ template <class P, class In>
 void ghost_norm_path(const In* a, const In* g, int64_t batch, int64_t length, int64_t d, int64_t p, double* out) {
   using Acc = typename P::Acc;
   constexpr int L = P::L;
-  const int64_t panels = ceil_div(length, L), blocks = ceil_div(panels, 2);
+  // Samples of at most L / 2 positions go `per_panel` to a panel, as one pack whose rows are
+  // theirs end to end: alone, each would pad a panel of L rows (B 64, T 2, d = p = 512: 3.6x the
+  // time). The Gram entries between two of them are computed and left out of the rows
+  // (block_rows); each entry and each row sum is computed as for the sample alone, so the bits
+  // are the same.
+  const int64_t per_panel = length > 0 ? std::max<int64_t>(1, L / length) : 1;
+  const int64_t packed_length = per_panel * length, packs = ceil_div(batch, per_panel);
+  const int64_t panels = ceil_div(packed_length, L), blocks = ceil_div(panels, 2);
   const PackedLayout layout(panels, d, p, L);
+  // Pack k: the samples from k per_panel on, its rows from row k packed_length of a, g and rows.
+  const auto pack_length = [&](int64_t k) { return std::min(per_panel, batch - k * per_panel) * length; };
   std::vector<double> rows(static_cast<size_t>(batch * length));
   // Vector FMAs, about: a parallel region pays from a few hundred thousand on.
-  const int64_t work = batch * length * std::min<int64_t>(length, 2 * L) * (d + p) / 16;
+  const int64_t work = batch * length * std::min<int64_t>(packed_length, 2 * L) * (d + p) / 16;
   const bool parallel = work >= kMinParallelWork;
   const int64_t threads = parallel ? max_threads() : 1;
-  if (batch % threads == 0 || batch >= 4 * threads) {
-    // Whole samples per thread, balanced enough: one loop and no barrier between packing and the
-    // blocks (on a busy machine a descheduled thread stalls a barrier), each sample's panels in
+  if (packs % threads == 0 || packs >= 4 * threads) {
+    // Whole packs per thread, balanced enough: one loop and no barrier between packing and the
+    // blocks (on a busy machine a descheduled thread stalls a barrier), each pack's panels in
     // its thread's cache.
 #pragma omp parallel if (parallel)
     {
       std::vector<Acc> packed(static_cast<size_t>(layout.sample_size));
       std::vector<double> scratch;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t b = 0; b < batch; ++b) {
-        const In* sample_a = a + b * length * d;
-        const In* sample_g = g + b * length * p;
+      for (int64_t k = 0; k < packs; ++k) {
+        const int64_t rows_k = pack_length(k);
+        const In* pack_a = a + k * packed_length * d;
+        const In* pack_g = g + k * packed_length * p;
         for (int matrix = 0; matrix < 2; ++matrix)
           for (int64_t panel = 0; panel < panels; ++panel)
-            pack_panel<P>(sample_a, sample_g, length, d, p, layout, matrix, panel, packed.data());
-        for (int64_t q = 0; q < blocks; ++q)
-          ghost_block<P>(packed.data(), packed.data() + layout.a_size, length, d, p, q, scratch,
-                         rows.data() + b * length);
+            pack_panel<P>(pack_a, pack_g, rows_k, d, p, layout, matrix, panel, packed.data());
+        for (int64_t q = 0; 2 * q * L < rows_k; ++q)
+          ghost_block<P>(packed.data(), packed.data() + layout.a_size, rows_k, length, d, p, q, scratch,
+                         rows.data() + k * packed_length);
       }
     }
   } else {
-    // Few samples: (sample, block) items over all threads, in groups of samples packed together.
-    const int64_t sample_bytes = std::max<int64_t>(1, layout.sample_size * static_cast<int64_t>(sizeof(Acc)));
-    const int64_t group = std::clamp<int64_t>(kPackBudget / sample_bytes, 1, batch);
+    // Few packs: (pack, block) items over all threads, in groups of packs packed together.
+    const int64_t pack_bytes = std::max<int64_t>(1, layout.sample_size * static_cast<int64_t>(sizeof(Acc)));
+    const int64_t group = std::clamp<int64_t>(kPackBudget / pack_bytes, 1, packs);
     std::vector<Acc> packed(static_cast<size_t>(group * layout.sample_size));
 #pragma omp parallel if (parallel)
     {
       std::vector<double> scratch;
-      for (int64_t first = 0; first < batch; first += group) {
-        const int64_t count = std::min(group, batch - first);
+      for (int64_t first = 0; first < packs; first += group) {
+        const int64_t count = std::min(group, packs - first);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < count * 2 * panels; ++item) {
-          const int64_t sample = item / (2 * panels), b = first + sample;
-          pack_panel<P>(a + b * length * d, g + b * length * p, length, d, p, layout,
+          const int64_t k = first + item / (2 * panels);
+          pack_panel<P>(a + k * packed_length * d, g + k * packed_length * p, pack_length(k), d, p, layout,
                         static_cast<int>(item / panels % 2), item % panels,
-                        packed.data() + sample * layout.sample_size);
+                        packed.data() + (k - first) * layout.sample_size);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < count * blocks; ++item) {
-          const int64_t q = blocks - 1 - item / count, sample = item % count;  // the longest blocks first
-          const Acc* pa = packed.data() + sample * layout.sample_size;
-          ghost_block<P>(pa, pa + layout.a_size, length, d, p, q, scratch, rows.data() + (first + sample) * length);
+          const int64_t q = blocks - 1 - item / count, k = first + item % count;  // the longest blocks first
+          if (2 * q * L >= pack_length(k)) continue;  // past the end of a last, shorter pack
+          const Acc* pa = packed.data() + (k - first) * layout.sample_size;
+          ghost_block<P>(pa, pa + layout.a_size, pack_length(k), length, d, p, q, scratch,
+                         rows.data() + k * packed_length);
         }
       }
     }
@@ -556,7 +575,7 @@ void conv_block(const typename P::Acc* pg, const double* gram, const ConvGeometr
     patch_gram_row(gram, c, runs, t, patch.data());
     for (int64_t s = 0; s <= t; ++s) aa[s * 2 * L + t - row0] = patch[s];
   }
-  block_rows<L>(aa, gg, length, q, np, rows_out);
+  block_rows<L>(aa, gg, length, length, q, np, rows_out);
 }
 
 // Samples (groups folded in) go whole to threads: their pixel Grams are the threads' own.
