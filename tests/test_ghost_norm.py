@@ -141,8 +141,10 @@ def test_one_call_for_many_layers_gives_each_layer_s_bits():
     assert empty.shape == (2, 0)
 
 
-def test_threads_do_not_change_the_bits(threads):
-    a, g = draw(5, 70, 150, seed=13), draw(5, 70, 140, seed=14)
+@pytest.mark.parametrize("shape", [(5, 70, 150, 140), (33, 3, 4096, 4096)])  # long samples; short ones packed
+def test_threads_do_not_change_the_bits(threads, shape):
+    batch, length, d, p = shape
+    a, g = draw(batch, length, d, seed=13), draw(batch, length, p, seed=14)
     results = []
     for n in (1, 2, 3):
         threads(n)
@@ -177,7 +179,7 @@ def test_simd_paths_give_the_portable_bits(shape, dtype, path):
 def test_short_samples_packed_into_a_panel_give_each_sample_s_own_bits(length, path):
     """Samples of at most half a panel's rows (8 or 16) share one: their cross terms are computed
     and left out, so each sample's norm has the bits of a call with that sample alone, for batches
-    that fill the last panel or not, with any thread count."""
+    that fill the last panel or not."""
     if CPU_PATHS.index(path) > CPU_PATHS.index(CPU_BEST):
         pytest.skip(f"this CPU has no {path} (its best path is {CPU_BEST})")
     a, g = draw(19, length, 40, seed=23), draw(19, length, 150, seed=24)
