@@ -24,10 +24,14 @@
 // are sums over the kernel offsets of pixel Gram entries, read as runs of a Gram row. Threads
 // take whole samples.
 //
+// Samples of at most L / 2 rows share a panel, as one pack of their rows end to end: the Gram
+// entries between two of them are computed too, and left out of the rows' sums, so each sample's
+// norm has the bits it has alone (a sample of 2 rows alone would fill 2 of a panel's 16 lanes).
+//
 // The dense form's threads take whole samples when there are enough of them to share evenly;
 // otherwise work items (sample, block) are spread over threads (heaviest first) within groups of
 // samples whose packed panels fit kPackBudget, packed in parallel over (sample, matrix, panel)
-// first.
+// first. (Samples here are packs where short samples share panels.)
 #include "cpu/ghost_norm.h"
 
 #include <algorithm>
@@ -386,8 +390,8 @@ int block_panels(int64_t length, int64_t q) {
   return static_cast<int>(std::min<int64_t>(2, ceil_div(length, L) - 2 * q));
 }
 
-// Rows of block q of one sample (packed a and g panels) into rows_out[t]; `scratch` holds its
-// Gram tiles (2L x T doubles of each).
+// Rows of block q of one sample, or of a pack of short samples of `sample_length` rows (packed a
+// and g panels), into rows_out[t]; `scratch` holds its Gram tiles (2L x T doubles of each).
 template <class P>
 void ghost_block(const typename P::Acc* pa, const typename P::Acc* pg, int64_t length, int64_t sample_length,
                  int64_t d, int64_t p, int64_t q, std::vector<double>& scratch, double* rows_out) {
