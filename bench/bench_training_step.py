@@ -225,11 +225,6 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     if side == "non-private graphed":
         return graphed_torch_step(model, optimizer, criterion, x, y)
-    if side == "book-keeping graphed":
-        bk = dpsgd.BookKeeping(model, optimizer, dpsgd.DPSGDConfig(CLIP, noise_multiplier=SIGMA),
-                               expected_batch_size=batch)
-        per_sample = criterion_class(reduction="none")
-        return bk.graphed(lambda x, y: per_sample(model(x), y), x, y)
     if physical and side not in ("non-private", "book-keeping"):
         raise ValueError(f"--physical: only the non-private and book-keeping sides take physical batches, not {side}")
     if side == "non-private" and physical:
@@ -252,9 +247,11 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
         dp = dpsgd.DPOptimizer(optimizer, config, batch)
         one = criterion_class(reduction="sum")
         return lambda x, y: dp.step(dpsgd.per_sample_gradients(model, one, x, y))
-    if side == "book-keeping":
+    if side in ("book-keeping", "book-keeping graphed"):
         bk = dpsgd.BookKeeping(model, optimizer, config, expected_batch_size=batch)
         per_sample = criterion_class(reduction="none")
+        if side == "book-keeping graphed":
+            return bk.graphed(lambda x, y: per_sample(model(x), y), x, y)
         if not physical:
             return lambda x, y: bk.step(per_sample(model(x), y))
 

@@ -49,12 +49,6 @@ class GraphedStep:
             raise validation.ArgumentTypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not example_inputs:
             raise ValueError("example_inputs: give at least one input tensor of loss_fn (the batch in dim 0)")
-        for i, x in enumerate(example_inputs):
-            if not isinstance(x, torch.Tensor):
-                raise validation.ArgumentTypeError(f"example_inputs[{i}] must be a torch tensor, got "
-                                                   f"{type(x).__name__}")
-            if x.ndim == 0:
-                raise ValueError(f"example_inputs[{i}] must have the batch in dim 0, got a 0-d tensor")
         batch = _batch_size(example_inputs, "example_inputs")
         if batch == 0:
             raise ValueError("example_inputs: the example batch is empty; give at least one sample")
@@ -85,14 +79,12 @@ class GraphedStep:
         if len(inputs) != len(self._inputs):
             raise ValueError(f"inputs: the step was made for {len(self._inputs)} input(s) of loss_fn, got "
                              f"{len(inputs)}")
+        batch = _batch_size(inputs, "inputs")
         for i, (x, static) in enumerate(zip(inputs, self._inputs)):
-            if not isinstance(x, torch.Tensor):
-                raise validation.ArgumentTypeError(f"inputs[{i}] must be a torch tensor, got {type(x).__name__}")
             if x.ndim != static.ndim or x.shape[1:] != static.shape[1:] or x.dtype != static.dtype \
                     or x.device != static.device:
                 raise ValueError(f"inputs[{i}] must be like the example: (B, {', '.join(map(str, static.shape[1:]))}) "
                                  f"{static.dtype} on {static.device}, got {tuple(x.shape)} {x.dtype} on {x.device}")
-        batch = _batch_size(inputs, "inputs")
         if bk._accumulated is not None:
             raise ValueError("physical batches have been accumulated since the last step; step() them first")
         if batch == 0 or batch > self.max_batch:
@@ -146,6 +138,12 @@ class GraphedStep:
 
 
 def _batch_size(inputs: tuple, name: str) -> int:
+    """The batch size of ``inputs``: tensors with the batch in dim 0, all of one size there."""
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise validation.ArgumentTypeError(f"{name}[{i}] must be a torch tensor, got {type(x).__name__}")
+        if x.ndim == 0:
+            raise ValueError(f"{name}[{i}] must have the batch in dim 0, got a 0-d tensor")
     sizes = {x.shape[0] for x in inputs}
     if len(sizes) != 1:
         raise ValueError(f"{name} must all have the batch in dim 0, got dim 0 sizes {[x.shape[0] for x in inputs]}")
