@@ -1,6 +1,7 @@
 """Ghost norms: privleak's kernels against Opacus's torch formulas, in one run.
 
-    python bench/bench_ghost_norm.py [--shapes 16,128,768,768 ...] [--threads N] [--device cpu|cuda] [--quick]
+    python bench/bench_ghost_norm.py [--shapes 16,128,768,768 ...] [--threads N] [--device cpu|cuda]
+                                     [--models ...] [--quick]
 
 Each case is a batch of B samples of T positions with float32 activations a (B, T, d) and output
 gradients g (B, T, p), standard normal. Sides, timed in turns (three rounds of three calls after a
@@ -22,6 +23,11 @@ kernel, padding k // 2, H x H input) compare ``conv_ghost_norm_squared`` (the pi
 privleak's patches fed to ``ghost_norm_squared`` (book-keeping's path where the pixel Gram does not
 pay) and with what Opacus's ghost clipping does for a convolution (it has no norm sampler for
 them): ``compute_conv_grad_sample``'s per-sample gradients, then their squared norms.
+The model rows (`--models`) take every Linear layer of a bench_training_step.py transformer (its
+blocks' qkv, proj, fc1, fc2 and the head) at once, as book-keeping does a step: privleak's one
+call of ``privleak::ghost_norm`` on the list, the same kernel called layer by layer, and Opacus's
+norm layer by layer (on a GPU one call shares its launches among the layers, so that a small
+batch's layers fill the GPU together).
 ``--threads`` sets privleak's and torch's CPU threads alike (on a
 machine shared with other work, 1 gives the steadiest ratios). On a GPU the same runs on CUDA
 tensors (Opacus's einsum in float32: torch's default leaves TF32 off for matmul).
@@ -57,6 +63,9 @@ QUICK = [(16, 64, 256, 256), (8, 128, 512, 512)]
 CONVS = [(128, 64, 8, 128, 3, 1), (128, 128, 8, 128, 3, 1), (64, 256, 8, 256, 3, 1), (64, 512, 4, 512, 3, 1),
          (64, 128, 8, 256, 3, 2), (64, 128, 16, 256, 1, 2)]
 QUICK_CONVS = [(16, 32, 8, 64, 3, 1)]
+# name: (B, T, width, blocks, vocab) of bench_training_step.py's transformers.
+MODELS = {"transformer": (32, 64, 256, 2, 1500), "large": (8, 128, 768, 8, 8000)}
+QUICK_MODELS = {"transformer": (8, 64, 256, 2, 1500)}
 SGEMM_SIDE = 2048
 
 
@@ -107,12 +116,38 @@ def conv_rows(convs, device: str, sync) -> list[dict]:
     return rows
 
 
+def model_rows(models: dict, device: str, sync) -> list[dict]:
+    rows = []
+    for name, (batch, length, width, blocks, vocab) in models.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        shapes = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * blocks
+        shapes.append((width, vocab))
+        layers = [(torch.randn(batch, length, d, device=device, generator=gen),
+                   torch.randn(batch, length, p, device=device, generator=gen)) for d, p in shapes]
+        linears = [torch.nn.Linear(d, p, bias=False, device=device) for d, p in shapes]
+        times = seconds_interleaved({
+            "one call": lambda: torch.ops.privleak.ghost_norm([a for a, _ in layers], [g for _, g in layers]),
+            "by layer": lambda: [ghost_norm_squared(a, g) for a, g in layers],
+            "opacus": lambda: [compute_linear_norm_sample(linear, [a], g) for linear, (a, g) in zip(linears, layers)],
+        }, sync=sync)
+        ours = times["one call"]
+        rows.append({
+            "model": name, "layers": len(layers), "B": batch, "T": length, "one call ms": f"{ours * 1e3:.2f}",
+            "by layer ms": f"{times['by layer'] * 1e3:.2f}", "opacus ms": f"{times['opacus'] * 1e3:.2f}",
+            "by layer / one call": f"{times['by layer'] / ours:.2f}x",
+            "opacus / one call": f"{times['opacus'] / ours:.2f}x",
+        })
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None, help="B,T,d,p ...")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--vocab", type=int, default=1000, help="ids for the Embedding rows are drawn from this many")
     parser.add_argument("--convs", type=parse_conv, nargs="+", default=None, help="B,C,H,O,k,stride ...")
+    parser.add_argument("--models", nargs="*", choices=sorted(MODELS), default=None,
+                        help="transformers whose Linear layers' norms to time at once (default: all)")
     parser.add_argument("--quick", action="store_true", help="two small shapes: a smoke run")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of privleak and torch alike")
     args = parser.parse_args()
@@ -169,6 +204,11 @@ def main() -> None:
     conv = conv_rows(args.convs or (QUICK_CONVS if args.quick else CONVS), device, sync)
     print("\nConv2d, the weight's squared per-sample norms (N input pixels, T output positions)")
     print(table(conv, list(conv[0])))
+    models = QUICK_MODELS if args.quick else {name: MODELS[name] for name in (args.models or MODELS)}
+    if models:
+        model = model_rows(models, device, sync)
+        print("\nA transformer's Linear layers at once (book-keeping's step), float32")
+        print(table(model, list(model[0])))
 
 
 if __name__ == "__main__":

@@ -504,12 +504,21 @@ def test_cuda_gives_the_cpu_bits(shape, dtype):
 
 @requires_cuda
 def test_cuda_many_layers_in_one_call_give_the_cpu_bits():
-    # The launches share one workspace, sized for the longest layer, on one stream.
-    layers = [(draw(3, 130, 20, seed=68), draw(3, 130, 7, seed=69)), (draw(3, 1, 5, seed=70), draw(3, 1, 300, seed=71)),
-              (draw(3, 9, 16, torch.bfloat16, seed=72), draw(3, 9, 4, torch.bfloat16, seed=73))]
+    # A call's layers share launches in groups of one dtype, at most 32 layers and 16 MiB of scratch
+    # (csrc/cuda/ghost_norm.cu): 36 float32 layers (a group of 32, one of 4), some of no positions,
+    # six alternating between bfloat16 and float64 (a group each), then eight long ones whose scratch
+    # (2.3 MB each) splits their group by bytes.
+    small = [(130, 20, 7), (1, 5, 300), (9, 16, 4), (0, 3, 2), (64, 8, 8), (65, 2, 9)]
+    shapes = [(*shape, torch.float32) for shape in small * 6] + [
+        (*shape, dtype) for shape, dtype in zip(small, [torch.bfloat16, torch.float64] * 3)] + [
+        (2048, 3, 2, torch.float32)] * 8
+    layers = [(draw(4, n, d, dtype, seed=100 + 2 * k), draw(4, n, p, dtype, seed=101 + 2 * k))
+              for k, (n, d, p, dtype) in enumerate(shapes)]
     cpu = torch.ops.privleak.ghost_norm([a for a, _ in layers], [g for _, g in layers])
     gpu = torch.ops.privleak.ghost_norm([a.cuda() for a, _ in layers], [g.cuda() for _, g in layers])
     assert gpu.device.type == "cuda" and cpu.numpy().tobytes() == gpu.cpu().numpy().tobytes()
+    for row, (a, g) in zip(gpu.cpu(), layers):  # and each layer's are its call's alone
+        assert row.numpy().tobytes() == ghost_norm_squared(a.cuda(), g.cuda()).cpu().numpy().tobytes()
 
 
 @requires_cuda

@@ -157,7 +157,7 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("norm_type"), py::arg("factors"), py::arg("device"), py::arg("stream"));
 
   m.def("ghost_norm_workspace_bytes", &privleak::cuda::ghost_norm_workspace_bytes, py::arg("batch"),
-        py::arg("length"));
+        py::arg("lengths"));
 
   m.def(
       "ghost_norm",
@@ -167,12 +167,13 @@ PYBIND11_MODULE(_cuda, m) {
          int device, std::uintptr_t stream) {
         const std::vector<privleak::NoiseDType> types = marshal::ghost_norm_layers(dtypes, activations, output_grads,
                                                                                   lengths, ds, ps);
-        py::gil_scoped_release release;
-        // One stream: each launch finds the workspace free (sized for the longest layer).
+        std::vector<privleak::cuda::GhostLayer> layers;
         for (size_t k = 0; k < types.size(); ++k)
-          privleak::cuda::ghost_norm(types[k], as_pointer(activations[k]), as_pointer(output_grads[k]), batch,
-                                     lengths[k], ds[k], ps[k], as_pointer<double>(out) + k * batch,
-                                     as_pointer(workspace), device, as_pointer(stream));
+          layers.push_back({types[k], as_pointer<const void>(activations[k]), as_pointer<const void>(output_grads[k]),
+                            lengths[k], ds[k], ps[k]});
+        py::gil_scoped_release release;
+        privleak::cuda::ghost_norm(layers, batch, as_pointer<double>(out), as_pointer(workspace), device,
+                                   as_pointer(stream));
       },
       "Layer k's ghost norms into row k of out (layers, batch).", py::arg("dtypes"), py::arg("activations"),
       py::arg("output_grads"), py::arg("batch"), py::arg("lengths"), py::arg("ds"), py::arg("ps"), py::arg("out"),

@@ -1,15 +1,20 @@
 // CUDA ghost norms, the CPU's arithmetic in the CPU's order (common/ghost_norm.h).
 //
-// Dense form: one block per pair of 64-row tile t and 64-column tile s <= t of a sample (the
-// blocks of one pair loop over the samples past 65535). It computes the a-Gram and then the g-Gram
-// tile as a classic shared-memory SGEMM (16 x 16 threads, 4 x 4 entries each, kStep coordinates
-// per step), every entry one thread's fma chain in coordinate order, restarted per kGhostChunk and
-// added to a double. The products w_ts go to shared memory, and thread t adds its row's in order
-// of s into the tile's partial sum, stored; one thread per row then adds its tiles' partials in
-// order, as the CPU does (common/ghost_norm.h's row tiles). No tensor cores (their accumulation
-// order is not specified) and no atomics. Zero padding past n only adds fma(0, 0, acc) = acc + 0
-// to the last chunk, which can turn a -0 chain into +0; adding the chunk to its double (which
-// starts at +0) gives the same +0 either way.
+// Dense form: one block per pair of 64-row tile t and 64-column tile s <= t of a sample (the blocks
+// of one pair loop over the samples past 65535). A call's layers share launches: they are cut into
+// groups (consecutive, of one dtype, at most kGroupLayers, their scratch within the workspace),
+// each group's tile pairs, rows and samples one launch each, every layer's blocks side by side, so
+// that a model's layers at a small batch fill the GPU together (one layer's did not: 3 tile pairs
+// of 8 samples are 24 blocks) and a step launches a few kernels, not three a layer. A block finds
+// its layer in the group's table (a kernel argument). It computes the a-Gram and then the g-Gram
+// tile as a classic shared-memory SGEMM (16 x 16 threads, 4 x 4 entries each, kStep coordinates per
+// step), every entry one thread's fma chain in coordinate order, restarted per kGhostChunk and
+// added to a double. The products w_ts go to shared memory, and thread t adds its row's in order of
+// s into the tile's partial sum, stored; one thread per row then adds its tiles' partials in order,
+// as the CPU does (common/ghost_norm.h's row tiles). No tensor cores (their accumulation order is
+// not specified) and no atomics. Zero padding past n only adds fma(0, 0, acc) = acc + 0 to the last
+// chunk, which can turn a -0 chain into +0; adding the chunk to its double (which starts at +0)
+// gives the same +0 either way.
 //
 // Convolution form: one block per (sample, 64 x 64 tile of the pixel Gram's lower triangle) stores
 // the pixel Gram in the workspace by the same tile code (the input read channels-first); then one
@@ -128,20 +133,47 @@ __device__ double tile_partial(const double (&aa)[kSub][kSub], const double (&gg
   return partial;
 }
 
-// Tile pair blockIdx.x of each sample b = blockIdx.y, blockIdx.y + gridDim.y, ...: row tile ti and
-// column tile sj <= ti, the lower triangle's pairs numbered row by row. Row t's partial sum over
-// the pair goes to partials[(b length + t) tiles + sj], and on the diagonal pair its Gram
-// diagonals to diagonals[2 (b length + t)] (a) and [... + 1] (g). Every pair has a block of its
-// own, so that a batch of short sequences fills the GPU.
+// A group of layers launched together. Layer k's tile pairs are blocks first_pair[k] ..
+// first_pair[k + 1] - 1; its (sample, position) rows are items first_row[k] .. first_row[k + 1] - 1
+// of the group's rows and Gram diagonals (two a row), its rows' partial sums start at
+// first_partial[k], and its samples' norms go to out[k batch + b].
+constexpr int kGroupLayers = 32;
+struct GhostGroup {
+  const void* activations[kGroupLayers];
+  const void* output_grads[kGroupLayers];
+  int64_t length[kGroupLayers], d[kGroupLayers], p[kGroupLayers], tiles[kGroupLayers];
+  int64_t first_pair[kGroupLayers + 1], first_row[kGroupLayers + 1], first_partial[kGroupLayers + 1];
+  int layers;
+};
+static_assert(sizeof(GhostGroup) <= 4096, "a kernel's arguments are at most 4 KiB");
+
+// The layer k of the group whose range [first[k], first[k + 1]) holds item i < first[layers].
+__device__ int layer_of(const int64_t* first, int layers, int64_t i) {
+  int k = 0;
+  while (k + 1 < layers && first[k + 1] <= i) ++k;
+  return k;
+}
+
+// Tile pair blockIdx.x of the group's layer k (numbered from first_pair[k]) of each sample
+// b = blockIdx.y, blockIdx.y + gridDim.y, ...: row tile ti and column tile sj <= ti, the lower
+// triangle's pairs numbered row by row. Row t's partial sum over the pair goes to
+// partials[first_partial[k] + (b length + t) tiles + sj], and on the diagonal pair its Gram
+// diagonals to diagonals[2 (first_row[k] + b length + t)] (a) and [... + 1] (g). Every pair has a
+// block of its own, so that a batch of short sequences fills the GPU.
 template <class In, class Acc>
 __global__ void __launch_bounds__(kThreads)
-    ghost_tile_pairs(const In* a, const In* g, int64_t batch, int64_t length, int64_t d, int64_t p, int64_t tiles,
-                     double* partials, double* diagonals) {
+    ghost_tile_pairs(const GhostGroup group, int64_t batch, double* partials, double* diagonals) {
   constexpr int K = kStep<Acc>;
   __shared__ Acc tile_rows[K][kTile + 1], tile_cols[K][kTile + 1];
   __shared__ double products[kTile][kTile + 1];
   __shared__ double diag_a[kTile], diag_g[kTile];
-  const int64_t pair = blockIdx.x;
+  const int k = layer_of(group.first_pair, group.layers, blockIdx.x);
+  const int64_t length = group.length[k], d = group.d[k], p = group.p[k], tiles = group.tiles[k];
+  const In* a = static_cast<const In*>(group.activations[k]);
+  const In* g = static_cast<const In*>(group.output_grads[k]);
+  double* layer_partials = partials + group.first_partial[k];
+  double* layer_diagonals = diagonals + 2 * group.first_row[k];
+  const int64_t pair = blockIdx.x - group.first_pair[k];
   int64_t ti = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(pair) + 1.0) - 1.0) / 2.0);
   while (ti * (ti + 1) / 2 > pair) --ti;  // the square root's rounding, either way
   while ((ti + 1) * (ti + 2) / 2 <= pair) ++ti;
@@ -153,23 +185,39 @@ __global__ void __launch_bounds__(kThreads)
     const double partial = tile_partial(aa, gg, t0, s0, products, diag_a, diag_g);
     const int64_t t = t0 + threadIdx.x;
     if (threadIdx.x < kTile && t < length) {
-      partials[(b * length + t) * tiles + sj] = partial;
+      layer_partials[(b * length + t) * tiles + sj] = partial;
       if (sj == ti) {
-        diagonals[2 * (b * length + t)] = diag_a[threadIdx.x];
-        diagonals[2 * (b * length + t) + 1] = diag_g[threadIdx.x];
+        layer_diagonals[2 * (b * length + t)] = diag_a[threadIdx.x];
+        layer_diagonals[2 * (b * length + t) + 1] = diag_g[threadIdx.x];
       }
     }
   }
 }
 
-// rows[e] = ghost_row_total of row e = b length + t: its tiles' partial sums added in order from +0.
-__global__ void ghost_row_totals(const double* partials, const double* diagonals, int64_t batch, int64_t length,
-                                 int64_t tiles, double* rows) {
+// rows[e] = ghost_row_total of the group's row e (layer k's row b length + t, e = first_row[k] +
+// b length + t): its tiles' partial sums added in order from +0.
+__global__ void ghost_row_totals(const GhostGroup group, const double* partials, const double* diagonals,
+                                 double* rows) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < batch * length; e += stride) {
+  const int64_t items = group.first_row[group.layers];
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < items; e += stride) {
+    const int k = layer_of(group.first_row, group.layers, e);
+    const int64_t row = e - group.first_row[k], length = group.length[k], tiles = group.tiles[k];
+    const double* row_partials = partials + group.first_partial[k] + row * tiles;
     double below = 0.0;
-    for (int64_t j = 0; j <= e % length / kTile; ++j) below += partials[e * tiles + j];
+    for (int64_t j = 0; j <= row % length / kTile; ++j) below += row_partials[j];
     rows[e] = ghost_row_total(below, diagonals[2 * e], diagonals[2 * e + 1]);
+  }
+}
+
+// out[k batch + b] = ghost_sample_total of sample b of the group's layer k.
+__global__ void ghost_sample_totals(const GhostGroup group, int64_t batch, const double* rows, double* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < group.layers * batch;
+       e += stride) {
+    const int k = static_cast<int>(e / batch);
+    const int64_t length = group.length[k];
+    out[e] = ghost_sample_total(rows + group.first_row[k] + e % batch * length, length);
   }
 }
 
@@ -286,40 +334,93 @@ void check_batch(int64_t batch) {
   if (batch > INT32_MAX) throw std::invalid_argument("ghost_norm: batch must be below 2^31 on CUDA");
 }
 
-}  // namespace
+int64_t tiles_of(int64_t length) { return (length + kTile - 1) / kTile; }
 
-int64_t ghost_norm_workspace_bytes(int64_t batch, int64_t length) {
-  const int64_t tiles = (length + kTile - 1) / kTile;  // rows, each row's partials, its two diagonals
-  return batch * length * (1 + tiles + 2) * static_cast<int64_t>(sizeof(double));
+// Scratch of a dense layer in a group: its rows, their two Gram diagonals and each row's tile
+// partials, as doubles.
+int64_t layer_scratch_bytes(int64_t batch, int64_t length) {
+  return batch * length * (3 + tiles_of(length)) * static_cast<int64_t>(sizeof(double));
 }
 
-void ghost_norm(NoiseDType dtype, const void* activations, const void* output_grads, int64_t batch, int64_t length,
-                int64_t d, int64_t p, double* out, void* workspace, int device, void* stream) {
-  check_ghost_sizes(batch, length, d, p);
+// A call's groups share a workspace of the larger of this and its largest layer's scratch (or of
+// all its layers' scratch where that is less): more layers a launch, a bounded footprint.
+constexpr int64_t kGroupScratchBytes = int64_t{16} << 20;
+
+// A group's three launches on stream s; the workspace holds its rows, then their diagonals, then
+// the partials; out is the group's first layer's.
+void launch_group(NoiseDType dtype, const GhostGroup& group, int64_t batch, double* out, double* workspace,
+                  cudaStream_t s) {
+  const int n = group.layers;
+  const int64_t rows = group.first_row[n];
+  double* diagonals = workspace + rows;
+  double* partials = diagonals + 2 * rows;
+  if (rows > 0) {  // else no tile pairs either, and a 0-block launch is an error
+    dispatch_ghost_dtype(dtype, [&](auto zero) {
+      using In = decltype(zero);
+      using Acc = typename GhostAcc<In>::type;
+      const auto samples = static_cast<unsigned>(std::min<int64_t>(batch, 65535));
+      ghost_tile_pairs<In, Acc><<<dim3(static_cast<unsigned>(group.first_pair[n]), samples), kThreads, 0, s>>>(
+          group, batch, partials, diagonals);
+      check(cudaGetLastError(), "ghost_norm: ghost_tile_pairs launch");
+    });
+    ghost_row_totals<<<blocks_for(rows), kThreads, 0, s>>>(group, partials, diagonals, workspace);
+    check(cudaGetLastError(), "ghost_norm: ghost_row_totals launch");
+  }
+  ghost_sample_totals<<<blocks_for(n * batch), kThreads, 0, s>>>(group, batch, workspace, out);
+  check(cudaGetLastError(), "ghost_norm: ghost_sample_totals launch");
+}
+
+}  // namespace
+
+int64_t ghost_norm_workspace_bytes(int64_t batch, const std::vector<int64_t>& lengths) {
+  int64_t total = 0, largest = 0;
+  for (const int64_t length : lengths) {
+    const int64_t bytes = layer_scratch_bytes(batch, length);
+    total += bytes;
+    largest = std::max(largest, bytes);
+  }
+  return std::min(total, std::max(largest, kGroupScratchBytes));
+}
+
+void ghost_norm(const std::vector<GhostLayer>& layers, int64_t batch, double* out, void* workspace, int device,
+                void* stream) {
   check_batch(batch);
-  const int64_t tiles = (length + kTile - 1) / kTile;
-  if (tiles > 65535) throw std::invalid_argument("ghost_norm: length must be at most 65535 * 64 on CUDA");
-  if (batch == 0) return;
+  std::vector<int64_t> lengths;
+  for (const GhostLayer& layer : layers) {
+    check_ghost_sizes(batch, layer.length, layer.d, layer.p);
+    if (tiles_of(layer.length) > 65535)
+      throw std::invalid_argument("ghost_norm: length must be at most 65535 * 64 on CUDA");
+    lengths.push_back(layer.length);
+  }
+  if (batch == 0 || layers.empty()) return;
+  const int64_t scratch = ghost_norm_workspace_bytes(batch, lengths);
   const DeviceGuard guard(device);
   const auto s = static_cast<cudaStream_t>(stream);
-  auto* rows = static_cast<double*>(workspace);
-  double* partials = rows + batch * length;
-  double* diagonals = partials + batch * length * tiles;
-  dispatch_ghost_dtype(dtype, [&](auto zero) {
-    using In = decltype(zero);
-    using Acc = typename GhostAcc<In>::type;
-    if (tiles == 0) return;  // no rows; a 0-block launch is an error
-    const auto pairs = static_cast<unsigned>(tiles * (tiles + 1) / 2);
-    const auto samples = static_cast<unsigned>(std::min<int64_t>(batch, 65535));
-    ghost_tile_pairs<In, Acc><<<dim3(pairs, samples), kThreads, 0, s>>>(
-        static_cast<const In*>(activations), static_cast<const In*>(output_grads), batch, length, d, p, tiles,
-        partials, diagonals);
-    check(cudaGetLastError(), "ghost_norm: ghost_tile_pairs launch");
-    ghost_row_totals<<<blocks_for(batch * length), kThreads, 0, s>>>(partials, diagonals, batch, length, tiles, rows);
-    check(cudaGetLastError(), "ghost_norm: ghost_row_totals launch");
-  });
-  sample_totals<<<blocks_for(batch), kThreads, 0, s>>>(rows, batch, length, out);
-  check(cudaGetLastError(), "ghost_norm: sample_totals launch");
+  // Groups run one after another on the stream, so each finds the workspace free.
+  for (size_t first = 0, next = 0; first < layers.size(); first = next) {
+    GhostGroup group{};
+    int64_t bytes = 0;
+    for (next = first; next < layers.size() && group.layers < kGroupLayers && layers[next].dtype == layers[first].dtype;
+         ++next) {
+      const GhostLayer& layer = layers[next];
+      const int n = group.layers;
+      const int64_t tiles = tiles_of(layer.length), more = layer_scratch_bytes(batch, layer.length);
+      if (n > 0 && (bytes + more > scratch || group.first_pair[n] + tiles * (tiles + 1) / 2 > INT32_MAX)) break;
+      group.activations[n] = layer.activations;
+      group.output_grads[n] = layer.output_grads;
+      group.length[n] = layer.length;
+      group.d[n] = layer.d;
+      group.p[n] = layer.p;
+      group.tiles[n] = tiles;
+      group.first_pair[n + 1] = group.first_pair[n] + tiles * (tiles + 1) / 2;
+      group.first_row[n + 1] = group.first_row[n] + batch * layer.length;
+      group.first_partial[n + 1] = group.first_partial[n] + batch * layer.length * tiles;
+      bytes += more;
+      ++group.layers;
+    }
+    launch_group(layers[first].dtype, group, batch, out + static_cast<int64_t>(first) * batch,
+                 static_cast<double*>(workspace), s);
+  }
 }
 
 int64_t conv_ghost_norm_workspace_bytes(int64_t batch, int64_t pixels, int64_t length) {

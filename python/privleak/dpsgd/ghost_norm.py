@@ -95,7 +95,7 @@ def _ghost_norm_op(activations: list[torch.Tensor], output_grads: list[torch.Ten
         _backend.call("ghost_norm", first, dtypes, [a.data_ptr() for a, _ in pairs],
                       [g.data_ptr() for _, g in pairs], batch, lengths, [a.shape[2] for a, _ in pairs],
                       [g.shape[2] for _, g in pairs], out.data_ptr(),
-                      workspace=lambda module: max(module.ghost_norm_workspace_bytes(batch, n) for n in lengths))
+                      workspace=lambda module: module.ghost_norm_workspace_bytes(batch, lengths))
     return out
 
 
