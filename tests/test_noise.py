@@ -283,6 +283,23 @@ def test_cuda_noise_is_bit_identical_to_cpu(distribution, dtype):
     assert torch.equal(add(x.clone(), 0.7, key=4), add(x.cuda(), 0.7, key=4).cpu())
 
 
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("distribution", [*DISTRIBUTIONS, "discrete_gaussian", "discrete_laplace"])
+def test_cuda_noise_of_many_tensors_in_one_call_is_the_cpus(distribution, dtype):
+    # 151 tensors in one call: launches of 64 arrays each, odd sizes whose Philox blocks straddle
+    # two tensors, empty ones, and a large one.
+    sizes = [k * 37 % 11 for k in range(150)] + [100_003]
+    gen = torch.Generator().manual_seed(8)
+    cpu = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    gpu = [x.cuda() for x in cpu]
+    secure = distribution.startswith("discrete")
+    args = (distribution, 2.0**41, [7, 1, 2, 3, 4, 5, 6, 7], 5, -20) if secure else (distribution, 1.5, [99, 3], 5, 0)
+    torch.ops.privleak.add_noise_many_(cpu, *args)
+    torch.ops.privleak.add_noise_many_(gpu, *args)
+    assert all(torch.equal(c, g.cpu()) for c, g in zip(cpu, gpu))
+
+
 # ------------------------------------------------------------------ counter space and output range
 
 

@@ -81,10 +81,9 @@ PYBIND11_MODULE(_cuda, m) {
          std::uintptr_t stream) {
         const privleak::Distribution d = marshal::parse_distribution(distribution);
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
+        const std::vector<void*> arrays = marshal::void_pointers(outs);
         py::gil_scoped_release release;
-        marshal::each_in_stream(outs, numels, offset, [&](void* out, int64_t n, uint64_t at) {
-          privleak::cuda::apply_noise(d, t, out, n, key, at, scale, add, device, as_pointer(stream));
-        });
+        privleak::cuda::apply_noise(d, t, arrays, numels, key, offset, scale, add, device, as_pointer(stream));
       },
       py::arg("distribution"), py::arg("dtype"), py::arg("outs"), py::arg("numels"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("add"), py::arg("device"), py::arg("stream"));
@@ -97,11 +96,10 @@ PYBIND11_MODULE(_cuda, m) {
         const privleak::Distribution d = marshal::parse_distribution(distribution);
         const privleak::NoiseDType t = marshal::parse_noise_dtype(dtype);
         const privleak::ChaChaKey k = marshal::to_chacha_key(key);
+        const std::vector<void*> arrays = marshal::void_pointers(outs);
         py::gil_scoped_release release;
-        marshal::each_in_stream(outs, numels, offset, [&](void* out, int64_t n, uint64_t at) {
-          privleak::cuda::apply_secure_noise(d, t, out, n, k, at, scale, grid_exponent, add, device,
-                                             as_pointer(stream));
-        });
+        privleak::cuda::apply_secure_noise(d, t, arrays, numels, k, offset, scale, grid_exponent, add, device,
+                                           as_pointer(stream));
       },
       py::arg("distribution"), py::arg("dtype"), py::arg("outs"), py::arg("numels"), py::arg("key"), py::arg("offset"),
       py::arg("scale"), py::arg("grid_exponent"), py::arg("add"), py::arg("device"), py::arg("stream"));

@@ -65,6 +65,12 @@ inline std::vector<PerSampleGrads> per_sample_grads(const std::vector<std::uintp
   return tensors;
 }
 
+inline std::vector<void*> void_pointers(const std::vector<std::uintptr_t>& addresses) {
+  std::vector<void*> pointers;
+  for (std::uintptr_t a : addresses) pointers.push_back(as_pointer(a));
+  return pointers;
+}
+
 inline std::vector<float*> float_pointers(const std::vector<std::uintptr_t>& addresses) {
   std::vector<float*> pointers;
   for (std::uintptr_t a : addresses) pointers.push_back(as_pointer<float>(a));
