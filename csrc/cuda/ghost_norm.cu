@@ -179,6 +179,9 @@ __global__ void __launch_bounds__(kThreads)
   while ((ti + 1) * (ti + 2) / 2 <= pair) ++ti;
   const int64_t sj = pair - ti * (ti + 1) / 2, t0 = ti * kTile, s0 = sj * kTile;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    // The last sample's diagonals are read above before this one's tile_partial writes them; with
+    // d = p = 0 no gram_tile step synchronises in between.
+    __syncthreads();
     double aa[kSub][kSub], gg[kSub][kSub];
     gram_tile(a + b * length * d, length, d, d, 1, t0, s0, tile_rows, tile_cols, aa);
     gram_tile(g + b * length * p, length, p, p, 1, t0, s0, tile_rows, tile_cols, gg);

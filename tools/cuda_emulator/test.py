@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Compares privleak's CUDA kernels, run by the emulator's driver, with privleak's CPU ops, bit for bit.
+
+  python3 test.py --driver build/plain/driver [--only ghost_single,noise,...] [--quick]
+
+Prints one line per comparison (PASS/FAIL) and a summary; exit status 1 on any failure.
+"""
+import argparse
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import privleak  # noqa: F401  (registers the ops)
+import privleak.dpsgd  # noqa: F401
+import privleak.mechanisms as mech
+import torch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+results = []
+
+
+def raw(t):
+    t = t.contiguous()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def from_raw(b, like):
+    if like.dtype in (torch.bfloat16, torch.float16):
+        if not b:
+            return like.new_empty(like.shape)
+        return torch.frombuffer(bytearray(b), dtype=torch.int16).view(like.dtype).reshape(like.shape)
+    return torch.frombuffer(bytearray(b), dtype=like.dtype).reshape(like.shape) if b else like.new_empty(like.shape)
+
+
+class Case:
+    def __init__(self, workdir):
+        self.dir = workdir
+        self.n = 0
+        self.lines = []
+
+    def file(self, data=None):
+        self.n += 1
+        path = os.path.join(self.dir, f"f{self.n}.bin")
+        if data is not None:
+            with open(path, "wb") as f:
+                f.write(data)
+        return path
+
+
+def run_driver(args, manifest_lines, workdir, label):
+    manifest = os.path.join(workdir, "manifest.txt")
+    with open(manifest, "w") as f:
+        f.write("\n".join(manifest_lines) + "\n")
+    p = subprocess.run([args.driver, manifest], capture_output=True, text=True)
+    out = p.stdout + p.stderr
+    bad = [line for line in out.splitlines()
+           if "FAIL" in line or "EMU ERROR" in line or "ERROR" in line or "runtime error" in line]
+    if p.returncode != 0 or bad:
+        print(f"  driver [{label}] rc={p.returncode}")
+        print("  " + "\n  ".join(out.strip().splitlines()[-40:]))
+        results.append((f"{label}: driver", False, f"rc={p.returncode}"))
+    return p.returncode
+
+
+def compare(name, ref, got, describe=None):
+    ok = ref.tobytes() == got.tobytes()
+    detail = ""
+    if not ok:
+        detail = describe() if describe else ""
+    results.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name}" + (f"\n    {detail}" if detail else ""), flush=True)
+    return ok
+
+
+def f64_diff(ref, got, index_names):
+    ref, got = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    diff = np.flatnonzero(ref.view(np.uint64).ravel() != got.view(np.uint64).ravel())
+    lines = [f"{len(diff)} of {ref.size} differ"]
+    for i in diff[:8]:
+        idx = np.unravel_index(i, ref.shape)
+        r, g = ref.ravel()[i], got.ravel()[i]
+        ulps = int(abs(int(ref.view(np.int64).ravel()[i]) - int(got.view(np.int64).ravel()[i])))
+        where = dict(zip(index_names, map(int, idx)))
+        lines.append(f"{where}: cpu {r!r} ({r.hex()}) emu {g!r} ({g.hex()}) ulps {ulps}")
+    return "\n    ".join(lines)
+
+
+# ---------------------------------------------------------------- ghost norms
+def make_layer(gen, batch, t, d, p, dtype, special=None):
+    a = torch.randn(batch, t, d, generator=gen, dtype=torch.float64)
+    g = torch.randn(batch, t, p, generator=gen, dtype=torch.float64)
+    if special == "nan" and a.numel():
+        a.view(-1)[a.numel() // 2] = float("nan")
+    if special == "inf" and g.numel():
+        g.view(-1)[0] = float("inf")
+    if special == "big" and a.numel():
+        a *= 1e20
+    return a.to(dtype), g.to(dtype)
+
+
+def ghost_case(args, label, layers, batch):
+    """layers: list of (a, g). One driver call with all layers; compare with the CPU op."""
+    ref = torch.ops.privleak.ghost_norm([a for a, _ in layers], [g for _, g in layers])
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        c = Case(wd)
+        out = c.file()
+        lines = [f"ghost {batch} {len(layers)} {out}"]
+        for a, g in layers:
+            lines.append(f"L {NAMES[a.dtype]} {a.shape[1]} {a.shape[2]} {g.shape[2]} {c.file(raw(a))} {c.file(raw(g))}")
+        rc = run_driver(args, lines, wd, label)
+        if rc != 0 and not os.path.exists(out):
+            results.append((label, False, "no output"))
+            print(f"FAIL {label}: no output")
+            return
+        got = np.frombuffer(open(out, "rb").read(), dtype=np.float64).reshape(len(layers), batch)
+    refn = ref.numpy()
+    compare(label, refn, got, lambda: f64_diff(refn, got, ["layer", "sample"]))
+
+
+def ghost_single(args):
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(1, 1, 1, 1), (3, 33, 129, 3), (2, 65, 257, 255), (2, 130, 64, 300)]
+    for (b, t, d, p) in shapes:
+        for dt in (["float32", "float64", "bfloat16", "float16"] if not args.quick else ["float32", "float64"]):
+            a, g = make_layer(gen, b, t, d, p, DTYPES[dt])
+            ghost_case(args, f"ghost single B{b} T{t} d{d} p{p} {dt}", [(a, g)], b)
+
+
+def ghost_extra(args):
+    """Tile and chunk boundaries: T = 64, 128, 192; d, p = 128 (one chunk), 129, 16, 8, 256."""
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(2, 64, 128, 16), (1, 128, 129, 8), (2, 192, 256, 128), (3, 63, 16, 257), (1, 127, 8, 1)]
+    for (b, t, d, p) in shapes:
+        for dt in ["float32", "float64", "bfloat16", "float16"]:
+            a, g = make_layer(gen, b, t, d, p, DTYPES[dt])
+            ghost_case(args, f"ghost extra B{b} T{t} d{d} p{p} {dt}", [(a, g)], b)
+
+
+def ghost_mixed(args):
+    gen = torch.Generator().manual_seed(2)
+    batch = 3
+    # 36 float32 layers (past the 32-layer cap), then runs of other dtypes, a T = 0 layer, d = 0 and
+    # p = 0 layers, NaN / inf / huge inputs.
+    plan = ["float32"] * 36 + ["float64"] * 3 + ["bfloat16"] * 2 + ["float32"] + ["float16"] * 2 + ["float64"] * 2
+    layers = []
+    for i, dt in enumerate(plan):
+        t = int(torch.randint(0, 80, (1,), generator=gen))
+        d = int(torch.randint(1, 40, (1,), generator=gen))
+        p = int(torch.randint(1, 40, (1,), generator=gen))
+        special = None
+        if i == 5:
+            t = 0
+        if i == 7:
+            d = 0
+        if i == 8:
+            p = 0
+        if i == 10:
+            special = "nan"
+        if i == 11:
+            special = "inf"
+        if i == 12:
+            special = "big"
+        if i == 37:
+            t = 0
+        layers.append(make_layer(gen, batch, t, d, p, DTYPES[dt], special))
+    ghost_case(args, f"ghost mixed {len(layers)} layers (dtype runs, 32-cap, T=0, d=0, p=0, nan/inf/huge)", layers,
+               batch)
+    # All layers empty: a zero-byte workspace, no tile launches.
+    layers = [make_layer(gen, 2, 0, 3, 4, torch.float32), make_layer(gen, 2, 0, 1, 1, torch.float32)]
+    ghost_case(args, "ghost all layers T=0", layers, 2)
+    # A T = 0 layer alone in its dtype group between others.
+    layers = [make_layer(gen, 2, 5, 3, 4, torch.float32), make_layer(gen, 2, 0, 3, 4, torch.float64),
+              make_layer(gen, 2, 70, 3, 4, torch.float32)]
+    ghost_case(args, "ghost T=0 layer alone in a group", layers, 2)
+
+
+def ghost_long(args):
+    gen = torch.Generator().manual_seed(3)
+    layers = [make_layer(gen, 4, 2048, 3, 2, torch.float32) for _ in range(8)]
+    ghost_case(args, "ghost long: 8 x (B4 T2048 d3 p2) float32 (16 MiB split)", layers, 4)
+    if not args.quick:
+        layers = [make_layer(gen, 2, 1500, 5, 3, [torch.float64, torch.bfloat16][i % 2 if i > 3 else 0])
+                  for i in range(6)]
+        ghost_case(args, "ghost long: 6 x (B2 T1500) float64/bfloat16", layers, 2)
+
+
+def ghost_bigbatch(args):
+    gen = torch.Generator().manual_seed(4)
+    b = 65537
+    layers = [make_layer(gen, b, 1, 2, 1, torch.float32), make_layer(gen, b, 2, 1, 2, torch.float64)]
+    ghost_case(args, "ghost batch 65537 (gridDim.y loop)", layers, b)
+
+
+def conv(args):
+    gen = torch.Generator().manual_seed(5)
+    # (N, C, H, W), O, kernel, stride, padding, dilation
+    cases = [((2, 3, 9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1)),
+             ((1, 2, 11, 7), 3, (2, 3), (2, 1), (0, 2), (2, 1)),
+             ((3, 5, 1, 150), 2, (1, 5), (1, 2), (0, 2), (1, 1)),
+             ((1, 1, 1, 1), 1, (1, 1), (1, 1), (0, 0), (1, 1)),
+             ((2, 4, 14, 13), 3, (3, 2), (1, 1), (2, 1), (1, 2))]
+    for dt in ["float32", "float64", "bfloat16", "float16"]:
+        for (shape, o, k, s, pad, dil) in cases:
+            x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(DTYPES[dt])
+            ho = (shape[2] + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // s[0] + 1
+            wo = (shape[3] + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // s[1] + 1
+            g = torch.randn(shape[0], o, ho, wo, generator=gen, dtype=torch.float64).to(DTYPES[dt])
+            ref = torch.ops.privleak.conv_ghost_norm(x, g, list(k), list(s), list(pad), list(dil)).numpy()
+            geometry = [shape[0], shape[1], shape[2], shape[3], o, ho, wo, k[0], k[1], s[0], s[1], pad[0], pad[1],
+                        dil[0], dil[1]]
+            label = f"conv {dt} x{shape} O{o} k{k} s{s} p{pad} d{dil}"
+            with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+                c = Case(wd)
+                out = c.file()
+                line = f"conv {dt} {c.file(raw(x))} {c.file(raw(g))} {' '.join(map(str, geometry))} {out}"
+                run_driver(args, [line], wd, label)
+                got = np.frombuffer(open(out, "rb").read(), dtype=np.float64) if os.path.exists(out) else np.zeros(0)
+            compare(label, ref, got,
+                    lambda ref=ref, got=got: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
+
+
+def embedding(args):
+    gen = torch.Generator().manual_seed(6)
+    for dt in ["float32", "float64", "bfloat16", "float16"]:
+        for (b, t, p, vocab) in [(3, 50, 70, 7), (2, 1, 1, 1), (2, 40, 33, 1000), (1, 0, 5, 3)]:
+            ids = torch.randint(0, vocab, (b, t), generator=gen, dtype=torch.int64)
+            g = torch.randn(b, t, p, generator=gen, dtype=torch.float64).to(DTYPES[dt])
+            ref = torch.ops.privleak.embedding_ghost_norm(ids, g).numpy()
+            label = f"embedding {dt} B{b} T{t} p{p} vocab{vocab}"
+            with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+                c = Case(wd)
+                out = c.file()
+                line = f"emb {dt} {c.file(raw(ids))} {c.file(raw(g))} {b} {t} {p} {out}"
+                run_driver(args, [line], wd, label)
+                got = np.frombuffer(open(out, "rb").read(), dtype=np.float64) if os.path.exists(out) else np.zeros(0)
+            compare(label, ref, got,
+                    lambda ref=ref, got=got: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
+
+
+# ---------------------------------------------------------------- noise
+def noise_tensors(gen, quick):
+    sizes = [k * 37 % 11 for k in range(150)] + [100003 if not quick else 5003]
+    tensors = []
+    for k, n in enumerate(sizes):
+        if k < 70:
+            dt = "float32"  # a run of 70 arrays: past the 64 arrays of one launch
+        else:
+            dt = ["float64", "bfloat16", "float32", "float16"][(k // 5) % 4]
+        if k == len(sizes) - 1:
+            dt = "bfloat16"
+        tensors.append(torch.randn(n, generator=gen, dtype=torch.float64).mul(3).to(DTYPES[dt]))
+    # a 2-d tensor and a trailing float64 one
+    tensors.append(torch.randn(7, 9, generator=gen, dtype=torch.float64).to(torch.float64))
+    return tensors
+
+
+def noise_case(args, label, distribution, scale, words, offset, grid, tensors):
+    ref = [t.clone() for t in tensors]
+    torch.ops.privleak.add_noise_many_(ref, distribution, scale, words, offset, grid)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        c = Case(wd)
+        lines, outs = [], []
+        off = offset
+        # As privleak.mechanisms._add_into / _apply: one kernel call per run of one dtype.
+        for dt, run in itertools.groupby(tensors, key=lambda x: x.dtype):
+            run = list(run)
+            arrays = []
+            for t in run:
+                out = c.file()
+                outs.append(out)
+                arrays.append(f"A {t.numel()} {c.file(raw(t))} {out}")
+            if distribution.startswith("discrete_"):
+                d = distribution.removeprefix("discrete_")
+                words_text = " ".join(map(str, words))
+                lines.append(f"secure {d} {NAMES[dt]} {words_text} {off} {int(scale)} {grid} 1 {len(run)}")
+            else:
+                key = words[0] | (words[1] << 32)
+                lines.append(f"noise {distribution} {NAMES[dt]} {key} {off} {float(scale).hex()} 1 {len(run)}")
+            lines += arrays
+            off += sum(t.numel() for t in run)
+        run_driver(args, lines, wd, label)
+        got = [from_raw(open(o, "rb").read(), t) if os.path.exists(o) else None for o, t in zip(outs, tensors)]
+    bad = []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if g is None or raw(r) != raw(g):
+            if g is None:
+                bad.append(f"tensor {i}: no output")
+                continue
+            rb, gb = r.double().view(-1), g.double().view(-1)
+            diff = [j for j in range(r.numel()) if raw(r.view(-1)[j:j + 1]) != raw(g.view(-1)[j:j + 1])]
+            bad.append(f"tensor {i} ({NAMES[r.dtype]}, n={r.numel()}): {len(diff)} elements differ, first "
+                       f"{diff[:3]}: cpu {[float(rb[j]) for j in diff[:3]]} emu {[float(gb[j]) for j in diff[:3]]}")
+    ok = not bad
+    results.append((label, ok, "; ".join(bad[:5])))
+    print(f"{'PASS' if ok else 'FAIL'} {label}" + ("" if ok else "\n    " + "\n    ".join(bad[:8])), flush=True)
+
+
+def noise(args):
+    gen = torch.Generator().manual_seed(7)
+    tensors = noise_tensors(gen, args.quick)
+    n = sum(t.numel() for t in tensors)
+    words = [0x9E3779B9, 0x7F4A7C15]
+    for dist, scale in [("gaussian", 0.7), ("laplace", 1.3)]:
+        for offset in [0, 12345, 2**40 + 3]:
+            noise_case(args, f"noise {dist} scale {scale} offset {offset} ({len(tensors)} tensors, {n} elements)",
+                       dist, scale, words, offset, 0, tensors)
+
+
+def secure(args):
+    gen = torch.Generator().manual_seed(8)
+    tensors = noise_tensors(gen, args.quick)
+    n = sum(t.numel() for t in tensors)
+    words = [0x01234567, 0x89ABCDEF, 0xDEADBEEF, 0x0BADF00D, 0x13579BDF, 0x2468ACE0, 0xFFFFFFFF, 0x00000001]
+    for dist, sigma in [("gaussian", 0.8), ("laplace", 0.5)]:
+        scale, grid = mech._discrete_parameters(dist, sigma)
+        for offset in [0, 999]:
+            noise_case(args, f"secure discrete_{dist} scale {int(scale)} grid {grid} offset {offset} "
+                             f"({len(tensors)} tensors, {n} elements)", "discrete_" + dist, scale, words, offset, grid,
+                       tensors)
+    # the brief's parameters: integer scale 2^41, grid -20
+    noise_case(args, f"secure discrete_gaussian scale 2^41 grid -20 ({n} elements)", "discrete_gaussian", 2.0**41,
+               words, 5, -20, tensors)
+
+
+SUITES = {"ghost_single": ghost_single, "ghost_extra": ghost_extra, "ghost_mixed": ghost_mixed,
+          "ghost_long": ghost_long, "ghost_bigbatch": ghost_bigbatch, "conv": conv, "embedding": embedding,
+          "noise": noise, "secure": secure}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--driver", required=True)
+    ap.add_argument("--only", default=",".join(SUITES))
+    ap.add_argument("--quick", action="store_true", help="smaller cases (for slow sanitizer builds)")
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    for name in args.only.split(","):
+        SUITES[name](args)
+    failed = [r for r in results if not r[1]]
+    print(f"SUMMARY: {len(results) - len(failed)} passed, {len(failed)} failed")
+    for name, _, _detail in failed:
+        print(f"  FAILED: {name}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
