@@ -198,6 +198,18 @@ def ghost_bigbatch(args):
     ghost_case(args, "ghost batch 65537 (gridDim.y loop)", layers, b)
 
 
+def per_sample_case(args, label, ref, command, tensors, sizes):
+    """Runs the driver line "command tensor files... sizes... out", whose output is (B,) float64,
+    and compares it with ref."""
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        c = Case(wd)
+        out = c.file()
+        files = " ".join(c.file(raw(t)) for t in tensors)
+        run_driver(args, [f"{command} {files} {' '.join(map(str, sizes))} {out}"], wd, label)
+        got = np.frombuffer(open(out, "rb").read(), dtype=np.float64) if os.path.exists(out) else np.zeros(0)
+    compare(label, ref, got, lambda: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
+
+
 def conv(args):
     gen = torch.Generator().manual_seed(5)
     # (N, C, H, W), O, kernel, stride, padding, dilation
@@ -216,14 +228,7 @@ def conv(args):
             geometry = [shape[0], shape[1], shape[2], shape[3], o, ho, wo, k[0], k[1], s[0], s[1], pad[0], pad[1],
                         dil[0], dil[1]]
             label = f"conv {dt} x{shape} O{o} k{k} s{s} p{pad} d{dil}"
-            with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
-                c = Case(wd)
-                out = c.file()
-                line = f"conv {dt} {c.file(raw(x))} {c.file(raw(g))} {' '.join(map(str, geometry))} {out}"
-                run_driver(args, [line], wd, label)
-                got = np.frombuffer(open(out, "rb").read(), dtype=np.float64) if os.path.exists(out) else np.zeros(0)
-            compare(label, ref, got,
-                    lambda ref=ref, got=got: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
+            per_sample_case(args, label, ref, f"conv {dt}", [x, g], geometry)
 
 
 def embedding(args):
@@ -234,14 +239,7 @@ def embedding(args):
             g = torch.randn(b, t, p, generator=gen, dtype=torch.float64).to(DTYPES[dt])
             ref = torch.ops.privleak.embedding_ghost_norm(ids, g).numpy()
             label = f"embedding {dt} B{b} T{t} p{p} vocab{vocab}"
-            with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
-                c = Case(wd)
-                out = c.file()
-                line = f"emb {dt} {c.file(raw(ids))} {c.file(raw(g))} {b} {t} {p} {out}"
-                run_driver(args, [line], wd, label)
-                got = np.frombuffer(open(out, "rb").read(), dtype=np.float64) if os.path.exists(out) else np.zeros(0)
-            compare(label, ref, got,
-                    lambda ref=ref, got=got: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
+            per_sample_case(args, label, ref, f"emb {dt}", [ids, g], [b, t, p])
 
 
 # ---------------------------------------------------------------- noise
