@@ -59,7 +59,7 @@ void apply_secure_noise(Distribution distribution, NoiseDType dtype, const std::
                         int grid_exponent, bool add, int device, void* stream) {
   check_array_list(outs, numels, "apply_secure_noise");
   if (scale < 1 || grid_exponent < -1000 || grid_exponent > 1000)
-    throw std::invalid_argument("apply_secure_noise: needs n >= 0, scale >= 1 and |grid_exponent| <= 1000");
+    throw std::invalid_argument("apply_secure_noise: needs scale >= 1 and |grid_exponent| <= 1000");
   const DeviceGuard guard(device);
   const auto s = static_cast<cudaStream_t>(stream);
   if (distribution == Distribution::gaussian)
