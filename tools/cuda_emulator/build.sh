@@ -11,7 +11,8 @@ V=${1:-plain}; shift || true
 B=$OUT/build/$V${BUILD_SUFFIX:-}
 mkdir -p $B/src
 MF=${MUTATE_FILE:-ghost_norm}
-for f in ghost_norm noise secure_noise device; do
+SOURCES="ghost_norm noise secure_noise device clip vmf conv_grads column_stats nearest"
+for f in $SOURCES; do
   if [ "$f" = "$MF" ] && [ $# -gt 0 ]; then python3 $EMU/prep.py $REPO/csrc/cuda/$f.cu $B/src/$f.cpp "$@"
   else python3 $EMU/prep.py $REPO/csrc/cuda/$f.cu $B/src/$f.cpp; fi
 done
@@ -24,7 +25,7 @@ case $V in
   *) echo "unknown variant $V"; exit 2;;
 esac
 objs=()
-for f in $B/src/ghost_norm.cpp $B/src/noise.cpp $B/src/secure_noise.cpp $B/src/device.cpp $EMU/shim/emu_runtime.cpp $EMU/driver.cpp; do
+for f in $(for s in $SOURCES; do echo $B/src/$s.cpp; done) $EMU/shim/emu_runtime.cpp $EMU/driver.cpp; do
   o=$B/$(basename $f .cpp).o
   ${CXX:-g++} $FLAGS -c $f -o $o &
   objs+=($o)

@@ -8,7 +8,14 @@
 //   secure DIST DTYPE W0..W7 OFFSET SCALE GRID ADD N   then N lines: A NUMEL IN OUT
 //   conv DTYPE XFILE GFILE F0..F14 OUT      (ConvGeometry fields in order)
 //   emb DTYPE IDSFILE GFILE B T p OUT
-// SCALE of noise is a C hex float (Python float.hex()). Every "device" buffer is its own malloc of
+//   clip DTYPE B C PER_LAYER NORM NOISE_STD KEY OFFSET SCALE CLIPFILE SUMSFILE SUMSOUT FACTORSOUT N
+//                                then N lines: A NUMEL IN OUT   (IN holds B x NUMEL elements)
+//   factors B T PER_LAYER NORM SUMSFILE CLIPFILE OUT
+//   convgrad DTYPE XFILE GFILE F0..F14 OUT
+//   vmf DTYPE P N KAPPA KEY OFFSET MUFILE OUT
+//   colstats DTYPE STATS ROWS COLS STRIDE MATFILE WFILE MAXOUT ARGMAXOUT MINOUT SUMOUT   (- for none)
+//   nearest DTYPE METRIC NQ QSTRIDE NI XSTRIDE P QFILE XFILE CENTERFILE VALOUT IDXOUT  (- for no centre)
+// NOISE_STD, SCALE and KAPPA are C hex floats (Python float.hex()). Every "device" buffer is its own malloc of
 // exactly its size: under AddressSanitizer an access past any of them is reported; without it,
 // 4 KiB canaries on both sides are checked after each call. Inputs are checked unchanged,
 // workspace and outputs start as 0xFF bytes (NaN).
@@ -23,9 +30,14 @@
 #include <string>
 #include <vector>
 
+#include "cuda/clip.h"
+#include "cuda/column_stats.h"
+#include "cuda/conv_grads.h"
 #include "cuda/ghost_norm.h"
+#include "cuda/nearest.h"
 #include "cuda/noise.h"
 #include "cuda/secure_noise.h"
+#include "cuda/vmf.h"
 
 namespace emu {
 long emu_errors();
@@ -253,6 +265,174 @@ void run_embedding(const std::string& header) {
   write_file(out_path, out.data(), out.bytes);
 }
 
+double hex_double(const std::string& text) { return std::strtod(text.c_str(), nullptr); }
+
+// An output buffer of `bytes` bytes, 0xFF at first, or none for the path "-".
+struct Output {
+  std::string path;
+  std::unique_ptr<Buffer> buffer;
+  Output(const std::string& p, size_t bytes) : path(p) {
+    if (p != "-") buffer = std::make_unique<Buffer>(bytes, p, 0xFF);
+  }
+  void* data() const { return buffer ? buffer->data() : nullptr; }
+  void write() const {
+    if (buffer) write_file(path, buffer->data(), buffer->bytes);
+  }
+};
+
+void run_clip(std::istream& in, const std::string& header) {
+  std::istringstream h(header);
+  std::string cmd, dtype, std_text, scale_text, clip_path, sums_path, sums_out, factors_out;
+  int64_t batch, columns;
+  int per_layer, norm, n;
+  uint64_t key, offset;
+  h >> cmd >> dtype >> batch >> columns >> per_layer >> norm >> std_text >> key >> offset >> scale_text >> clip_path >>
+      sums_path >> sums_out >> factors_out >> n;
+  const NoiseDType type = parse_dtype(dtype);
+  std::vector<std::unique_ptr<Input>> grads;
+  std::vector<std::unique_ptr<Output>> outs;
+  std::vector<PerSampleGrads> tensors;
+  std::vector<float*> out_pointers;
+  std::vector<int64_t> numels;
+  for (int i = 0; i < n; ++i) {
+    std::string line, tag, in_path, out_path;
+    int64_t numel;
+    std::getline(in, line);
+    std::istringstream l(line);
+    l >> tag >> numel >> in_path >> out_path;
+    grads.push_back(std::make_unique<Input>(in_path, static_cast<size_t>(batch * numel) * element_size(type)));
+    outs.push_back(std::make_unique<Output>(out_path, static_cast<size_t>(numel) * 4));
+    tensors.push_back({grads.back()->buffer.data(), numel});
+    out_pointers.push_back(static_cast<float*>(outs.back()->data()));
+    numels.push_back(numel);
+  }
+  Input clip_norms(clip_path, static_cast<size_t>(per_layer ? columns : 1) * 8);
+  const std::vector<unsigned char> sums_in = read_file(sums_path);  // the columns of other tensors
+  Output sums(sums_out, static_cast<size_t>(batch * columns) * 8), factors(factors_out, static_cast<size_t>(batch * columns) * 4);
+  if (sums_in.size() != sums.buffer->bytes) throw std::runtime_error(sums_path + ": size");
+  std::memcpy(sums.data(), sums_in.data(), sums_in.size());
+  Buffer workspace(static_cast<size_t>(cuda::clip_workspace_bytes(numels, batch, columns)), "clip workspace", 0xFF);
+  cuda::clip_accumulate(type, tensors, out_pointers, batch, columns, reinterpret_cast<const double*>(clip_norms.buffer.data()),
+                        per_layer != 0, static_cast<ClipNorm>(norm), hex_double(std_text), key, offset,
+                        hex_double(scale_text), static_cast<double*>(sums.data()), static_cast<float*>(factors.data()),
+                        workspace.data(), 0, nullptr);
+  for (auto& g : grads) g->check_unchanged();
+  clip_norms.check_unchanged();
+  for (auto& o : outs) o->write();
+  sums.write();
+  factors.write();
+}
+
+void run_factors(const std::string& header) {
+  std::istringstream h(header);
+  std::string cmd, sums_path, clip_path, out_path;
+  int64_t batch, columns;
+  int per_layer, norm;
+  h >> cmd >> batch >> columns >> per_layer >> norm >> sums_path >> clip_path >> out_path;
+  Input sums(sums_path, static_cast<size_t>(batch * columns) * 8);
+  Input clip_norms(clip_path, static_cast<size_t>(per_layer ? columns : 1) * 8);
+  Output factors(out_path, static_cast<size_t>(batch * columns) * 4);
+  cuda::clip_factors(reinterpret_cast<const double*>(sums.buffer.data()),
+                     reinterpret_cast<const double*>(clip_norms.buffer.data()), batch, columns, per_layer != 0,
+                     static_cast<ClipNorm>(norm), static_cast<float*>(factors.data()), 0, nullptr);
+  sums.check_unchanged();
+  clip_norms.check_unchanged();
+  factors.write();
+}
+
+void run_conv_grads(const std::string& header) {
+  std::istringstream h(header);
+  std::string cmd, dtype, x_path, g_path, out_path;
+  int64_t f[15];
+  h >> cmd >> dtype >> x_path >> g_path;
+  for (auto& v : f) h >> v;
+  h >> out_path;
+  const ConvGeometry c{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
+  const NoiseDType type = parse_dtype(dtype);
+  const size_t es = element_size(type);
+  Input x(x_path, static_cast<size_t>(c.batch * c.channels * c.height * c.width) * es);
+  Input g(g_path, static_cast<size_t>(c.batch * c.outputs * c.positions()) * es);
+  Output out(out_path, static_cast<size_t>(c.batch * c.grad_size()) * (type == NoiseDType::float64 ? 8 : 4));
+  cuda::conv_weight_grads(type, x.buffer.data(), g.buffer.data(), c, out.data(), 0, nullptr);
+  x.check_unchanged();
+  g.check_unchanged();
+  out.write();
+}
+
+void run_vmf(const std::string& header) {
+  std::istringstream h(header);
+  std::string cmd, dtype, kappa_text, mu_path, out_path;
+  int64_t p, n;
+  uint64_t key, offset;
+  h >> cmd >> dtype >> p >> n >> kappa_text >> key >> offset >> mu_path >> out_path;
+  const DType type = privleak::parse_dtype(dtype);
+  const size_t es = type == DType::float64 ? 8 : 4;
+  Input mu(mu_path, static_cast<size_t>(p) * es);
+  Output out(out_path, static_cast<size_t>(n * p) * es);
+  Buffer workspace(static_cast<size_t>(cuda::vmf_workspace_bytes(p, n)), "vmf workspace", 0xFF);
+  cuda::vmf_sample(type, mu.buffer.data(), p, hex_double(kappa_text), n, key, offset, out.data(), workspace.data(), 0,
+                   nullptr);
+  mu.check_unchanged();
+  out.write();
+}
+
+void run_column_stats(const std::string& header) {
+  std::istringstream h(header);
+  std::string cmd, dtype, matrix_path, weights_path, max_path, argmax_path, min_path, sum_path;
+  unsigned stats;
+  int64_t rows, cols, stride;
+  h >> cmd >> dtype >> stats >> rows >> cols >> stride >> matrix_path >> weights_path >> max_path >> argmax_path >>
+      min_path >> sum_path;
+  const DType type = privleak::parse_dtype(dtype);
+  const size_t es = type == DType::float64 ? 8 : 4;
+  Input matrix(matrix_path, static_cast<size_t>(rows * stride) * es);
+  std::unique_ptr<Input> weights;
+  if (weights_path != "-") weights = std::make_unique<Input>(weights_path, static_cast<size_t>(rows) * es);
+  Output max(max_path, static_cast<size_t>(cols) * es), argmax(argmax_path, static_cast<size_t>(cols) * 8),
+      min(min_path, static_cast<size_t>(cols) * es), sum(sum_path, static_cast<size_t>(cols) * 8);
+  Buffer workspace(static_cast<size_t>(cuda::column_stats_workspace_bytes(type, rows, cols)), "column_stats workspace",
+                   0xFF);
+  cuda::column_stats(type, stats, matrix.buffer.data(), rows, cols, stride, weights ? weights->buffer.data() : nullptr,
+                     max.data(), static_cast<int64_t*>(argmax.data()), min.data(), static_cast<double*>(sum.data()),
+                     workspace.data(), 0, nullptr);
+  matrix.check_unchanged();
+  if (weights) weights->check_unchanged();
+  for (const Output* o : {&max, &argmax, &min, &sum}) o->write();
+}
+
+NearestMetric parse_metric(const std::string& s) {
+  if (s == "inner_product") return NearestMetric::inner_product;
+  if (s == "squared_l2") return NearestMetric::squared_l2;
+  if (s == "l1") return NearestMetric::l1;
+  throw std::invalid_argument("metric " + s);
+}
+
+void run_nearest(const std::string& header) {
+  std::istringstream h(header);
+  std::string cmd, dtype, metric_name, q_path, x_path, center_path, value_path, index_path;
+  int64_t n_queries, query_stride, n_inputs, input_stride, p;
+  h >> cmd >> dtype >> metric_name >> n_queries >> query_stride >> n_inputs >> input_stride >> p >> q_path >> x_path >>
+      center_path >> value_path >> index_path;
+  const DType type = privleak::parse_dtype(dtype);
+  const NearestMetric metric = parse_metric(metric_name);
+  const size_t es = type == DType::float64 ? 8 : 4;
+  Input queries(q_path, static_cast<size_t>(n_queries * query_stride) * es);
+  Input inputs(x_path, static_cast<size_t>(n_inputs * input_stride) * es);
+  std::unique_ptr<Input> center;
+  if (center_path != "-") center = std::make_unique<Input>(center_path, static_cast<size_t>(p) * es);
+  Output value(value_path, static_cast<size_t>(n_queries) * 8), index(index_path, static_cast<size_t>(n_queries) * 8);
+  const int64_t ws = cuda::nearest_workspace_bytes(type, metric, n_queries, n_inputs, false, 0);
+  Buffer workspace(static_cast<size_t>(ws), "nearest workspace", 0xFF);
+  cuda::nearest(type, metric, queries.buffer.data(), n_queries, query_stride, inputs.buffer.data(), n_inputs,
+                input_stride, p, center ? center->buffer.data() : nullptr, static_cast<double*>(value.data()),
+                static_cast<int64_t*>(index.data()), false, workspace.data(), 0, nullptr);
+  queries.check_unchanged();
+  inputs.check_unchanged();
+  if (center) center->check_unchanged();
+  value.write();
+  index.write();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -271,6 +451,12 @@ int main(int argc, char** argv) {
       else if (cmd == "secure") run_secure(in, line);
       else if (cmd == "conv") run_conv(line);
       else if (cmd == "emb") run_embedding(line);
+      else if (cmd == "clip") run_clip(in, line);
+      else if (cmd == "factors") run_factors(line);
+      else if (cmd == "convgrad") run_conv_grads(line);
+      else if (cmd == "vmf") run_vmf(line);
+      else if (cmd == "colstats") run_column_stats(line);
+      else if (cmd == "nearest") run_nearest(line);
       else throw std::runtime_error("unknown command " + cmd);
     } catch (const std::exception& e) {
       fail(std::string("exception in '") + line.substr(0, 80) + "': " + e.what());

@@ -94,7 +94,8 @@ SHARED = re.compile(r"__shared__\s+([^;]*?);", re.S)
 
 def rewrite_shared(src):
     def one(m):
-        body = m.group(1)
+        # The emulator's shared arrays are malloc'd (16-byte aligned); an __align__ is dropped.
+        body = re.sub(r"__align__\s*\(\s*\d+\s*\)\s*", "", m.group(1))
         # type, then declarators separated by commas at depth 0
         tm = re.match(r"\s*([\w:<>, ]+?)\s+(\w+)\s*(\[.*)$", split_top(body)[0], re.S)
         assert tm, f"cannot parse __shared__ {body!r}"

@@ -27,5 +27,13 @@ mut noise_block_off_by_one noise noise 'first_noise_block(list.offset[i], k) + s
 mut secure_element_off_by_one secure_noise secure 'list.offset[i] + static_cast<uint64_t>(j))));' 'list.offset[i] + static_cast<uint64_t>(j) + 1)));'
 mut shared_overflow ghost_norm ghost_single 'layer_diagonals[2 * (b * length + t)] = diag_a[threadIdx.x];' 'layer_diagonals[2 * (b * length + t)] = diag_a[threadIdx.x + 1];'
 mut shfl_lane ghost_norm embedding 'lanes[l] = __shfl_sync(0xffffffffu, acc, l);' 'lanes[l] = __shfl_sync(0xffffffffu, acc, (l + 1) % 32);'
+mut clip_last_chunk clip clip 'for (int64_t c = 0; c < chunks; ++c) sum += p[c];' 'for (int64_t c = 0; c + 1 < chunks; ++c) sum += p[c];'
+mut clip_locate clip clip 'g.starts[t + 1] <= item) ++t;' 'g.starts[t + 1] < item) ++t;'
+mut clip_missing_syncthreads clip clip $'lanes[threadIdx.x] = sum;\n  __syncthreads();' 'lanes[threadIdx.x] = sum;'
+mut vmf_tangent_coordinate vmf vmf 'static_cast<double>(z), static_cast<double>(mu[i + 1])' 'static_cast<double>(z), static_cast<double>(mu[i])'
+mut conv_grads_width conv_grads conv_grads 'j >= 0 && j < c.width;' 'j >= 0 && j <= c.width;'
+mut column_stats_fold column_stats column_stats 'for (int64_t chunk = 1; chunk < num_chunks; ++chunk)' 'for (int64_t chunk = 2; chunk < num_chunks; ++chunk)'
+mut nearest_lanes nearest nearest 'for (int offset = width / 2; offset > 0; offset /= 2)' 'for (int offset = width / 4; offset > 0; offset /= 2)'
+mut nearest_missing_syncthreads nearest nearest $'      __syncthreads();\n    }\n#pragma unroll\n    for (int j = 0; j < TN; ++j) {' $'    }\n#pragma unroll\n    for (int j = 0; j < TN; ++j) {'
 echo "selftest: $pass detected, $fail not detected"
 [ $fail -eq 0 ]

@@ -17,6 +17,7 @@ import privleak  # noqa: F401  (registers the ops)
 import privleak.dpsgd  # noqa: F401
 import privleak.mechanisms as mech
 import torch
+from privleak import _arrays
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -54,11 +55,11 @@ class Case:
         return path
 
 
-def run_driver(args, manifest_lines, workdir, label):
+def run_driver(args, manifest_lines, workdir, label, env=None):
     manifest = os.path.join(workdir, "manifest.txt")
     with open(manifest, "w") as f:
         f.write("\n".join(manifest_lines) + "\n")
-    p = subprocess.run([args.driver, manifest], capture_output=True, text=True)
+    p = subprocess.run([args.driver, manifest], capture_output=True, text=True, env={**os.environ, **(env or {})})
     out = p.stdout + p.stderr
     bad = [line for line in out.splitlines()
            if "FAIL" in line or "EMU ERROR" in line or "ERROR" in line or "runtime error" in line]
@@ -210,25 +211,31 @@ def per_sample_case(args, label, ref, command, tensors, sizes):
     compare(label, ref, got, lambda: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
 
 
-def conv(args):
-    gen = torch.Generator().manual_seed(5)
-    # (N, C, H, W), O, kernel, stride, padding, dilation
-    cases = [((2, 3, 9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1)),
-             ((1, 2, 11, 7), 3, (2, 3), (2, 1), (0, 2), (2, 1)),
-             ((3, 5, 1, 150), 2, (1, 5), (1, 2), (0, 2), (1, 1)),
-             ((1, 1, 1, 1), 1, (1, 1), (1, 1), (0, 0), (1, 1)),
-             ((2, 4, 14, 13), 3, (3, 2), (1, 1), (2, 1), (1, 2))]
+CONV_CASES = [((2, 3, 9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1)),
+              ((1, 2, 11, 7), 3, (2, 3), (2, 1), (0, 2), (2, 1)),
+              ((3, 5, 1, 150), 2, (1, 5), (1, 2), (0, 2), (1, 1)),
+              ((1, 1, 1, 1), 1, (1, 1), (1, 1), (0, 0), (1, 1)),
+              ((2, 4, 14, 13), 3, (3, 2), (1, 1), (2, 1), (1, 2))]
+
+
+def conv_inputs(gen):
+    """(dtype name, x, g, kernel, stride, padding, dilation, geometry) for every dtype and case."""
     for dt in ["float32", "float64", "bfloat16", "float16"]:
-        for (shape, o, k, s, pad, dil) in cases:
+        for (shape, o, k, s, pad, dil) in CONV_CASES:
             x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(DTYPES[dt])
             ho = (shape[2] + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // s[0] + 1
             wo = (shape[3] + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // s[1] + 1
             g = torch.randn(shape[0], o, ho, wo, generator=gen, dtype=torch.float64).to(DTYPES[dt])
-            ref = torch.ops.privleak.conv_ghost_norm(x, g, list(k), list(s), list(pad), list(dil)).numpy()
-            geometry = [shape[0], shape[1], shape[2], shape[3], o, ho, wo, k[0], k[1], s[0], s[1], pad[0], pad[1],
-                        dil[0], dil[1]]
-            label = f"conv {dt} x{shape} O{o} k{k} s{s} p{pad} d{dil}"
-            per_sample_case(args, label, ref, f"conv {dt}", [x, g], geometry)
+            geometry = [*shape, o, ho, wo, *k, *s, *pad, *dil]
+            yield dt, x, g, list(k), list(s), list(pad), list(dil), geometry
+
+
+def conv(args):
+    gen = torch.Generator().manual_seed(5)
+    for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen):
+        ref = torch.ops.privleak.conv_ghost_norm(x, g, k, s, pad, dil).numpy()
+        label = f"conv {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}"
+        per_sample_case(args, label, ref, f"conv {dt}", [x, g], geometry)
 
 
 def embedding(args):
@@ -327,9 +334,210 @@ def secure(args):
                words, 5, -20, tensors)
 
 
+# ---------------------------------------------------------------- clipping
+def read_like(path, like):
+    return from_raw(open(path, "rb").read(), like) if os.path.exists(path) else None
+
+
+def compare_tensors(label, refs, gots):
+    """refs, gots: lists of tensors (a None got: no output). One result line."""
+    bad = []
+    for i, (r, g) in enumerate(zip(refs, gots)):
+        if g is None:
+            bad.append(f"output {i}: missing")
+        elif raw(r) != raw(g):
+            diff = (r.view(-1).double() != g.view(-1).double()) | (r.view(-1).isnan() != g.view(-1).isnan())
+            where = torch.nonzero(diff).view(-1)[:3].tolist()
+            cpu, emu = [float(r.view(-1)[j]) for j in where], [float(g.view(-1)[j]) for j in where]
+            bad.append(f"output {i} ({NAMES.get(r.dtype, r.dtype)}, n={r.numel()}): {int(diff.sum())} differ, first "
+                       f"{where}: cpu {cpu} emu {emu}")
+    ok = not bad
+    results.append((label, ok, "; ".join(bad[:5])))
+    print(f"{'PASS' if ok else 'FAIL'} {label}" + ("" if ok else "\n    " + "\n    ".join(bad[:8])), flush=True)
+
+
+def clip_case(args, label, grads, clip_norms, per_layer, norm_type, noise_std, words, offset, scale, other_sums=None):
+    ref = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, noise_std, words, offset, scale, norm_type,
+                                             other_sums)
+    batch, columns = ref[-2].shape
+    sums_in = torch.full((batch, columns), float("nan"), dtype=torch.float64)
+    if other_sums is not None:
+        sums_in[:, len(grads):] = other_sums
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        c = Case(wd)
+        outs = [c.file() for _ in grads]
+        sums_out, factors_out = c.file(), c.file()
+        key = words[0] | (words[1] << 32)
+        lines = [f"clip {NAMES[grads[0].dtype]} {batch} {columns} {int(per_layer)} {norm_type} "
+                 f"{float(noise_std).hex()} {key} {offset} {float(scale).hex()} {c.file(raw(clip_norms))} "
+                 f"{c.file(raw(sums_in))} {sums_out} {factors_out} {len(grads)}"]
+        lines += [f"A {g[0].numel()} {c.file(raw(g))} {o}" for g, o in zip(grads, outs)]
+        run_driver(args, lines, wd, label)
+        got = [read_like(o, r) for o, r in zip(outs + [sums_out, factors_out], ref)]
+    compare_tensors(label, ref, got)
+
+
+def clip(args):
+    gen = torch.Generator().manual_seed(10)
+    words = [0x9E3779B9, 0x7F4A7C15]
+    numels = [1, 4095, 4096, 4097, 0, 9000, 37]
+    for dt in ["float32", "bfloat16", "float16"]:
+        for batch in [1, 3]:
+            grads = [torch.randn(batch, n, generator=gen, dtype=torch.float64).mul(0.05).to(DTYPES[dt])
+                     for n in numels]
+            for per_layer, norm_type, std in [(False, 2, 0.0), (True, 2, 0.9), (False, 1, 1.5), (True, 1, 0.0)]:
+                clip_norms = torch.rand(len(numels) if per_layer else 1, generator=gen, dtype=torch.float64) + 0.5
+                clip_case(args, f"clip {dt} B{batch} numels {numels} per_layer={per_layer} L{norm_type} std {std}",
+                          grads, clip_norms, per_layer, norm_type, std, words, 12345, 0.25)
+    # 50 tensors (two launches of the 48-tensor groups), book-keeping's extra norm columns, a sample
+    # with a NaN and one with an inf gradient (factors 0), and a group whose tensors are all empty.
+    batch = 4
+    sizes = [int(n) for n in torch.randint(0, 300, (50,), generator=gen)]
+    sizes[48:] = [0, 0]
+    grads = [torch.randn(batch, n, generator=gen, dtype=torch.float64).to(torch.float32) for n in sizes]
+    grads[3][1, 0] = float("nan")
+    grads[7][2, -1] = float("inf")
+    other = torch.rand(batch, 5, generator=gen, dtype=torch.float64) * 10
+    for per_layer in [False, True]:
+        clip_norms = torch.rand(55 if per_layer else 1, generator=gen, dtype=torch.float64) * 5 + 1
+        clip_case(args, f"clip 50 tensors + 5 other norm columns, NaN/inf samples, per_layer={per_layer}", grads,
+                  clip_norms, per_layer, 2, 0.7, words, 2**40 + 5, 1 / 3, other)
+
+
+def factors(args):
+    gen = torch.Generator().manual_seed(11)
+    for batch, columns in [(1, 1), (5, 3), (300, 7)]:
+        sums = torch.rand(batch, columns, generator=gen, dtype=torch.float64) * 20
+        if batch > 1:
+            sums[1, 0] = float("inf")
+            sums[-1, -1] = float("nan")
+        for per_layer in [False, True]:
+            for norm_type in [1, 2]:
+                clip_norms = torch.rand(columns if per_layer else 1, generator=gen, dtype=torch.float64) * 3 + 0.1
+                ref = torch.ops.privleak.clip_factors(sums, clip_norms, per_layer, norm_type)
+                label = f"clip_factors B{batch} C{columns} per_layer={per_layer} L{norm_type}"
+                with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+                    c = Case(wd)
+                    out = c.file()
+                    run_driver(args, [f"factors {batch} {columns} {int(per_layer)} {norm_type} {c.file(raw(sums))} "
+                                      f"{c.file(raw(clip_norms))} {out}"], wd, label)
+                    got = read_like(out, ref)
+                compare_tensors(label, [ref], [got])
+
+
+# ---------------------------------------------------------------- per-sample convolution gradients
+def conv_grads(args):
+    gen = torch.Generator().manual_seed(12)
+    for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen):
+        ref = torch.ops.privleak.conv_weight_grads(x, g, k, s, pad, dil)
+        label = f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}"
+        with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+            c = Case(wd)
+            out = c.file()
+            run_driver(args, [f"convgrad {dt} {c.file(raw(x))} {c.file(raw(g))} {' '.join(map(str, geometry))} {out}"],
+                       wd, label)
+            got = read_like(out, ref)
+        compare_tensors(label, [ref], [got])
+
+
+# ---------------------------------------------------------------- VMF
+def vmf(args):
+    gen = torch.Generator().manual_seed(13)
+    words = [0x01234567, 0x89ABCDEF]
+    key = words[0] | (words[1] << 32)
+    # p: one tangent chunk, its edges (256 coordinates a chunk), several chunks; offsets across the
+    # 2^32 sample boundary of the counter space.
+    for dt in ["float32", "float64"]:
+        for p, n, kappa, offset in [(2, 5, 1.0, 0), (3, 4, 50.0, 7), (257, 3, 1e3, 2**32 - 2), (258, 2, 0.01, 11),
+                                    (1000, 3, 300.0, 2**40), (5, 1, 1e30, 3)]:
+            mu = torch.randn(p, generator=gen, dtype=torch.float64)
+            mu = (mu / mu.norm()).to(DTYPES[dt])
+            ref = torch.ops.privleak.vmf_sample(mu, kappa, n, words, offset)
+            label = f"vmf {dt} p{p} n{n} kappa {kappa} offset {offset}"
+            with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+                c = Case(wd)
+                out = c.file()
+                run_driver(args, [f"vmf {dt} {p} {n} {float(kappa).hex()} {key} {offset} {c.file(raw(mu))} {out}"],
+                           wd, label)
+                got = read_like(out, ref)
+            compare_tensors(label, [ref], [got])
+
+
+# ---------------------------------------------------------------- column statistics and nearest inputs
+STAT_SETS = [("max",), ("max", "argmax"), ("min", "sum"), ("max", "argmax", "min", "sum")]
+
+
+def column_stats(args):
+    rng = np.random.default_rng(14)
+    # rows: one chunk (256 rows), several (1000: 4 chunks of 256), many (70000: 1024 chunks); a row
+    # stride wider than the columns; NaN and tied columns.
+    for dt in ["float32", "float64"]:
+        for rows, cols, stride in [(1, 1, 1), (300, 5, 9), (1000, 300, 300)] + ([] if args.quick else [(70000, 3, 4)]):
+            full = rng.standard_normal((rows, stride)).astype(dt)
+            if cols > 2:
+                full[rows // 2, 1] = np.nan
+                full[:, 2] = 1.5  # a tie in every row: the first row's index wins
+            matrix = full[:, :cols]
+            for stats in STAT_SETS:
+                for weighted in ([False, True] if rows < 70000 else [True]):
+                    weights = rng.random(rows) + 0.5 if weighted else None
+                    ref = privleak.column_stats(matrix, weights, stats=stats)
+                    wanted = set(stats)
+                    mask = sum({"max": 1, "argmax": 2, "min": 4, "sum": 8}[s] for s in wanted)
+                    label = f"column_stats {dt} rows {rows} cols {cols} stride {stride} {'+'.join(stats)}" + \
+                        (" weighted" if weighted else "")
+                    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+                        c = Case(wd)
+                        outs = {s: c.file() if s in wanted else "-" for s in ("max", "argmax", "min", "sum")}
+                        wfile = c.file(weights.astype(dt).tobytes()) if weighted else "-"
+                        run_driver(args, [f"colstats {dt} {mask} {rows} {cols} {stride} {c.file(full.tobytes())} "
+                                          f"{wfile} {outs['max']} {outs['argmax']} {outs['min']} {outs['sum']}"],
+                                   wd, label)
+                        refs, gots = [], []
+                        for name in ("max", "argmax", "min", "sum"):
+                            if name in wanted:
+                                r = torch.from_numpy(np.ascontiguousarray(getattr(ref, name)))
+                                refs.append(r)
+                                gots.append(read_like(outs[name], r))
+                    compare_tensors(label, refs, gots)
+
+
+def nearest(args):
+    rng = np.random.default_rng(15)
+    # Queries past one 128- (float32) or 64-row (float64) tile, inputs in several ranges, p past the
+    # 8-coordinate depth; the multiprocessor count changes how inputs split into ranges, never the result.
+    for dt in ["float32", "float64"]:
+        shapes = [(1, 1, 1, 1), (130, 700, 11, 13), (0, 4, 2, 2)] + ([] if args.quick else [(5, 3000, 3, 3)])
+        for n_queries, n_inputs, p, stride in shapes:
+            q_full = rng.standard_normal((n_queries, stride)).astype(dt)
+            x_full = rng.standard_normal((n_inputs, stride)).astype(dt)
+            if n_inputs > 10:
+                x_full[10] = x_full[3]  # an exact tie: the lower index wins
+            q, x = q_full[:, :p], x_full[:, :p]
+            for metric in ["inner_product", "squared_l2", "l1"]:
+                ref = privleak.nearest(q, x, metric)
+                center = None
+                if metric == "squared_l2":  # as privleak.nearest computes it
+                    center = _arrays.quotient(privleak.column_stats(x, stats=("sum",)).sum, n_inputs).astype(dt)
+                for sms in ["1"] if args.quick else ["1", "132"]:
+                    label = (f"nearest {dt} {metric} queries {n_queries} inputs {n_inputs} p {p} stride {stride} "
+                             f"SMs {sms}")
+                    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+                        c = Case(wd)
+                        value, index = c.file(), c.file()
+                        cfile = c.file(center.tobytes()) if center is not None else "-"
+                        files = f"{c.file(q_full.tobytes())} {c.file(x_full.tobytes())} {cfile} {value} {index}"
+                        command = f"nearest {dt} {metric} {n_queries} {stride} {n_inputs} {stride} {p} {files}"
+                        run_driver(args, [command], wd, label, env={"EMU_SMS": sms})
+                        refs = [torch.from_numpy(ref.value), torch.from_numpy(ref.index)]
+                        gots = [read_like(value, refs[0]), read_like(index, refs[1])]
+                    compare_tensors(label, refs, gots)
+
+
 SUITES = {"ghost_single": ghost_single, "ghost_extra": ghost_extra, "ghost_mixed": ghost_mixed,
           "ghost_long": ghost_long, "ghost_bigbatch": ghost_bigbatch, "conv": conv, "embedding": embedding,
-          "noise": noise, "secure": secure}
+          "noise": noise, "secure": secure, "clip": clip,
+          "factors": factors, "conv_grads": conv_grads, "vmf": vmf, "column_stats": column_stats, "nearest": nearest}
 
 
 def main():

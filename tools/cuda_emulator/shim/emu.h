@@ -21,6 +21,7 @@
 #define __noinline__
 #define __launch_bounds__(...)
 #define __restrict__
+#define __align__(n) alignas(n)
 // prep.py rewrites every __shared__ declaration; one left over is an error.
 #define __shared__ __shared__not_rewritten_by_prep_py__
 
@@ -49,6 +50,8 @@ void launch(dim3 grid, dim3 block, size_t dynamic_shared, const char* kernel, co
 void* shared_alloc(size_t bytes, size_t align, const char* name);
 void syncthreads();
 void warp_exchange(const void* in, void* out, size_t bytes, int src_lane, unsigned mask);
+unsigned lane_id();
+[[noreturn]] void trap(const char* what);
 template <class T>
 T* shared(const char* name) {
   return static_cast<T*>(shared_alloc(sizeof(T), alignof(T), name));
@@ -64,6 +67,27 @@ T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
   T out;
   emu::warp_exchange(&var, &out, sizeof(T), src_lane & 31, mask);
   return out;
+}
+
+template <class T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+  static_assert(std::is_trivially_copyable<T>::value, "__shfl_xor_sync of a trivially copyable value");
+  if (width != 32) __builtin_trap();
+  T out;
+  emu::warp_exchange(&var, &out, sizeof(T), static_cast<int>((emu::lane_id() ^ lane_mask) & 31), mask);
+  return out;
+}
+
+[[noreturn]] inline void __trap() { emu::trap("__trap()"); }
+inline float __int_as_float(int bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline double __longlong_as_double(long long bits) {
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
 }
 
 // Device min/max: CUDA's integer overloads convert mixed operands to their common type; float
@@ -90,12 +114,15 @@ using std::sqrt;
 enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevice = 101,
   cudaErrorNoDevice = 100,
   cudaErrorLaunchOutOfResources = 701,
 };
 typedef struct CUstream_st* cudaStream_t;
+enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75 };
 struct cudaDeviceProp {
   char name[256];
   int major, minor, multiProcessorCount;
@@ -109,3 +136,8 @@ cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaGetDeviceCount(int* count);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+// Copies at once (the emulator has one stream, and kernels finish before their launch returns).
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream);
+// cudaDevAttrMultiProcessorCount: EMU_SMS (default 132, an H100's), so tests can vary launch plans
+// that depend on it; cudaDevAttrComputeCapabilityMajor: 9.
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);

@@ -463,6 +463,13 @@ void warp_exchange(const void* in, void* out, size_t bytes, int src_lane, unsign
   else g_pool->warp_barriers[warp].arrive_and_wait("__shfl_sync");
 }
 
+unsigned lane_id() { return t_cur->linear % 32; }
+
+void trap(const char* what) {
+  report(std::string(what) + " in " + where());
+  std::abort();
+}
+
 }  // namespace emu
 
 // ---------------------------------------------------------------- runtime API stand-ins
@@ -476,6 +483,7 @@ const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "cudaSuccess";
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
@@ -502,4 +510,16 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   *prop = cudaDeviceProp{};
   std::snprintf(prop->name, sizeof prop->name, "emulated device");
   return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  if (bytes) std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0) return emu::g_last_error = cudaErrorInvalidDevice;
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = std::atoi(emu::env("EMU_SMS", "132")); return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
+  }
+  return emu::g_last_error = cudaErrorInvalidValue;
 }
