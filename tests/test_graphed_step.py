@@ -8,9 +8,14 @@ import pytest
 import torch
 from conftest import requires_cuda
 from privleak import dpsgd
+from privleak import mechanisms as M
+from privleak.dpsgd import layers
 from test_bookkeeping import (
+    CONFIGS,
     LAYER_CASES,
     assert_same_update,
+    clip_between,
+    one_backward_per_sample,
     regression,
     setting,
     training_pair,
@@ -86,8 +91,10 @@ def test_a_graphed_step_matches_the_materialised_path(kind, mechanism, per_layer
         else:  # torch.func cannot vmap nn.MultiheadAttention over zero samples
             grads = [torch.zeros(0, *p.shape) for p in reference.parameters()]
         want = dp.step(grads)
+        bk.model(inputs[:2].to(device))  # a forward with grad between steps (an evaluation), let go by the step
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # captured so; the eager steps too
             got = step(inputs[rows].to(device), targets[rows].to(device))
+        assert not any(layer.calls for layer in bk.layers)
         assert_same_update([g.cpu() for g in got], want)
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.detach().cpu(), q, rtol=1e-4, atol=1e-6)
@@ -126,6 +133,87 @@ def test_no_layer_rule_reads_a_tensor_on_the_host_in_the_captured_part(case):
     with HostReads() as captured:
         step._clipped_sums()
     assert captured.seen == []
+
+
+class TwoParameters(nn.Module):
+    """Parameters in a matrix product and a product after a tanh: no book-keeping rule fits, so
+    the fallback replays the module, which owns both."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.4)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight) * self.scale
+
+
+class CopiedInto(TwoParameters):
+    """An in-place copy into a tensor the forward makes, which torch.func cannot vmap: the
+    fallback replays the module one sample at a time."""
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
+        out.copy_(super().forward(x))
+        return out
+
+
+def replayed_step(module, per_layer):
+    """(graphed step, bk, inputs, targets, the materialised update of the 5 samples) for
+    module -> Linear, Gaussian noise, clip norms at the median."""
+    torch.manual_seed(0)
+    model = nn.Sequential(module, nn.Linear(6, 2))
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(5, 6, generator=generator), torch.randn(5, 2, generator=generator)
+    grads = one_backward_per_sample(model, x, target)  # torch.func cannot vmap CopiedInto
+    config = CONFIGS["gaussian"](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4.5,
+                           generator=M.NoiseGenerator(7))
+    step = bk.graphed(lambda x, target: regression(model(x), target), x[:3], target[:3], max_batch=5)
+    return step, bk, x, target, want
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+def test_a_module_replayed_in_chunks_reads_nothing_on_the_host_in_the_captured_part(per_layer, monkeypatch):
+    """A replayed module whose per-sample gradients are never formed whole (its norms a few samples
+    at a time, its clipped sum by a backward pass with the output gradients scaled by the clip
+    factors) groups its parameters by their factors without reading them: one pass for both
+    under flat clipping, one each per layer. The update is the materialised path's."""
+    monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
+    passes = []
+    weighted = layers.FunctionalLayer._weighted_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "_weighted_grads",
+                        lambda self, factors, keep, wanted: passes.append(len(wanted))
+                        or weighted(self, factors, keep, wanted))
+    step, bk, x, target, want = replayed_step(TwoParameters(), per_layer)
+    passes.clear()
+    with HostReads() as captured:
+        step._clipped_sums()
+    assert captured.seen == []
+    assert passes == ([1, 1] if per_layer else [2])
+    assert_same_update(step(x, target), want)
+
+
+def test_a_module_replayed_one_sample_at_a_time_reads_nothing_on_the_host_in_a_capture(monkeypatch):
+    """A module torch.func cannot vmap is replayed one sample at a time, the default generators'
+    states compared around it (a draw is refused); a capture may not read a CUDA generator's state,
+    and its warm-up ran the check: in a capture (simulated here) the replay reads nothing on the
+    host. The update is each sample's own backward pass's."""
+    replays = []
+    replay = layers.FunctionalLayer._one_at_a_time_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
+                        lambda self, *args: replays.append(self.name) or replay(self, *args))
+    step, bk, x, target, want = replayed_step(CopiedInto(), False)
+    assert replays  # the warm-up's
+    with HostReads() as eager:
+        step._clipped_sums()
+    assert "aten.equal.default" in eager.seen  # the generators' states compared
+    monkeypatch.setattr(layers, "_capturing", lambda: True)
+    with HostReads() as captured:
+        step._clipped_sums()
+    assert captured.seen == []
+    assert_same_update(step(x, target), want)
 
 
 @pytest.mark.parametrize("non_finite", ["raise", "drop"])
@@ -177,6 +265,7 @@ def test_bad_arguments_are_refused_by_name():
     ]:
         with pytest.raises(error, match=match):
             bk.graphed(*args, **kwargs)
+        assert not any(layer.calls for layer in bk.layers)  # a failed warm-up's records let go
     step = bk.graphed(loss, x, y, max_batch=4)
     for inputs, error, match in [
         ((x,), ValueError, r"inputs: the step was made for 2 input\(s\) of loss_fn, got 1"),
@@ -192,4 +281,22 @@ def test_bad_arguments_are_refused_by_name():
         step(x, y)
     with pytest.raises(ValueError, match="accumulated since the last step"):
         bk.graphed(loss, x, y)
+    assert bk.steps == 0
+
+
+@requires_cuda
+def test_a_graphed_step_refuses_moved_parameters_and_the_autocast_weight_cache():
+    """A graph reads the parameters where they were at its capture: a parameter given new storage
+    is refused by name of the cause. Under torch.autocast with its weight cache the capture would
+    keep the first step's low-precision weights: refused."""
+    *_, bk, step, inputs, targets, loss = make("cnn", "gaussian", False, "cuda", max_batch=5)
+    model = bk.model
+    with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(ValueError, match="cache_enabled=False"):
+        bk.graphed(lambda x, y: loss(model(x), y), inputs[:3].cuda(), targets[:3].cuda())
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        assert bk.graphed(lambda x, y: loss(model(x), y), inputs[:3].cuda(), targets[:3].cuda())._graph is not None
+    first = next(model.parameters())
+    first.data = first.data.clone()
+    with pytest.raises(ValueError, match="not where graphed\\(\\) found them"):
+        step(inputs[:3].cuda(), targets[:3].cuda())
     assert bk.steps == 0

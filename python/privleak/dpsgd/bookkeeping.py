@@ -296,8 +296,10 @@ class BookKeeping:
         a larger one takes the eager step. ``warmup`` runs of the captured part on the example
         precede the capture (they change nothing). The model's forward must be capturable: no
         host syncs or data-dependent shapes (a mixture of experts' routing is neither); a capture
-        that meets one fails with torch's error. On a CPU there is no graph, and the returned
-        step runs the padded step eagerly."""
+        that meets one fails with torch's error. A replay reads the parameters and buffers where
+        the capture found them: after ``model.to()``, a parameter's ``.data`` reassigned or a
+        ``load_state_dict(assign=True)``, the step raises (make a new one). On a CPU there is no
+        graph, and the returned step runs the padded step eagerly."""
         from privleak.dpsgd.graphed import GraphedStep
 
         return GraphedStep(self, loss_fn, example_inputs, max_batch=max_batch, warmup=warmup)
@@ -305,8 +307,8 @@ class BookKeeping:
     def _check_finite(self, norm_sums: torch.Tensor, batch: int) -> None:
         """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
         non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used."""
-        if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums)) is not None:
-            raise ValueError(f"per-sample gradients of samples {(~keep[:batch]).nonzero().flatten().tolist()} are "
+        if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums[:batch])) is not None:
+            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are "
                              "not finite; pass non_finite='drop' to leave such samples out")
 
     def _release(self, sums: list, averaged: bool) -> list:
@@ -422,7 +424,10 @@ class BookKeeping:
         if config.non_finite == "drop":
             keep = finite_samples(norm_sums) if synced else torch.isfinite(norm_sums).all(1)
         columns = factors[:, len(rows):]
-        column = dict(zip(sorted(norms), (columns if scale == 1.0 else columns * scale).unbind(1)))
+        if columns.shape[1] and not config.per_layer:  # one factor a sample: one tensor for every parameter
+            column = dict.fromkeys(sorted(norms), columns[:, 0] if scale == 1.0 else columns[:, 0] * scale)
+        else:
+            column = dict(zip(sorted(norms), (columns if scale == 1.0 else columns * scale).unbind(1)))
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
         # it can reuse: one buffer for the whole update, allocated up front, would add a model's
         # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).

@@ -68,11 +68,17 @@ class GraphedStep:
         self._fill(example_inputs, batch)
         warmup = validation.integer(warmup, "warmup", low=1)
         self._graph = None
-        if self.device.type == "cuda":
-            self._graph, self._outputs = self._capture(warmup)
-        else:  # the same runs, which check loss_fn as the capture's warm-up does
-            for _ in range(warmup):
-                self._clipped_sums()
+        try:
+            if self.device.type == "cuda":
+                self._graph, self._outputs = self._capture(warmup)
+            else:  # the same runs, which check loss_fn as the capture's warm-up does
+                for _ in range(warmup):
+                    self._clipped_sums()
+        except BaseException:
+            bookkeeping._clear()  # a failed run's records, which the next step would count as its own
+            raise
+        # A graph reads the parameters and buffers where they were at its capture.
+        self._storage = _storage(bookkeeping.model) if self._graph is not None else None
 
     def __call__(self, *inputs) -> list:
         bk = self._bk
@@ -87,6 +93,10 @@ class GraphedStep:
                                  f"{static.dtype} on {static.device}, got {tuple(x.shape)} {x.dtype} on {x.device}")
         if bk._accumulated is not None:
             raise ValueError("physical batches have been accumulated since the last step; step() them first")
+        if self._storage is not None and _storage(bk.model) != self._storage:
+            raise ValueError("the model's parameters or buffers are not where graphed() found them (model.to(), "
+                             ".half(), a parameter's .data or a state dict assigned): make a new graphed step")
+        bk._clear()  # forward passes run since the last step (an evaluation with grad): none of this batch's
         if batch == 0 or batch > self.max_batch:
             return bk.step(self._loss_fn(*inputs) if batch else None)
         self._fill(inputs, batch)
@@ -120,21 +130,42 @@ class GraphedStep:
         """Warm up on a side stream (lazy state: the clip norms' tensor, cuBLAS's workspace), as
         torch's graph capture asks, then capture :meth:`_clipped_sums`. The warm-up runs only the
         captured part, which changes nothing: no noise, no optimizer step."""
+        if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+            # The warm-up would fill autocast's cache of low-precision weights, which the graph
+            # would then read every replay: the weights as they were at the capture.
+            raise ValueError("graphed() under torch.autocast with its weight cache: pass cache_enabled=False, or put "
+                             "the autocast inside loss_fn")
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._clipped_sums()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = self._clipped_sums()
+        # The model's device current throughout (torch's default capture stream is on the device
+        # current when it was made); a capture error of this thread only (a DataLoader's pinning
+        # thread may call what a global capture refuses).
+        with torch.cuda.device(self.device):
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self._clipped_sums()
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                    outputs = self._clipped_sums()
+            except BaseException as error:
+                error.add_note("privleak: BookKeeping.graphed() could not capture the step that its warm-up ran "
+                               "(loss_fn must run without host syncs or data-dependent shapes); BookKeeping.step "
+                               "works without a graph")
+                raise
+            current.wait_stream(side)
         # Tensors made outside the graph's pool that its kernels read, held by caches that could
         # let them go (an eager step with other layers in use, other views): held here too, or a
         # replay would read freed memory.
         self._read = [self._bk._clip_norm_cache[1], *graph_walk.kept_view_positions()]
         return graph, outputs
+
+
+def _storage(model: torch.nn.Module) -> list:
+    """Where each parameter and buffer of ``model`` is: (data pointer, dtype, device)."""
+    return [(t.data_ptr(), t.dtype, t.device) for t in (*model.parameters(), *model.buffers())]
 
 
 def _batch_size(inputs: tuple, name: str) -> int:

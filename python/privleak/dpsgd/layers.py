@@ -1060,11 +1060,13 @@ class FunctionalLayer(Layer):
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         """sum_i f_i G_i as one ordinary backward pass of the module over the batch: its output
         gradients scaled by f_i (book-keeping's clipped sum, for any module); one pass per
-        distinct column of factors (per-layer clipping: per parameter)."""
+        distinct tensor of factors (flat clipping gives every parameter the same one, per-layer
+        clipping each its own). Told apart by identity: comparing values would read them on the
+        host, a sync that a CUDA graph's capture refuses."""
         groups: list = []  # [factors, parameters]
         for p in self.parameters:
             f = factors[id(p)]
-            group = next((g for g in groups if torch.equal(g[0], f)), None)
+            group = next((g for g in groups if g[0] is f), None)
             if group is None:
                 groups.append([f, [p]])
             else:
@@ -1184,6 +1186,8 @@ class FunctionalLayer(Layer):
                     except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
                         if "randomness" in str(error):
                             raise ValueError(self.random_replay()) from None
+                        if _capturing():  # the capture's own error (the warm-up ran vmap eagerly first)
+                            raise
                         self._one_at_a_time = True  # a forward torch.func cannot transform
                 if grads is None:
                     grads = self._one_at_a_time_grads(loss_of_one, params, inputs, cotangents)
@@ -1197,19 +1201,26 @@ class FunctionalLayer(Layer):
         forward that ``torch.func`` cannot transform (a parametrization it registers, as peft's
         LoRA on a parameter does; data-dependent shapes): the same gradients, B passes instead of
         one vmapped. Random numbers drawn in them are refused as vmap refuses them (the default
-        generators' states are compared)."""
+        generators' states are compared, except in a CUDA graph's capture, which may not read a
+        generator's state: its warm-up ran the same replay eagerly and checked it)."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         device = next(iter(leaves.values())).device
-        before = _generator_states(device)
+        checked = not _capturing()
+        before = _generator_states(device) if checked else []
         rows = []
         with torch.enable_grad():
             for i in range(len(cotangents[0])):
                 loss = loss_of_one(leaves, [x[i] for x in samples], [g[i] for g in cotangents])
                 found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
                 rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), found)])
-        if any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device))):
+        if checked and any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device))):
             raise ValueError(self.random_replay())
         return {name: torch.stack(column) for name, column in zip(leaves, zip(*rows))}
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never on a CPU-only build)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _generator_states(device: torch.device) -> list[torch.Tensor]:
