@@ -285,16 +285,21 @@ def test_bad_arguments_are_refused_by_name():
 
 
 @requires_cuda
-def test_a_graphed_step_refuses_moved_parameters_and_the_autocast_weight_cache():
-    """A graph reads the parameters where they were at its capture: a parameter given new storage
-    is refused by name of the cause. Under torch.autocast with its weight cache the capture would
-    keep the first step's low-precision weights: refused."""
+def test_a_graphed_step_refuses_another_mode_moved_parameters_and_the_autocast_weight_cache():
+    """A graph reads the parameters where they were at its capture, in the modules' mode then: a
+    model put in eval mode, or a parameter given new storage, is refused by name of the cause.
+    Under torch.autocast with its weight cache the capture would keep the first step's
+    low-precision weights: refused."""
     *_, bk, step, inputs, targets, loss = make("cnn", "gaussian", False, "cuda", max_batch=5)
     model = bk.model
     with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(ValueError, match="cache_enabled=False"):
         bk.graphed(lambda x, y: loss(model(x), y), inputs[:3].cuda(), targets[:3].cuda())
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         assert bk.graphed(lambda x, y: loss(model(x), y), inputs[:3].cuda(), targets[:3].cuda())._graph is not None
+    model.eval()
+    with pytest.raises(ValueError, match="not in the train\\(\\)/eval\\(\\) mode"):
+        step(inputs[:3].cuda(), targets[:3].cuda())
+    model.train()
     first = next(model.parameters())
     first.data = first.data.clone()
     with pytest.raises(ValueError, match="not where graphed\\(\\) found them"):

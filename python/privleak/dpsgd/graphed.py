@@ -77,8 +77,10 @@ class GraphedStep:
         except BaseException:
             bookkeeping._clear()  # a failed run's records, which the next step would count as its own
             raise
-        # A graph reads the parameters and buffers where they were at its capture.
+        # A graph reads the parameters and buffers where they were at its capture, and runs the
+        # modules in the mode they were in (dropout or not).
         self._storage = _storage(bookkeeping.model) if self._graph is not None else None
+        self._modes = _modes(bookkeeping.model)
 
     def __call__(self, *inputs) -> list:
         bk = self._bk
@@ -96,6 +98,9 @@ class GraphedStep:
         if self._storage is not None and _storage(bk.model) != self._storage:
             raise ValueError("the model's parameters or buffers are not where graphed() found them (model.to(), "
                              ".half(), a parameter's .data or a state dict assigned): make a new graphed step")
+        if self._graph is not None and _modes(bk.model) != self._modes:
+            raise ValueError("the model's modules are not in the train()/eval() mode that graphed() captured them "
+                             "in: set it back (model.train() after an evaluation), or make a new graphed step")
         bk._clear()  # forward passes run since the last step (an evaluation with grad): none of this batch's
         if batch == 0 or batch > self.max_batch:
             return bk.step(self._loss_fn(*inputs) if batch else None)
@@ -166,6 +171,11 @@ class GraphedStep:
 def _storage(model: torch.nn.Module) -> list:
     """Where each parameter and buffer of ``model`` is: (data pointer, dtype, device)."""
     return [(t.data_ptr(), t.dtype, t.device) for t in (*model.parameters(), *model.buffers())]
+
+
+def _modes(model: torch.nn.Module) -> list:
+    """Each module's ``training`` flag."""
+    return [m.training for m in model.modules()]
 
 
 def _batch_size(inputs: tuple, name: str) -> int:
