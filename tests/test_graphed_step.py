@@ -2,7 +2,9 @@
 CPU, the same padded step run eagerly), against the materialised path (torch.func per-sample
 gradients through DPOptimizer, same config, same noise stream), and what its captured part may
 not do: wait for the device."""
+import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -26,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytestmark = [
     # torch.func has no batching rule for the fused CPU attention kernel that nn.MultiheadAttention calls
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    # graphs smaller than most Poisson batches, so that the tests take the eager step too
+    pytest.mark.filterwarnings("ignore:max_batch=.* a Poisson batch:UserWarning"),
 ]
 
 #: ops that read a tensor's value on the host: a sync on a GPU, refused inside a graph capture
@@ -305,3 +309,34 @@ def test_a_graphed_step_refuses_another_mode_moved_parameters_and_the_autocast_w
     with pytest.raises(ValueError, match="not where graphed\\(\\) found them"):
         step(inputs[:3].cuda(), targets[:3].cuda())
     assert bk.steps == 0
+
+
+@pytest.mark.filterwarnings("default")
+@pytest.mark.parametrize("expected", [4.0, 64.0])
+def test_a_graph_smaller_than_most_poisson_batches_is_warned_of(expected):
+    """Poisson batches larger than max_batch run eagerly: a graph that misses more than 1% of them
+    is warned of, with the least max_batch that a Poisson(L) batch exceeds with probability at most
+    1e-4 (checked here by summing the probabilities), which is then not warned of; nor are
+    fixed-size batches."""
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+
+    def graphed(sampling="poisson", **kwargs):
+        bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                               expected_batch_size=expected, sampling=sampling)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bk.graphed(lambda x, y: (model(x) - y).pow(2).mean(1), x, y, **kwargs)
+        bk.remove()
+        return [str(w.message) for w in caught]
+
+    found = graphed()
+    assert len(found) == 1 and found[0].startswith(f"max_batch=3: a Poisson batch of expected size {expected:g}")
+    enough = int(re.search(r"max_batch=(\d+) keeps all but 1 in 10\^4", found[0]).group(1))
+
+    def larger(k):  # P(X > k), X ~ Poisson(expected)
+        return 1.0 - math.fsum(math.exp(-expected + i * math.log(expected) - math.lgamma(i + 1)) for i in range(k + 1))
+    assert larger(enough) <= 1e-4 < larger(enough - 1)
+    assert f"larger in {math.ceil(100 * larger(3))}% of steps" in found[0]
+    assert graphed(max_batch=enough) == []
+    assert graphed("fixed") == []

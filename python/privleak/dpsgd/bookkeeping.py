@@ -292,14 +292,15 @@ class BookKeeping:
                 update = step(x, y)                # = bk.step(loss_fn(x, y)), float32 rounding aside
 
         The graph is captured for ``max_batch`` samples (default: the example's), a smaller batch
-        padded with copies of its first sample whose losses are multiplied by 0; an empty batch or
-        a larger one takes the eager step. ``warmup`` runs of the captured part on the example
-        precede the capture (they change nothing). The model's forward must be capturable: no
-        host syncs or data-dependent shapes (a mixture of experts' routing is neither); a capture
-        that meets one fails with torch's error. A replay reads the parameters and buffers where
-        the capture found them: after ``model.to()``, a parameter's ``.data`` reassigned or a
-        ``load_state_dict(assign=True)``, the step raises (make a new one). On a CPU there is no
-        graph, and the returned step runs the padded step eagerly."""
+        padded with copies of its first sample whose losses are multiplied by 0; an empty batch or a
+        larger one takes the eager step. With Poisson sampling, a ``max_batch`` that more than 1% of
+        batches exceed is warned of, naming one that fits all but 1 in 10^4. ``warmup`` runs of the
+        captured part on the example precede the capture (they change nothing). The model's forward
+        must be capturable: no host syncs or data-dependent shapes (a mixture of experts' routing is
+        neither); a capture that meets one fails with torch's error. A replay reads the parameters
+        and buffers where the capture found them: after ``model.to()``, a parameter's ``.data``
+        reassigned or a ``load_state_dict(assign=True)``, the step raises (make a new one). On a CPU
+        there is no graph, and the returned step runs the padded step eagerly."""
         from privleak.dpsgd.graphed import GraphedStep
 
         return GraphedStep(self, loss_fn, example_inputs, max_batch=max_batch, warmup=warmup)

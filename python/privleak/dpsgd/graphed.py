@@ -23,9 +23,12 @@ batch, or one larger than ``max_batch``, takes the eager step.
 """
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Callable, Optional
 
 import torch
+from scipy import stats
 
 from privleak import validation
 from privleak.dpsgd import graph as graph_walk
@@ -53,6 +56,7 @@ class GraphedStep:
         if batch == 0:
             raise ValueError("example_inputs: the example batch is empty; give at least one sample")
         self.max_batch = validation.integer(batch if max_batch is None else max_batch, "max_batch", low=batch)
+        _warn_of_eager_steps(self.max_batch, bookkeeping._dp)
         self.device = bookkeeping.params[0].device
         for i, x in enumerate(example_inputs):
             if x.device != self.device:
@@ -166,6 +170,22 @@ class GraphedStep:
         # replay would read freed memory.
         self._read = [self._bk._clip_norm_cache[1], *graph_walk.kept_view_positions()]
         return graph, outputs
+
+
+def _warn_of_eager_steps(max_batch: int, dp) -> None:
+    """Warn where Poisson batches would often be larger than the graph (those steps run eagerly),
+    with a max_batch that a batch exceeds in fewer than 1 of 10^4 steps. The batch size of Poisson
+    sampling at rate q from N examples is Binomial(N, q), whose upper tail is below that of the
+    Poisson(L = N q) used here (N is not known)."""
+    if dp.sampling != "poisson":
+        return
+    expected = dp.expected_batch_size
+    larger = float(stats.poisson.sf(max_batch, expected))
+    if larger > 0.01:
+        enough = int(stats.poisson.isf(1e-4, expected))
+        warnings.warn(f"max_batch={max_batch}: a Poisson batch of expected size {expected:g} is larger in "
+                      f"{math.ceil(100 * larger)}% of steps, which take the eager step; max_batch={enough} keeps all "
+                      "but 1 in 10^4 on the graph (its padding rows are computed too)", stacklevel=4)
 
 
 def _storage(model: torch.nn.Module) -> list:
