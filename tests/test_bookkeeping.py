@@ -786,6 +786,27 @@ def test_training_with_poisson_batches_matches_the_materialised_path(kind, mecha
     assert bk.privacy_report(24, 1e-5) == dp.privacy_report(24, 1e-5)
 
 
+@requires_cuda
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+def test_a_model_moved_to_cuda_between_steps_keeps_the_materialised_path(per_layer):
+    """A step on the CPU, the model moved to the GPU (its optimizer's parameters with it), a step
+    there: the clip norms the clip kernel reads follow it to the GPU, and both updates are the
+    materialised path's. The fused clip op refuses clip norms on another device by name."""
+    reference, model, dp, bk, inputs, targets, loss = training_pair("cnn", "gaussian", per_layer, "cpu")
+    for device, rows in (("cpu", slice(0, 4)), ("cuda", slice(4, 9))):
+        model.to(device)
+        for state in bk.optimizer.state.values():  # the momentum, as a user moves it with the model
+            state.update({k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)})
+        grads = dpsgd.per_sample_gradients(reference, lambda out, y: loss(out, y).sum(), inputs[rows], targets[rows])
+        want = dp.step(grads)
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+            got = bk.step(loss(model(inputs[rows].to(device)), targets[rows].to(device)))
+        assert_same_update([g.cpu() for g in got], want)
+    grads = [torch.randn(3, 4, device="cuda")]
+    with pytest.raises(ValueError, match="grads and clip_norms on one device"):
+        torch.ops.privleak.clip_accumulate(grads, torch.ones(1, dtype=torch.float64), False, 0.0, [0, 0], 0, 1.0)
+
+
 @pytest.mark.parametrize("given", ["losses", "none"])
 def test_an_empty_batch_releases_the_noise_alone(given):
     model, _, _ = setting("linear")

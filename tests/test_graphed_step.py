@@ -289,7 +289,7 @@ def test_bad_arguments_are_refused_by_name():
 
 
 @requires_cuda
-def test_a_graphed_step_refuses_another_mode_moved_parameters_and_the_autocast_weight_cache():
+def test_a_graphed_cuda_step_refuses_another_mode_moved_parameters_and_the_autocast_weight_cache():
     """A graph reads the parameters where they were at its capture, in the modules' mode then: a
     model put in eval mode, or a parameter given new storage, is refused by name of the cause.
     Under torch.autocast with its weight cache the capture would keep the first step's

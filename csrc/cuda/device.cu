@@ -32,15 +32,20 @@ std::string device_name(int device) {
   return prop.name;
 }
 
-DeviceGuard::DeviceGuard(int device) : previous_(0) {
+DeviceGuard::DeviceGuard(int device) : previous_(0), changed_(false) {
   check(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  if (previous_ != device) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    changed_ = true;
+  }
 }
 
-// A destructor cannot throw: a failed restore is cleared, so that the next launch's check does
-// not report it as its own.
+// Restores only a device it changed: cudaSetDevice makes the device's primary context, so a
+// restore to device 0 (cudaGetDevice's answer in a thread that has none) would cost a context on
+// GPU 0 to a call on another GPU. A destructor cannot throw: a failed restore is cleared, so that
+// the next launch's check does not report it as its own.
 DeviceGuard::~DeviceGuard() {
-  if (cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+  if (changed_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
 }
 
 }  // namespace privleak::cuda

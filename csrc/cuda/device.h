@@ -11,7 +11,7 @@ std::string device_name(int device);
 // Throws std::runtime_error naming `what` when a CUDA call failed.
 void check(int status, const char* what);
 
-// Makes `device` current for the lifetime of the guard.
+// Makes `device` current for the lifetime of the guard (restoring the previous one if it changed).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device);
@@ -21,6 +21,7 @@ class DeviceGuard {
 
  private:
   int previous_;
+  bool changed_;
 };
 
 }  // namespace privleak::cuda

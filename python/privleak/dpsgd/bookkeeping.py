@@ -135,7 +135,7 @@ class BookKeeping:
         self._recording = True
         self._collecting = False
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
-        self._clip_norm_cache = None  # ((column order, config id), clip norms) of the last step
+        self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._hooks = [layer.module.register_forward_hook(self._hook(layer), with_kwargs=True)
                        for layer in self.layers]
@@ -457,14 +457,13 @@ class BookKeeping:
 
     def _clip_norms(self, order: tuple) -> torch.Tensor:
         """The clip kernel's clip norms, float64: per column in ``order`` (parameter slots) for
-        per-layer clipping, else the one norm. Made once per order: the layers give the same one
-        every step unless a layer goes unused."""
-        config, cached = self.config, self._clip_norm_cache
-        if cached is None or cached[0] != (order, id(config)):
+        per-layer clipping, else the one norm, on the parameters' device. Made once per order and
+        device: the layers give the same order every step unless a layer goes unused."""
+        config, cached, device = self.config, self._clip_norm_cache, self.params[0].device
+        if cached is None or cached[0] != (order, id(config), device):
             norms = list(config.clipping(len(self.params)).norms)
-            cached = self._clip_norm_cache = ((order, id(config)), torch.tensor(
-                [norms[s] for s in order] if config.per_layer else norms[:1], dtype=torch.float64,
-                device=self.params[0].device))
+            cached = self._clip_norm_cache = ((order, id(config), device), torch.tensor(
+                [norms[s] for s in order] if config.per_layer else norms[:1], dtype=torch.float64, device=device))
         return cached[1]
 
     def _shared_outputs(self, batch: int, parents: dict) -> list:

@@ -49,6 +49,10 @@ def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor,
     columns of ``other_sums`` (B, C - T), norm sums of tensors the kernel does not read that count
     in the clip factors (book-keeping's ghost norms); factors (B, C) float32 the clip factors."""
     batch, device = grads[0].shape[0], grads[0].device
+    if any(g.device != device for g in grads) or clip_norms.device != device:
+        # The kernel reads them all by address on one device: another's would be a memory fault.
+        raise ValueError(f"privleak::clip_accumulate takes grads and clip_norms on one device, got grads on "
+                         f"{sorted({str(g.device) for g in grads})} and clip_norms on {clip_norms.device}")
     outs = [torch.empty(g.shape[1:], dtype=torch.float32, device=device) for g in grads]
     columns = len(grads) + (0 if other_sums is None else other_sums.shape[1])
     sums = torch.empty(batch, columns, dtype=torch.float64, device=device)
