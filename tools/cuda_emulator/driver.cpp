@@ -167,6 +167,18 @@ void run_ghost(std::istream& in, const std::string& header) {
   write_file(out_path, out.data(), out.bytes);
 }
 
+// One "A NUMEL IN OUT" line of a list of arrays.
+struct ArrayLine {
+  int64_t numel = 0;
+  std::string in_path, out_path;
+  explicit ArrayLine(std::istream& in) {
+    std::string line, tag;
+    std::getline(in, line);
+    std::istringstream l(line);
+    l >> tag >> numel >> in_path >> out_path;
+  }
+};
+
 struct Arrays {
   std::vector<std::unique_ptr<Buffer>> buffers;
   std::vector<std::string> outs;
@@ -174,16 +186,14 @@ struct Arrays {
   std::vector<int64_t> numels;
   void read(std::istream& in, int n, size_t es) {
     for (int i = 0; i < n; ++i) {
-      std::string line, tag, in_path, out_path;
-      int64_t numel;
-      std::getline(in, line);
-      std::istringstream l(line);
-      l >> tag >> numel >> in_path >> out_path;
+      const ArrayLine a(in);
+      const std::string& in_path = a.in_path;
+      const int64_t numel = a.numel;
       const std::vector<unsigned char> c = read_file(in_path);
       if (c.size() != static_cast<size_t>(numel) * es) throw std::runtime_error(in_path + ": size");
       buffers.push_back(std::make_unique<Buffer>(c.size(), in_path, 0));
       if (!c.empty()) std::memcpy(buffers.back()->data(), c.data(), c.size());
-      outs.push_back(out_path);
+      outs.push_back(a.out_path);
       pointers.push_back(buffers.back()->data());
       numels.push_back(numel);
     }
@@ -225,26 +235,41 @@ void run_secure(std::istream& in, const std::string& header) {
   arrays.write();
 }
 
+// A convolution's case: "CMD DTYPE XFILE GFILE F0..F14 OUT", its inputs loaded.
+struct ConvCase {
+  NoiseDType type;
+  ConvGeometry c;
+  std::string out_path;
+  std::unique_ptr<Input> x, g;
+  explicit ConvCase(const std::string& header) {
+    std::istringstream h(header);
+    std::string cmd, dtype, x_path, g_path;
+    int64_t f[15];
+    h >> cmd >> dtype >> x_path >> g_path;
+    for (auto& v : f) h >> v;
+    h >> out_path;
+    c = ConvGeometry{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
+    type = parse_dtype(dtype);
+    const size_t es = element_size(type);
+    x = std::make_unique<Input>(x_path, static_cast<size_t>(c.batch * c.channels * c.height * c.width) * es);
+    g = std::make_unique<Input>(g_path, static_cast<size_t>(c.batch * c.outputs * c.positions()) * es);
+  }
+  void check_unchanged() const {
+    x->check_unchanged();
+    g->check_unchanged();
+  }
+};
+
 void run_conv(const std::string& header) {
-  std::istringstream h(header);
-  std::string cmd, dtype, x_path, g_path, out_path;
-  int64_t f[15];
-  h >> cmd >> dtype >> x_path >> g_path;
-  for (auto& v : f) h >> v;
-  h >> out_path;
-  const ConvGeometry c{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
-  const NoiseDType type = parse_dtype(dtype);
-  const size_t es = element_size(type);
-  Input x(x_path, static_cast<size_t>(c.batch * c.channels * c.height * c.width) * es);
-  Input g(g_path, static_cast<size_t>(c.batch * c.outputs * c.positions()) * es);
+  const ConvCase k(header);
+  const ConvGeometry& c = k.c;
   const int64_t ws = cuda::conv_ghost_norm_workspace_bytes(c.batch, c.height * c.width, c.positions());
   Buffer workspace(static_cast<size_t>(ws), "conv workspace", 0xFF);
   Buffer out(static_cast<size_t>(c.batch) * 8, "conv out", 0xFF);
-  cuda::conv_ghost_norm(type, x.buffer.data(), g.buffer.data(), c, reinterpret_cast<double*>(out.data()),
+  cuda::conv_ghost_norm(k.type, k.x->buffer.data(), k.g->buffer.data(), c, reinterpret_cast<double*>(out.data()),
                         workspace.data(), 0, nullptr);
-  x.check_unchanged();
-  g.check_unchanged();
-  write_file(out_path, out.data(), out.bytes);
+  k.check_unchanged();
+  write_file(k.out_path, out.data(), out.bytes);
 }
 
 void run_embedding(const std::string& header) {
@@ -295,16 +320,12 @@ void run_clip(std::istream& in, const std::string& header) {
   std::vector<float*> out_pointers;
   std::vector<int64_t> numels;
   for (int i = 0; i < n; ++i) {
-    std::string line, tag, in_path, out_path;
-    int64_t numel;
-    std::getline(in, line);
-    std::istringstream l(line);
-    l >> tag >> numel >> in_path >> out_path;
-    grads.push_back(std::make_unique<Input>(in_path, static_cast<size_t>(batch * numel) * element_size(type)));
-    outs.push_back(std::make_unique<Output>(out_path, static_cast<size_t>(numel) * 4));
-    tensors.push_back({grads.back()->buffer.data(), numel});
+    const ArrayLine a(in);
+    grads.push_back(std::make_unique<Input>(a.in_path, static_cast<size_t>(batch * a.numel) * element_size(type)));
+    outs.push_back(std::make_unique<Output>(a.out_path, static_cast<size_t>(a.numel) * 4));
+    tensors.push_back({grads.back()->buffer.data(), a.numel});
     out_pointers.push_back(static_cast<float*>(outs.back()->data()));
-    numels.push_back(numel);
+    numels.push_back(a.numel);
   }
   Input clip_norms(clip_path, static_cast<size_t>(per_layer ? columns : 1) * 8);
   const std::vector<unsigned char> sums_in = read_file(sums_path);  // the columns of other tensors
@@ -341,21 +362,11 @@ void run_factors(const std::string& header) {
 }
 
 void run_conv_grads(const std::string& header) {
-  std::istringstream h(header);
-  std::string cmd, dtype, x_path, g_path, out_path;
-  int64_t f[15];
-  h >> cmd >> dtype >> x_path >> g_path;
-  for (auto& v : f) h >> v;
-  h >> out_path;
-  const ConvGeometry c{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
-  const NoiseDType type = parse_dtype(dtype);
-  const size_t es = element_size(type);
-  Input x(x_path, static_cast<size_t>(c.batch * c.channels * c.height * c.width) * es);
-  Input g(g_path, static_cast<size_t>(c.batch * c.outputs * c.positions()) * es);
-  Output out(out_path, static_cast<size_t>(c.batch * c.grad_size()) * (type == NoiseDType::float64 ? 8 : 4));
-  cuda::conv_weight_grads(type, x.buffer.data(), g.buffer.data(), c, out.data(), 0, nullptr);
-  x.check_unchanged();
-  g.check_unchanged();
+  const ConvCase k(header);
+  const ConvGeometry& c = k.c;
+  Output out(k.out_path, static_cast<size_t>(c.batch * c.grad_size()) * (k.type == NoiseDType::float64 ? 8 : 4));
+  cuda::conv_weight_grads(k.type, k.x->buffer.data(), k.g->buffer.data(), c, out.data(), 0, nullptr);
+  k.check_unchanged();
   out.write();
 }
 

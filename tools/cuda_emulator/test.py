@@ -356,6 +356,18 @@ def compare_tensors(label, refs, gots):
     print(f"{'PASS' if ok else 'FAIL'} {label}" + ("" if ok else "\n    " + "\n    ".join(bad[:8])), flush=True)
 
 
+def one_output_case(args, label, ref, fields):
+    """Runs the driver line of ``fields`` (each tensor written to a file and named by its path),
+    then its output's path, and compares that one output with ref."""
+    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
+        c = Case(wd)
+        line = " ".join(c.file(raw(f)) if isinstance(f, torch.Tensor) else str(f) for f in fields)
+        out = c.file()
+        run_driver(args, [f"{line} {out}"], wd, label)
+        got = read_like(out, ref)
+    compare_tensors(label, [ref], [got])
+
+
 def clip_case(args, label, grads, clip_norms, per_layer, norm_type, noise_std, words, offset, scale, other_sums=None):
     ref = torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, noise_std, words, offset, scale, norm_type,
                                              other_sums)
@@ -415,14 +427,8 @@ def factors(args):
             for norm_type in [1, 2]:
                 clip_norms = torch.rand(columns if per_layer else 1, generator=gen, dtype=torch.float64) * 3 + 0.1
                 ref = torch.ops.privleak.clip_factors(sums, clip_norms, per_layer, norm_type)
-                label = f"clip_factors B{batch} C{columns} per_layer={per_layer} L{norm_type}"
-                with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
-                    c = Case(wd)
-                    out = c.file()
-                    run_driver(args, [f"factors {batch} {columns} {int(per_layer)} {norm_type} {c.file(raw(sums))} "
-                                      f"{c.file(raw(clip_norms))} {out}"], wd, label)
-                    got = read_like(out, ref)
-                compare_tensors(label, [ref], [got])
+                one_output_case(args, f"clip_factors B{batch} C{columns} per_layer={per_layer} L{norm_type}", ref,
+                                ["factors", batch, columns, int(per_layer), norm_type, sums, clip_norms])
 
 
 # ---------------------------------------------------------------- per-sample convolution gradients
@@ -430,14 +436,8 @@ def conv_grads(args):
     gen = torch.Generator().manual_seed(12)
     for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen):
         ref = torch.ops.privleak.conv_weight_grads(x, g, k, s, pad, dil)
-        label = f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}"
-        with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
-            c = Case(wd)
-            out = c.file()
-            run_driver(args, [f"convgrad {dt} {c.file(raw(x))} {c.file(raw(g))} {' '.join(map(str, geometry))} {out}"],
-                       wd, label)
-            got = read_like(out, ref)
-        compare_tensors(label, [ref], [got])
+        one_output_case(args, f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}",
+                        ref, ["convgrad", dt, x, g, *geometry])
 
 
 # ---------------------------------------------------------------- VMF
@@ -453,14 +453,8 @@ def vmf(args):
             mu = torch.randn(p, generator=gen, dtype=torch.float64)
             mu = (mu / mu.norm()).to(DTYPES[dt])
             ref = torch.ops.privleak.vmf_sample(mu, kappa, n, words, offset)
-            label = f"vmf {dt} p{p} n{n} kappa {kappa} offset {offset}"
-            with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
-                c = Case(wd)
-                out = c.file()
-                run_driver(args, [f"vmf {dt} {p} {n} {float(kappa).hex()} {key} {offset} {c.file(raw(mu))} {out}"],
-                           wd, label)
-                got = read_like(out, ref)
-            compare_tensors(label, [ref], [got])
+            one_output_case(args, f"vmf {dt} p{p} n{n} kappa {kappa} offset {offset}", ref,
+                            ["vmf", dt, p, n, float(kappa).hex(), key, offset, mu])
 
 
 # ---------------------------------------------------------------- column statistics and nearest inputs
