@@ -84,7 +84,7 @@ class GraphedStep:
         # A graph reads the parameters and buffers where they were at its capture, and runs the
         # modules in the mode they were in (dropout or not).
         self._storage = _storage(bookkeeping.model) if self._graph is not None else None
-        self._modes = _modes(bookkeeping.model)
+        self._modes = _modes(bookkeeping.model) if self._graph is not None else None
 
     def __call__(self, *inputs) -> list:
         bk = self._bk
@@ -102,7 +102,7 @@ class GraphedStep:
         if self._storage is not None and _storage(bk.model) != self._storage:
             raise ValueError("the model's parameters or buffers are not where graphed() found them (model.to(), "
                              ".half(), a parameter's .data or a state dict assigned): make a new graphed step")
-        if self._graph is not None and _modes(bk.model) != self._modes:
+        if self._modes is not None and _modes(bk.model) != self._modes:
             raise ValueError("the model's modules are not in the train()/eval() mode that graphed() captured them "
                              "in: set it back (model.train() after an evaluation), or make a new graphed step")
         bk._clear()  # forward passes run since the last step (an evaluation with grad): none of this batch's
