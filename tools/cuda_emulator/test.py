@@ -199,15 +199,20 @@ def ghost_bigbatch(args):
     ghost_case(args, "ghost batch 65537 (gridDim.y loop)", layers, b)
 
 
-def per_sample_case(args, label, ref, command, tensors, sizes):
-    """Runs the driver line "command tensor files... sizes... out", whose output is (B,) float64,
-    and compares it with ref."""
+def run_fields(args, label, fields):
+    """Runs the driver line of ``fields`` (each tensor written to a file and named by its path),
+    then its output's path; returns the output's bytes (None for no output)."""
     with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
         c = Case(wd)
+        line = " ".join(c.file(raw(f)) if isinstance(f, torch.Tensor) else str(f) for f in fields)
         out = c.file()
-        files = " ".join(c.file(raw(t)) for t in tensors)
-        run_driver(args, [f"{command} {files} {' '.join(map(str, sizes))} {out}"], wd, label)
-        got = np.frombuffer(open(out, "rb").read(), dtype=np.float64) if os.path.exists(out) else np.zeros(0)
+        run_driver(args, [f"{line} {out}"], wd, label)
+        return open(out, "rb").read() if os.path.exists(out) else None
+
+
+def per_sample_case(args, label, ref, fields):
+    """The driver line of ``fields``, whose output is (B,) float64, compared with ref."""
+    got = np.frombuffer(run_fields(args, label, fields) or b"", dtype=np.float64)
     compare(label, ref, got, lambda: f64_diff(ref, got, ["sample"]) if got.size == ref.size else "size")
 
 
@@ -235,7 +240,7 @@ def conv(args):
     for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen):
         ref = torch.ops.privleak.conv_ghost_norm(x, g, k, s, pad, dil).numpy()
         label = f"conv {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}"
-        per_sample_case(args, label, ref, f"conv {dt}", [x, g], geometry)
+        per_sample_case(args, label, ref, ["conv", dt, x, g, *geometry])
 
 
 def embedding(args):
@@ -246,7 +251,7 @@ def embedding(args):
             g = torch.randn(b, t, p, generator=gen, dtype=torch.float64).to(DTYPES[dt])
             ref = torch.ops.privleak.embedding_ghost_norm(ids, g).numpy()
             label = f"embedding {dt} B{b} T{t} p{p} vocab{vocab}"
-            per_sample_case(args, label, ref, f"emb {dt}", [ids, g], [b, t, p])
+            per_sample_case(args, label, ref, ["emb", dt, ids, g, b, t, p])
 
 
 # ---------------------------------------------------------------- noise
@@ -357,15 +362,9 @@ def compare_tensors(label, refs, gots):
 
 
 def one_output_case(args, label, ref, fields):
-    """Runs the driver line of ``fields`` (each tensor written to a file and named by its path),
-    then its output's path, and compares that one output with ref."""
-    with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
-        c = Case(wd)
-        line = " ".join(c.file(raw(f)) if isinstance(f, torch.Tensor) else str(f) for f in fields)
-        out = c.file()
-        run_driver(args, [f"{line} {out}"], wd, label)
-        got = read_like(out, ref)
-    compare_tensors(label, [ref], [got])
+    """The driver line of ``fields``, whose one output is like ref, compared with ref."""
+    data = run_fields(args, label, fields)
+    compare_tensors(label, [ref], [None if data is None else from_raw(data, ref)])
 
 
 def clip_case(args, label, grads, clip_norms, per_layer, norm_type, noise_std, words, offset, scale, other_sums=None):

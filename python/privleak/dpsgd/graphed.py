@@ -164,7 +164,6 @@ class GraphedStep:
                                "(loss_fn must run without host syncs or data-dependent shapes); BookKeeping.step "
                                "works without a graph")
                 raise
-            current.wait_stream(side)
         # Tensors made outside the graph's pool that its kernels read, held by caches that could
         # let them go (an eager step with other layers in use, other views): held here too, or a
         # replay would read freed memory.
