@@ -414,6 +414,18 @@ def batchnorm_eval():
     return model
 
 
+def parametrized():
+    """Weights computed as the model runs: weight norm on a Linear and a convolution (of
+    torch.nn.utils.parametrizations), an orthogonal Linear, and the deprecated hook-based weight
+    norm (weight_g and weight_v parameters of the Linear itself)."""
+    P = nn.utils.parametrizations
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+        hooked = nn.utils.weight_norm(nn.Linear(6, 3))
+    return nn.Sequential(P.weight_norm(nn.Conv1d(2, 3, 3, padding=1)), nn.Tanh(), nn.Flatten(),
+                         P.weight_norm(nn.Linear(12, 5)), nn.Tanh(), P.orthogonal(nn.Linear(5, 6)), nn.Tanh(), hooked)
+
+
 def ids(shape, vocab=9):
     def make(generator):
         return torch.randint(0, vocab, shape, generator=generator)
@@ -461,6 +473,7 @@ LAYER_CASES = {
     "adapters": (Adapted, ids((6, 5))),
     "prompt-tuning": (PromptTuned, ids((6, 5))),
     "mixture-of-experts": (MixtureOfExperts, normal(6, 5, 3)),
+    "parametrized": (parametrized, normal(6, 2, 4)),
 }
 
 CONFIGS = {
@@ -627,7 +640,7 @@ def test_the_mixed_rule_is_bu_et_al():
     ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer), ("rmsnorm", layers.RMSNormLayer),
     ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", layers.MultiheadAttentionLayer),
     ("fallback", layers.FunctionalLayer), ("position-modules", layers.LookupEmbeddingLayer),
-    ("batchnorm-eval", layers.BatchNormLayer)])
+    ("batchnorm-eval", layers.BatchNormLayer), ("parametrized", layers.FunctionalLayer)])
 def test_each_module_gets_its_rule(case, kind):
     model, _, _ = setting(case)
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),
@@ -635,6 +648,60 @@ def test_each_module_gets_its_rule(case, kind):
     assert any(type(layer) is kind for layer in bk.layers)
     owned = [id(p) for layer in bk.layers for p in layer.parameters]
     assert sorted(owned) == sorted(id(p) for p in trainable(model))
+    if case == "parametrized":  # each computed weight's module is replayed whole, its parametrizations in it
+        assert [(layer.name, type(layer)) for layer in bk.layers] == [(n, layers.FunctionalLayer)
+                                                                       for n in ("0", "3", "5", "7")]
+
+
+class SpectralTwice(nn.Module):
+    """A spectral-normed Linear called twice a forward: in training mode each call takes one step
+    of power iteration on its vectors u, v, in place, then divides the weight by u^T W v."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 5))
+        self.out = nn.Linear(5, 2)
+        with torch.no_grad():  # far from converged, so that each call moves them
+            spectral = self.inner.parametrizations.weight[0]
+            spectral._u.copy_(F.normalize(torch.randn(5), dim=0))
+            spectral._v.copy_(F.normalize(torch.randn(5), dim=0))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+def test_a_spectral_norm_in_training_mode_is_replayed_with_the_vectors_of_each_call(per_layer):
+    """Reference: one backward pass per sample, the model's state reset before each, so that each
+    sample's forward takes the batch forward's power-iteration steps. The replay must use each
+    call's vectors (not the last call's) and must not iterate again: the model's state after the
+    step is the one a forward of the batch leaves."""
+    torch.manual_seed(0)
+    model = SpectralTwice().train()
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(6, 5, generator=generator), torch.randn(6, 2, generator=generator)
+    start = copy.deepcopy(model.state_dict())
+    rows = [[] for _ in trainable(model)]
+    for i in range(6):
+        model.load_state_dict(start)
+        for row, g in zip(rows, torch.autograd.grad(regression(model(x[i:i + 1]), target[i:i + 1]).sum(),
+                                                    trainable(model))):
+            row.append(g)
+    after_forward = copy.deepcopy(model.state_dict())
+    model.load_state_dict(start)
+    grads = [torch.stack(row) for row in rows]
+    config = CONFIGS["gaussian"](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    assert_same_update(book_kept(model, x, target, config, 4.5, M.NoiseGenerator(7)), want)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, after_forward[name]), name
+
+
+def test_the_deprecated_hook_based_spectral_norm_is_refused():
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.utils.spectral_norm(nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match=r"module '2' \(Linear\) has the deprecated torch.nn.utils.spectral_norm.*"
+                                         r"use torch.nn.utils.parametrizations.spectral_norm"):
+        make(model)
 
 
 @pytest.mark.parametrize("case", ["linear-sequence", "conv1d", "conv2d", "embedding", "layernorm", "groupnorm",

@@ -80,7 +80,9 @@ class BookKeeping:
             GroupNorm); or, for a Linear or LayerNorm, is the batch flattened with its positions
             (OPT's (B T, d)), as the autograd graph shows. An nn.Embedding subclass whose forward
             returns its lookup of ids it makes (BART's and OPT's position embeddings) gets the
-            Embedding rule. A weight tied between
+            Embedding rule. A module that computes its weight as it runs (a parametrization such
+            as weight_norm, spectral_norm or orthogonal) takes the fallback on its
+            parametrization's originals. A weight tied between
             nn.Linear, nn.Embedding (or a scaled word embedding) and Conv1D layers (a language
             model's head and token embedding) is clipped as one parameter, its norm exact
             (:mod:`privleak.dpsgd.tied`).
@@ -93,7 +95,8 @@ class BookKeeping:
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
     module's forward (the hooks cannot see that use; checked every step on the autograd graph);
-    BatchNorm in training mode; dropout inside a module that must be recomputed per sample;
+    BatchNorm in training mode; dropout inside a module that must be recomputed per sample; the
+    deprecated hook-based ``torch.nn.utils.spectral_norm`` (the parametrization is replayed exactly);
     reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``: its
     forward runs without grad, out of the hooks' sight); a layer input changed in place after the
     layer's call (``h += layer(h)``).
@@ -582,8 +585,7 @@ def _layers_of(model: nn.Module) -> tuple[list[Layer], dict]:
         layer = layer_for(name, module)
         if layer is None:
             continue
-        if layer.claims_children:
-            covered.update(id(sub) for sub in module.modules())
+        covered.update(id(sub) for sub in layer.claimed_modules())
         for p in layer.parameters:
             owners.setdefault(id(p), []).append(layer)
             sharing = owners[id(p)]

@@ -94,7 +94,8 @@ class ExpertsLayer(Layer):
     def takes(cls, module: nn.Module) -> bool:
         gated = getattr(module, "has_gate", None)
         up, activation = ("gate_up_proj", "_apply_gate") if gated else ("up_proj", "act_fn")
-        return (all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts", activation))
+        needed = ("has_gate", "has_bias", "is_transposed", "num_experts", activation)
+        return (super().takes(module) and all(hasattr(module, a) for a in needed)
                 and not getattr(module, "has_post_expert_norm", False)
                 and not getattr(module, "_is_expert_parallel", False)
                 and all(isinstance(getattr(module, n, None), nn.Parameter) and getattr(module, n).ndim == 3

@@ -15,17 +15,21 @@ at Small Cost", ICML 2023), one GEMM per layer with the output gradients scaled 
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import fnmatch
 import functools
 import math
 import warnings
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privleak.dpsgd import conv_grads, ghost_norm, graph
@@ -150,8 +154,18 @@ class Layer:
     @classmethod
     def takes(cls, module: nn.Module) -> bool:
         """Whether the rule fits ``module``: one registered by a name pattern may not fit every class
-        the pattern names, and the table then goes on (to the next base class, else the fallback)."""
-        return True
+        the pattern names, and the table then goes on (to the next base class, else the fallback).
+        A rule reads a layer's weight and bias as parameters, so none fits a module that computes
+        them as it runs (:func:`computes_parameters`): such a module is replayed."""
+        return not computes_parameters(module)
+
+    def claimed_modules(self) -> list:
+        """The submodules whose parameters the layer answers for, which get no layer of their own:
+        all of them with :attr:`claims_children`; else those of the module's parametrizations (the
+        originals they compute its weight from are its parameters, :func:`fallback_parameters`)."""
+        if self.claims_children:
+            return list(self.module.modules())
+        return list(self.module.parametrizations.modules()) if parametrize.is_parametrized(self.module) else []
 
     def describe(self) -> str:
         return f"module '{self.name}' ({type(self.module).__name__})"
@@ -371,15 +385,30 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
 _HOLDERS = (nn.ParameterList, nn.ParameterDict)
 
 
+def computes_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` computes its weight or bias from other parameters as it runs: a
+    parametrization on it (``torch.nn.utils.parametrizations.weight_norm``, ``spectral_norm``,
+    ``orthogonal`` or the user's), or the deprecated ``torch.nn.utils.weight_norm``, whose forward
+    pre-hook sets a plain tensor. Read from the instance's ``__dict__``: a parametrized weight is
+    a property that would run the parametrization."""
+    return parametrize.is_parametrized(module) or any(
+        isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter)
+        for x in (module.__dict__.get("weight"), module.__dict__.get("bias")))
+
+
 def fallback_parameters(module: nn.Module, claims_children: bool = False) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the trainable parameters that :class:`FunctionalLayer` answers for
-    in ``module``: its own and those of its ParameterList and ParameterDict children (peft's LoRA
+    in ``module``: its own, those of its ParameterList and ParameterDict children (peft's LoRA
     embedding keeps its A and B in ParameterDicts; the replay takes any parameter, a rule only
-    those it knows), or with ``claims_children`` all of its descendants'."""
+    those it knows) and of its parametrizations (``parametrizations.weight.original``, which
+    ``functional_call`` takes by that name and passes through the parametrization), or with
+    ``claims_children`` all of its descendants'."""
     named = list(module.named_parameters(recurse=claims_children))
     if not claims_children:
         named += [(f"{child_name}.{name}", p) for child_name, child in module.named_children()
                   if isinstance(child, _HOLDERS) for name, p in child.named_parameters()]
+        if parametrize.is_parametrized(module):
+            named += list(module.parametrizations.named_parameters(prefix="parametrizations"))
     return [(name, p) for name, p in named if p.requires_grad]
 
 
@@ -859,6 +888,38 @@ class GroupNormLayer(_AffineNorm):
         return y.reshape(y.shape[0], y.shape[1], -1).transpose(1, 2)
 
 
+class _Replay(NamedTuple):
+    """What a replay of a forward call reproduces of it: the autocast it ran under, and the buffers
+    of the module's parametrizations as the call left them, by name under the module (a training
+    call of ``spectral_norm`` first updates its power-iteration vectors in place, then divides by
+    the norm they give; a later call updates them again)."""
+
+    device: str
+    autocast: bool
+    dtype: torch.dtype
+    buffers: dict
+
+    @classmethod
+    def of(cls, module: nn.Module, device: str, buffer_names: list) -> "_Replay":
+        buffers = {name: module.get_buffer(name).detach().clone() for name in buffer_names}
+        return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), buffers)
+
+    @contextlib.contextmanager
+    def context(self, spectral_norms: list):
+        """The call's autocast, and the module's spectral norms in eval mode: they divide by the
+        norm that the vectors given (:attr:`buffers`) estimate without updating them, so the replay
+        computes the call's weights."""
+        spectral = [m for m in spectral_norms if m.training]
+        try:
+            for m in spectral:
+                m.training = False
+            with torch.autocast(self.device, dtype=self.dtype, enabled=self.autocast):
+                yield
+        finally:
+            for m in spectral:
+                m.training = True
+
+
 class FunctionalLayer(Layer):
     """The fallback for a module with trainable parameters and no rule: per-sample gradients of its
     own parameters by ``torch.func`` (vmap over samples of the gradient of its forward, recomputed
@@ -909,6 +970,18 @@ class FunctionalLayer(Layer):
         self._replay_warned = False
         self._one_at_a_time = False  # its forward is replayed by a loop over samples, not by vmap
         super().__init__(name, module)
+        self._parametrization_buffers = [name for name, _ in module.named_buffers()
+                                         if name.startswith("parametrizations.") or ".parametrizations." in name]
+        self._spectral_norms = [m for m in module.modules() if isinstance(m, _SpectralNorm)]
+        if any(isinstance(hook, _HookSpectralNorm) for m in [module, *self.claimed_modules()]
+               for hook in m._forward_pre_hooks.values()):
+            raise ValueError(f"{self.describe()} has the deprecated torch.nn.utils.spectral_norm, whose forward "
+                             "pre-hook updates its vectors in place at every call in training mode, so that a replay "
+                             "would not compute the call's weight: use torch.nn.utils.parametrizations.spectral_norm")
+
+    @classmethod
+    def takes(cls, module: nn.Module) -> bool:
+        return True
 
     def parameters_of(self, module: nn.Module) -> list:
         return [p for _, p in fallback_parameters(module, self.claims_children)]
@@ -954,10 +1027,9 @@ class FunctionalLayer(Layer):
         self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
         broadcasts = graph.Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
-        device = outputs[live[0]].device.type  # the recomputation runs under the same autocast as this call
-        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         call = len(self.calls)
-        self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, autocast,
+        replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers)
+        self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, replay,
                            broadcasts))
         batched = _batched_leaf(leaves)
         self.sources.append(None if batched is None else batched.grad_fn)
@@ -1098,8 +1170,7 @@ class FunctionalLayer(Layer):
         params = {names[id(p)]: leaves_of.get(id(p), p.detach()) for p in self.parameters}
         sums: dict = {}
         with torch.enable_grad():
-            for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(
-                    zip(self.calls, self.grads)):
+            for call, ((leaves, spec, live, replay, _), output_grads) in enumerate(zip(self.calls, self.grads)):
                 batch, rows = factors.shape[0], _batch_of(leaves)
                 shared = call in self.shared_calls
                 values = list(leaves)
@@ -1116,8 +1187,8 @@ class FunctionalLayer(Layer):
                         elif call in self.flattened or k in self.flattened_outputs.get(call, {}):
                             weighted = weighted.flatten(0, 1)
                         cotangents[i] = weighted
-                with torch.autocast(device, dtype=dtype, enabled=autocast):
-                    outputs = self._outputs(params, values, spec)
+                with replay.context(self._spectral_norms):
+                    outputs = self._outputs({**params, **replay.buffers}, values, spec)
                     loss = sum((outputs[i] * g).sum() for i, g in cotangents.items())
                 found = torch.autograd.grad(loss, [leaves_of[id(p)] for p in wanted], allow_unused=True)
                 for p, g in zip(wanted, found):
@@ -1126,8 +1197,9 @@ class FunctionalLayer(Layer):
         return sums
 
     def warn_of_replayed_layers(self) -> None:
-        layers = [child for child, sub in self.module.named_children()
-                  if not isinstance(sub, _HOLDERS) and any(p.requires_grad for p in sub.parameters())]
+        claimed = {id(sub) for sub in self.claimed_modules()}  # a parametrization's originals are the module's
+        layers = [child for child, sub in self.module.named_children() if not isinstance(sub, _HOLDERS)
+                  and id(sub) not in claimed and any(p.requires_grad for p in sub.parameters())]
         if layers and not self.claims_children and not self._replay_warned:
             self._replay_warned = True
             own = [n for n, _ in fallback_parameters(self.module)]
@@ -1147,8 +1219,7 @@ class FunctionalLayer(Layer):
         names = self._parameter_names()
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
-        for call, ((leaves, spec, live, (device, autocast, dtype), _), output_grads) in enumerate(zip(self.calls,
-                                                                                                    self.grads)):
+        for call, ((leaves, spec, live, replay, _), output_grads) in enumerate(zip(self.calls, self.grads)):
             rows = _batch_of(leaves)  # B, or B T for a flattened call
             flattened = call in self.flattened
             split = [] if call in self.shared_calls else [
@@ -1166,17 +1237,18 @@ class FunctionalLayer(Layer):
                                      "keeps")
 
             def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs,
-                            unsqueezed=unsqueezed, whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0))):
+                            unsqueezed=unsqueezed, whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0)),
+                            buffers=replay.buffers):
                 values = list(leaves)
                 for i, x in zip(split, samples):
                     values[i] = whole(x)
-                outputs = self._outputs(params, values, spec)
+                outputs = self._outputs({**params, **buffers}, values, spec)
                 return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
                            for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
 
             inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
             cotangents = [g[samples] for _, g in pairs]
-            with warnings.catch_warnings(), torch.autocast(device, dtype=dtype, enabled=autocast):
+            with warnings.catch_warnings(), replay.context(self._spectral_norms):
                 # torch's note that an op has no batching rule: the cost the docstring states
                 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
                 grads = None
