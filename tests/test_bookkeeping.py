@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import bookkeeping, graph, layers, tied
+from privleak.dpsgd import bookkeeping, graph, layers, recurrent, tied
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from transformers.pytorch_utils import Conv1D
@@ -426,6 +426,25 @@ def parametrized():
                          P.weight_norm(nn.Linear(12, 5)), nn.Tanh(), P.orthogonal(nn.Linear(5, 6)), nn.Tanh(), hooked)
 
 
+class Recurrent(nn.Module):
+    """Each recurrent module with the batch where torch puts it: an LSTM batch first read at its
+    output and final states, a bidirectional two-layer GRU sequence first with initial states made
+    by a Linear (so they carry gradients). (tests/test_bookkeeping_recurrent.py: nn.RNN, projections
+    and packed sequences, which torch.func cannot vmap, against one backward pass per sample.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.start = nn.Linear(4, 2 * 2 * 2)
+        self.gru = nn.GRU(5, 2, num_layers=2, bidirectional=True)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        h0 = self.start(x[:, 0]).view(-1, 4, 2).transpose(0, 1).contiguous()
+        out, _ = self.gru(torch.tanh(out).transpose(0, 1), h0)
+        return out.transpose(0, 1) + h[-1, :, :4].unsqueeze(1) + c[-1].sum(1).view(-1, 1, 1)
+
+
 def ids(shape, vocab=9):
     def make(generator):
         return torch.randint(0, vocab, shape, generator=generator)
@@ -474,6 +493,7 @@ LAYER_CASES = {
     "prompt-tuning": (PromptTuned, ids((6, 5))),
     "mixture-of-experts": (MixtureOfExperts, normal(6, 5, 3)),
     "parametrized": (parametrized, normal(6, 2, 4)),
+    "recurrent": (Recurrent, normal(6, 5, 4)),
 }
 
 CONFIGS = {
@@ -548,7 +568,7 @@ def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
 
 #: the cases with a module replayed per sample (FunctionalLayer), not only broadcast parameters
 REPLAYED = ["fallback", "multihead-attention", "batchnorm-eval", "adapters", "position-modules",
-            "mixture-of-experts"]
+            "mixture-of-experts", "recurrent"]
 
 
 @pytest.mark.parametrize("forming", [layers.Forming.AFTER, layers.Forming.NEVER], ids=["whole", "chunked"])
@@ -640,7 +660,8 @@ def test_the_mixed_rule_is_bu_et_al():
     ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer), ("rmsnorm", layers.RMSNormLayer),
     ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", layers.MultiheadAttentionLayer),
     ("fallback", layers.FunctionalLayer), ("position-modules", layers.LookupEmbeddingLayer),
-    ("batchnorm-eval", layers.BatchNormLayer), ("parametrized", layers.FunctionalLayer)])
+    ("batchnorm-eval", layers.BatchNormLayer), ("parametrized", layers.FunctionalLayer),
+    ("recurrent", recurrent.RecurrentLayer)])
 def test_each_module_gets_its_rule(case, kind):
     model, _, _ = setting(case)
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),

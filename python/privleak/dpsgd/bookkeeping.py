@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd import experts, tied  # noqa: F401 (experts: registers its rule in the layers' table)
+from privleak.dpsgd import experts, recurrent, tied  # noqa: F401 (experts, recurrent: register their rules)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
@@ -82,7 +82,9 @@ class BookKeeping:
             returns its lookup of ids it makes (BART's and OPT's position embeddings) gets the
             Embedding rule. A module that computes its weight as it runs (a parametrization such
             as weight_norm, spectral_norm or orthogonal) takes the fallback on its
-            parametrization's originals. A weight tied between
+            parametrization's originals. nn.LSTM, nn.GRU and nn.RNN take it with the batch where
+            torch keeps it, packed sequences included (:mod:`privleak.dpsgd.recurrent`). A weight
+            tied between
             nn.Linear, nn.Embedding (or a scaled word embedding) and Conv1D layers (a language
             model's head and token embedding) is clipped as one parameter, its norm exact
             (:mod:`privleak.dpsgd.tied`).
@@ -95,7 +97,8 @@ class BookKeeping:
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
     module's forward (the hooks cannot see that use; checked every step on the autograd graph);
-    BatchNorm in training mode; dropout inside a module that must be recomputed per sample; the
+    BatchNorm in training mode; dropout inside a module that must be recomputed per sample (an
+    RNN's between its layers too); the
     deprecated hook-based ``torch.nn.utils.spectral_norm`` (the parametrization is replayed exactly);
     reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``: its
     forward runs without grad, out of the hooks' sight); a layer input changed in place after the

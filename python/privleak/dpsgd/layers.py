@@ -1016,13 +1016,22 @@ class FunctionalLayer(Layer):
             flat[live[k]] = flat[live[k]].view_as(flat[live[k]])
         return tree_unflatten(flat, spec)
 
+    def output_tensors(self, output: Any) -> list[torch.Tensor]:
+        """The tensors of a call's output, in the order :meth:`_outputs` returns them for a replay."""
+        return [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
+
+    def replayed_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments a call's replay takes (:meth:`_outputs`), each tensor with the batch in dim
+        0 or shared by the batch: the call's own."""
+        return args, kwargs
+
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
-        outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
+        outputs = self.output_tensors(output)
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
             return []
-        leaves, spec = tree_flatten((args, kwargs))
-        inputs = _input_nodes(leaves)
+        inputs = _input_nodes(tree_flatten((args, kwargs))[0])
+        leaves, spec = tree_flatten(self.replayed_call(args, kwargs))
         consumers, parents = [[] for _ in self.parameters], {}
         self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
@@ -1175,8 +1184,8 @@ class FunctionalLayer(Layer):
                 shared = call in self.shared_calls
                 values = list(leaves)
                 if keep is not None and not shared:
-                    for i, x in enumerate(leaves):
-                        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows:
+                    for i, x in enumerate(leaves):  # floats: ids and lengths cannot carry a NaN
+                        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.ndim and x.shape[0] == rows:
                             values[i] = _zero_dropped(x.unflatten(0, (batch, -1)), keep).view(x.shape)
                 cotangents = {}
                 for k, (i, g) in enumerate(zip(live, output_grads)):

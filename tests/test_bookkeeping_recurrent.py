@@ -1,0 +1,149 @@
+"""dpsgd.BookKeeping on recurrent modules (nn.RNN, nn.LSTM, nn.GRU) in the forms torch.func cannot
+vmap, packed sequences of different lengths above all, against each sample's own backward pass."""
+import pytest
+import torch
+from privleak import dpsgd
+from privleak import mechanisms as M
+from privleak.dpsgd import layers, recurrent
+from test_bookkeeping import (
+    CONFIGS,
+    assert_same_update,
+    book_kept,
+    clip_between,
+    one_backward_per_sample,
+    trainable,
+)
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+pytestmark = [
+    # torch's notes: no vmap batching rule for the fused RNN ops (their replay falls back to a loop), and oneDNN
+    # has no LSTM with projections
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN:UserWarning"),
+]
+
+LENGTHS = [7, 3, 5, 7, 1, 6]  #: each sample's tokens; the rest of its row is padding (id 0)
+
+
+class Packed(nn.Module):
+    """An encoder over packed sequences (a bidirectional two-layer LSTM, the lengths unsorted) whose
+    final states start a GRU decoder run twice, the second time on its first output, sequence first;
+    the loss reads the encoder's padded output and the decoder's."""
+
+    def __init__(self, sorted_lengths: bool = False):
+        super().__init__()
+        self.sorted_lengths = sorted_lengths
+        self.embed = nn.Embedding(20, 6, padding_idx=0)
+        self.encoder = nn.LSTM(6, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.decoder = nn.GRU(8, 4, num_layers=2)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        lengths = (ids != 0).sum(1).cpu()
+        packed = pack_padded_sequence(self.embed(ids), lengths, batch_first=True,
+                                      enforce_sorted=self.sorted_lengths)
+        out, (h, _) = self.encoder(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        start = h[-2:].contiguous()  # the last layer's two directions: the decoder's two layers
+        decoded, _ = self.decoder(out[:, :3].transpose(0, 1), start)
+        decoded, _ = self.decoder(torch.cat([decoded, decoded], 2), start)
+        return self.head(out[:, :3] + torch.cat([decoded, decoded], 2).transpose(0, 1))
+
+
+class Projected(nn.Module):
+    """A ReLU RNN and an LSTM with projections, which torch.func's vmap fails on: replayed one
+    sample at a time."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(4, 5, nonlinearity="relu", batch_first=True)
+        self.lstm = nn.LSTM(5, 4, proj_size=2, batch_first=True)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        out, (h, c) = self.lstm(out)
+        return out + h[-1].unsqueeze(1) + c[-1, :, :2].unsqueeze(1)
+
+
+def tokens(lengths, generator):
+    ids = torch.randint(1, 20, (len(lengths), max(lengths)), generator=generator)
+    return ids * (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None])
+
+
+CASES = {
+    "packed": (Packed, lambda generator: tokens(LENGTHS, generator)),
+    "packed-sorted": (lambda: Packed(sorted_lengths=True), lambda generator: tokens(sorted(LENGTHS)[::-1], generator)),
+    "projected": (Projected, lambda generator: torch.randn(6, 5, 4, generator=generator)),
+}
+
+
+def setting(case):
+    build, make_input = CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    generator = torch.Generator().manual_seed(1)
+    x = make_input(generator)
+    with torch.no_grad():
+        target = torch.randn(model(x).shape, generator=generator)
+    return model, x, target
+
+
+@pytest.mark.parametrize("forming", [layers.Forming.AFTER, layers.Forming.NEVER], ids=["whole", "chunked"])
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True), ("laplace", False)])
+@pytest.mark.parametrize("case", CASES)
+def test_a_recurrent_module_gives_the_update_of_each_samples_backward_pass(case, mechanism, per_layer, forming,
+                                                                          monkeypatch):
+    """Whole: the per-sample gradients formed after the backward pass; chunked: their norms two
+    samples at a time and the clipped sum by one backward pass of the module over the batch."""
+    monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
+    model, x, target = setting(case)
+    grads = one_backward_per_sample(model, x, target)
+    config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    assert_same_update(book_kept(model, x, target, config, 4.5, M.NoiseGenerator(7)), want)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_recurrent_module_gets_the_recurrent_rule(case):
+    model, _, _ = setting(case)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=2)
+    kinds = {layer.name: type(layer) for layer in bk.layers}
+    assert {name for name, kind in kinds.items() if kind is recurrent.RecurrentLayer} == {
+        name for name, module in model.named_modules() if isinstance(module, nn.RNNBase)}
+
+
+def test_a_dropped_sample_of_a_packed_batch_leaves_the_others_update():
+    """non_finite="drop" with the clipped sum by one backward pass over the batch: the dropped
+    sample's inputs are zeroed, its length kept (a length of 0 cannot be packed)."""
+    model, x, target = setting("packed")
+    target[2] = float("nan")
+    config = dpsgd.DPSGDConfig(0.05, noise_multiplier=0.3, non_finite="drop")
+    want = dpsgd.privatize(one_backward_per_sample(model, x, target), config, 4.0, M.NoiseGenerator(1))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
+        got = book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    assert_same_update(got, want)
+
+
+def test_dropout_between_the_layers_of_a_recurrent_module_is_refused():
+    model = nn.LSTM(4, 3, num_layers=2, dropout=0.3, batch_first=True)
+    x = torch.randn(5, 6, 4)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=5)
+    with pytest.raises(ValueError, match=r"module '' \(LSTM\) has dropout=0.3 between its layers in training mode"):
+        bk.step(model(x)[0].sum((1, 2)))
+    model.eval()
+    bk.step(model(x)[0].sum((1, 2)))
+
+
+def test_an_input_without_a_batch_is_refused():
+    model = nn.GRU(4, 3)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=5)
+    with pytest.raises(ValueError, match=r"module '' \(GRU\) got an input of shape \(6, 4\), without a batch"):
+        model(torch.randn(6, 4))
+    assert not bk.layers[0].calls
