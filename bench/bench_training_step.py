@@ -94,6 +94,19 @@ class CifarCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class LSTMClassifier(nn.Module):
+    """A text classifier as Opacus's DPLSTM tutorial builds one: token embeddings, an LSTM, a Linear
+    head on its last hidden state (Opacus's sides take its DPLSTM in place of the nn.LSTM)."""
+
+    def __init__(self, vocab: int = 10000, width: int = 64, hidden: int = 128, classes: int = 2):
+        super().__init__()
+        self.embed, self.lstm = nn.Embedding(vocab, width), nn.LSTM(width, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.embed(ids))[1][0][-1])
+
+
 class Block(nn.Module):
     """Pre-norm transformer block, causal self-attention from nn.Linear projections."""
 
@@ -191,6 +204,13 @@ def images(shape, classes):
     return make
 
 
+def labelled_tokens(vocab, length, classes):
+    def make(batch, generator):
+        return (torch.randint(0, vocab, (batch, length), generator=generator),
+                torch.randint(0, classes, (batch,), generator=generator))
+    return make
+
+
 def tokens(vocab, length):
     def make(batch, generator):
         ids = torch.randint(0, vocab, (batch, length + 1), generator=generator)
@@ -204,6 +224,7 @@ MODELS = {
     "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
     "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
+    "lstm": (lambda: LSTMClassifier(), labelled_tokens(10000, 50, 2), nn.CrossEntropyLoss, (64, 256), ()),
     "tiny-transformer": (lambda: Transformer(50, 16, 2, 2, 8), tokens(50, 8), SequenceLoss, (2, 16), (2,)),
     "gpt2": (lambda: HuggingFaceLM("gpt2"), tokens(50257, 128), SequenceLoss, (8,), ()),
     "llama": (lambda: HuggingFaceLM("llama"), tokens(32000, 128), SequenceLoss, (8,), ()),
@@ -263,7 +284,11 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
             return bk.step()
         return step
     from opacus import PrivacyEngine
+    from opacus.validators import ModuleValidator
 
+    if not ModuleValidator.is_valid(model):  # an nn.LSTM: Opacus trains its DPLSTM instead
+        model = ModuleValidator.fix(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1].expand(4 * batch, *x.shape[1:])),
                                          batch_size=batch)
     mode = side.split()[1]

@@ -52,8 +52,8 @@ class Packed(nn.Module):
 
 
 class Projected(nn.Module):
-    """A ReLU RNN and an LSTM with projections, which torch.func's vmap fails on: replayed one
-    sample at a time."""
+    """A ReLU RNN and an LSTM with projections, on which torch.func's vmap fails (the reference is
+    one backward pass per sample: so is the replay)."""
 
     def __init__(self):
         super().__init__()
