@@ -568,7 +568,7 @@ def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
 
 #: the cases with a module replayed per sample (FunctionalLayer), not only broadcast parameters
 REPLAYED = ["fallback", "multihead-attention", "batchnorm-eval", "adapters", "position-modules",
-            "mixture-of-experts", "recurrent"]
+            "mixture-of-experts"]
 
 
 @pytest.mark.parametrize("forming", [layers.Forming.AFTER, layers.Forming.NEVER], ids=["whole", "chunked"])

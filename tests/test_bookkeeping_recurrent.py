@@ -52,8 +52,8 @@ class Packed(nn.Module):
 
 
 class Projected(nn.Module):
-    """A ReLU RNN and an LSTM with projections, on which torch.func's vmap fails (the reference is
-    one backward pass per sample: so is the replay)."""
+    """A ReLU RNN and an LSTM with projections (on which torch.func's vmap fails: the reference is
+    one backward pass per sample)."""
 
     def __init__(self):
         super().__init__()
@@ -71,10 +71,28 @@ def tokens(lengths, generator):
     return ids * (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None])
 
 
+class WeightNormed(nn.Module):
+    """A GRU whose recurrent weight is weight-normalised (a parametrization: the replay, one sample
+    at a time, instead of the unrolled steps), bidirectional, on packed sequences whose lengths
+    are those of the nonzero rows of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.utils.parametrizations.weight_norm(nn.GRU(4, 3, bidirectional=True), "weight_hh_l0")
+
+    def forward(self, x):
+        lengths = (x != 0).any(2).sum(1).cpu()
+        out, h = self.gru(pack_padded_sequence(x.transpose(0, 1), lengths, enforce_sorted=False))
+        out, _ = pad_packed_sequence(out, total_length=x.shape[1])
+        return out.transpose(0, 1) + h.sum(0).unsqueeze(1).repeat(1, 1, 2)
+
+
 CASES = {
     "packed": (Packed, lambda generator: tokens(LENGTHS, generator)),
     "packed-sorted": (lambda: Packed(sorted_lengths=True), lambda generator: tokens(sorted(LENGTHS)[::-1], generator)),
     "projected": (Projected, lambda generator: torch.randn(6, 5, 4, generator=generator)),
+    "weight-normed": (WeightNormed, lambda generator: torch.randn(6, 7, 4, generator=generator)
+                      * (torch.arange(7) < torch.tensor(LENGTHS)[:, None])[..., None]),
 }
 
 
@@ -94,15 +112,20 @@ def setting(case):
 @pytest.mark.parametrize("case", CASES)
 def test_a_recurrent_module_gives_the_update_of_each_samples_backward_pass(case, mechanism, per_layer, forming,
                                                                           monkeypatch):
-    """Whole: the per-sample gradients formed after the backward pass; chunked: their norms two
+    """Book-keeping over the unrolled steps; a parametrized module by the replay, whose
+    per-sample gradients are formed whole after the backward pass, or never whole: their norms two
     samples at a time and the clipped sum by one backward pass of the module over the batch."""
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
     monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
+    replayed, replay = [], layers.FunctionalLayer._one_at_a_time_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
+                        lambda self, *args: replayed.append(self.name) or replay(self, *args))
     model, x, target = setting(case)
     grads = one_backward_per_sample(model, x, target)
     config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
     want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
     assert_same_update(book_kept(model, x, target, config, 4.5, M.NoiseGenerator(7)), want)
+    assert bool(replayed) == (case == "weight-normed")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -115,10 +138,12 @@ def test_each_recurrent_module_gets_the_recurrent_rule(case):
         name for name, module in model.named_modules() if isinstance(module, nn.RNNBase)}
 
 
-def test_a_dropped_sample_of_a_packed_batch_leaves_the_others_update():
-    """non_finite="drop" with the clipped sum by one backward pass over the batch: the dropped
-    sample's inputs are zeroed, its length kept (a length of 0 cannot be packed)."""
-    model, x, target = setting("packed")
+@pytest.mark.parametrize("case", ["packed", "weight-normed"])
+def test_a_dropped_sample_leaves_the_others_update(case):
+    """non_finite="drop": the dropped sample's steps are zeroed in the sums; in the replay's clipped
+    sum by one backward pass over the batch (never formed whole), its inputs, its length kept (a
+    length of 0 cannot be packed)."""
+    model, x, target = setting(case)
     target[2] = float("nan")
     config = dpsgd.DPSGDConfig(0.05, noise_multiplier=0.3, non_finite="drop")
     want = dpsgd.privatize(one_backward_per_sample(model, x, target), config, 4.0, M.NoiseGenerator(1))

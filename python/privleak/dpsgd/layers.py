@@ -437,6 +437,19 @@ def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: 
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
 
 
+def clipped_product(left: torch.Tensor, right: torch.Tensor, factors: torch.Tensor,
+                    keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """sum_i f_i sum_t L_{i,t} R_{i,t}^T for L (B, T, p), R (B, T, d): a weight's clipped sum as
+    one GEMM over (i, t), the factors scaling the narrower side (book-keeping); the samples not
+    kept zeroed."""
+    left, right = _zero_dropped(left, keep), _zero_dropped(right, keep)
+    if right.shape[-1] < left.shape[-1]:
+        right = _scaled(right, factors)
+    else:
+        left = _scaled(left, factors)
+    return left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])
+
+
 def bias_rows(grads: list, channels_last: bool) -> torch.Tensor:
     """(B, p): a bias's per-sample gradients, each sample's output gradients summed over its
     positions and the calls, from output gradients (B, ..., p) (channels_last) or (B, p, ...).
@@ -499,13 +512,8 @@ class LinearLayer(Layer):
         return {id(self.module.weight): weight_norms(a, g, norm_type, deferred=True)}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        left, right = self.weight_factors(*(_zero_dropped(t, keep) for t in self._sites()))
-        f = factors[id(self.module.weight)]
-        if right.shape[-1] < left.shape[-1]:  # the factors scale the narrower side
-            right = _scaled(right, f)
-        else:
-            left = _scaled(left, f)
-        return {id(self.module.weight): left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])}
+        left, right = self.weight_factors(*self._sites())
+        return {id(self.module.weight): clipped_product(left, right, factors[id(self.module.weight)], keep)}
 
 
 @layer_kind("transformers.pytorch_utils.Conv1D")
