@@ -16,12 +16,8 @@ from test_bookkeeping import (
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-pytestmark = [
-    # torch's notes: no vmap batching rule for the fused RNN ops (their replay falls back to a loop), and oneDNN
-    # has no LSTM with projections
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-    pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN:UserWarning"),
-]
+pytestmark = pytest.mark.filterwarnings(  # torch's note that oneDNN has no LSTM with projections
+    "ignore:LSTM with projections is not supported with oneDNN:UserWarning")
 
 LENGTHS = [7, 3, 5, 7, 1, 6]  #: each sample's tokens; the rest of its row is padding (id 0)
 
