@@ -82,8 +82,9 @@ class BookKeeping:
             returns its lookup of ids it makes (BART's and OPT's position embeddings) gets the
             Embedding rule. A module that computes its weight as it runs (a parametrization such
             as weight_norm, spectral_norm or orthogonal) takes the fallback on its
-            parametrization's originals. nn.LSTM, nn.GRU and nn.RNN take it with the batch where
-            torch keeps it, packed sequences included (:mod:`privleak.dpsgd.recurrent`). A weight
+            parametrization's originals. nn.LSTM, nn.GRU and nn.RNN get book-keeping over their
+            steps run again after the backward pass, packed sequences included
+            (:mod:`privleak.dpsgd.recurrent`). A weight
             tied between
             nn.Linear, nn.Embedding (or a scaled word embedding) and Conv1D layers (a language
             model's head and token embedding) is clipped as one parameter, its norm exact
