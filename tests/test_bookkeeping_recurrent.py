@@ -48,13 +48,14 @@ class Packed(nn.Module):
 
 
 class Projected(nn.Module):
-    """A ReLU RNN and an LSTM with projections (on which torch.func's vmap fails: the reference is
-    one backward pass per sample)."""
+    """A ReLU RNN without biases and an LSTM with projections whose recurrent weight is frozen (on
+    which torch.func's vmap fails: the reference is one backward pass per sample)."""
 
     def __init__(self):
         super().__init__()
-        self.rnn = nn.RNN(4, 5, nonlinearity="relu", batch_first=True)
+        self.rnn = nn.RNN(4, 5, nonlinearity="relu", batch_first=True, bias=False)
         self.lstm = nn.LSTM(5, 4, proj_size=2, batch_first=True)
+        self.lstm.weight_hh_l0.requires_grad_(False)
 
     def forward(self, x):
         out, _ = self.rnn(x)

@@ -57,7 +57,6 @@ class RecurrentLayer(FunctionalLayer):
         self._one_at_a_time = True
         # Book-keeping proper needs the weights by name; a parametrized one is replayed.
         self._unrolled = not computes_parameters(module)
-        self._names = {id(p): n for n, p in module.named_parameters()}
 
     def clear(self) -> None:
         super().clear()
@@ -89,7 +88,6 @@ class RecurrentLayer(FunctionalLayer):
             for name, pair in sites.weights.items():
                 weights.setdefault(id(self.module.get_parameter(name)), []).append(pair)
         self.sites = {key: tuple(torch.cat(side, 1) for side in zip(*pairs)) for key, pairs in weights.items()}
-        self.calls, self.grads = [True] * len(self.calls), []  # let the recorded calls go: the sites hold what is read
 
     def rows(self, batch: int) -> dict:
         return self.per_sample if self._unrolled else super().rows(batch)
@@ -135,7 +133,7 @@ class RecurrentLayer(FunctionalLayer):
     def take_grad(self, call: int, output: int, grad: Optional[torch.Tensor], norm_type: int) -> None:
         if grad is None:  # an output the loss does not use
             pass
-        elif output > 0:  # a final state (L D, B, h)
+        elif self.calls[call][2][output] > 0:  # a final state (L D, B, h)
             grad = grad.transpose(0, 1)
         elif self.layouts[call].packed is not None:
             steps, order, unorder = self.layouts[call].packed
@@ -197,6 +195,7 @@ def unrolled_sites(module: nn.RNNBase, x: torch.Tensor, lengths: Optional[torch.
     hidden, out = module.hidden_size, module.proj_size or module.hidden_size
     batch, steps = x.shape[:2]
     params = {name: p.detach() for name, p in module.named_parameters()}
+    trained = {name for name, p in module.named_parameters() if p.requires_grad}
     lstm, gru = module.mode == "LSTM", module.mode == "GRU"
     active = None if lengths is None else (torch.arange(steps)[None] < lengths[:, None]).to(x.device)
     zeros = x.new_zeros(batch, layers * directions, hidden)
@@ -259,7 +258,7 @@ def unrolled_sites(module: nn.RNNBase, x: torch.Tensor, lengths: Optional[torch.
     grad_of = {id(s): torch.zeros_like(s) if g is None else g for s, g in zip(unique, found)}
     weights, biases = {}, {}
     for name, a, source in watched:
-        if name not in params or not dict(module.named_parameters())[name].requires_grad:
+        if name not in trained:  # a bias the module has not, or a frozen parameter
             continue
         g = torch.stack([grad_of[id(s)] for s in source], 1) if isinstance(source, list) else grad_of[id(source)]
         if a is None:
