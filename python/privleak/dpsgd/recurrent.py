@@ -256,11 +256,16 @@ def unrolled_sites(module: nn.RNNBase, x: torch.Tensor, lengths: Optional[torch.
         unique = list({id(s): s for s in sources}.values())
         found = torch.autograd.grad([y for y, _ in given], unique, [g for _, g in given], allow_unused=True)
     grad_of = {id(s): torch.zeros_like(s) if g is None else g for s, g in zip(unique, found)}
-    weights, biases = {}, {}
+    weights, biases, stacked = {}, {}, {}  # stacked: a list of steps' gradients, once for its weight and bias
     for name, a, source in watched:
         if name not in trained:  # a bias the module has not, or a frozen parameter
             continue
-        g = torch.stack([grad_of[id(s)] for s in source], 1) if isinstance(source, list) else grad_of[id(source)]
+        if isinstance(source, list):
+            if id(source) not in stacked:
+                stacked[id(source)] = torch.stack([grad_of[id(s)] for s in source], 1)
+            g = stacked[id(source)]
+        else:
+            g = grad_of[id(source)]
         if a is None:
             biases[name] = g.sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
         else:
