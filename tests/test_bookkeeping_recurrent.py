@@ -1,5 +1,7 @@
 """dpsgd.BookKeeping on recurrent modules (nn.RNN, nn.LSTM, nn.GRU) in the forms torch.func cannot
 vmap, packed sequences of different lengths above all, against each sample's own backward pass."""
+import copy
+
 import pytest
 import torch
 from privleak import dpsgd
@@ -11,6 +13,7 @@ from test_bookkeeping import (
     book_kept,
     clip_between,
     one_backward_per_sample,
+    regression,
     trainable,
 )
 from torch import nn
@@ -133,6 +136,23 @@ def test_each_recurrent_module_gets_the_recurrent_rule(case):
     kinds = {layer.name: type(layer) for layer in bk.layers}
     assert {name for name, kind in kinds.items() if kind is recurrent.RecurrentLayer} == {
         name for name, module in model.named_modules() if isinstance(module, nn.RNNBase)}
+
+
+@pytest.mark.parametrize("case", ["packed", "packed-sorted", "projected"])
+def test_a_backward_the_user_runs_through_a_hooked_module_gives_torchs_gradients(case):
+    """The recurrent rule puts a node of its own in the loss's graph in place of torch's fused op
+    (whose backward forms the weights' gradients, which book-keeping does not use): a backward
+    pass the user runs outside ``step`` still gives every parameter torch's gradient, through
+    the steps unrolled (the layers above and below included)."""
+    model, x, target = setting(case)
+    twin = copy.deepcopy(model)
+    dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0), expected_batch_size=6)
+    for network in (model, twin):
+        regression(network(x), target).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if p.requires_grad:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("case", ["packed", "weight-normed"])
