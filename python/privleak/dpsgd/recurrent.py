@@ -1,15 +1,18 @@
 """Book-keeping's rule for recurrent layers: nn.RNN, nn.LSTM and nn.GRU.
 
 Their weights are used at every step inside one fused op whose backward keeps the gates'
-gradients to itself. The rule runs the recurrence again after the backward pass, step by step in
-batched ops (torch's equations), and takes one backward pass of it from the recorded output
-gradients to each step's pre-activations: then W_ih (x_t W_ih^T + b_ih, a = the layer's input
-x_t), W_hh (h_{t-1} W_hh^T + b_hh, a = h_{t-1}) and an LSTM's projection W_hr are each a Linear
-layer over the T steps, whose per-sample norms are ghost norms (or the layer's per-sample
-gradient, by the mixed rule) and whose clipped sum is one GEMM; a bias's per-sample gradient is
-its pre-activations' gradients summed over the steps (Bu et al.'s book-keeping, as for a
-transformer's Linear layers; Opacus's DPLSTM gets there by rebuilding the module from Linear
-layers run step by step in the forward pass).
+gradients to itself. The rule puts a node of its own in the loss's graph in place of that op's
+(same outputs), whose backward is a backward pass through the steps written out with torch's
+equations: each step's pre-activation gradients from the output gradients, the gates recomputed
+from the recorded output in batched ops (the layers below the last run again by the fused op).
+Then W_ih (x_t W_ih^T + b_ih, a = the layer's input x_t), W_hh (h_{t-1} W_hh^T + b_hh,
+a = h_{t-1}) and an LSTM's projection W_hr are each a Linear layer over the T steps, whose
+per-sample norms are ghost norms (or the layer's per-sample gradient, by the mixed rule) and whose
+clipped sum is one GEMM; a bias's per-sample gradient is its pre-activations' gradients summed
+over the steps (Bu et al.'s book-keeping, as for a transformer's Linear layers; Opacus's DPLSTM
+gets there by rebuilding the module from Linear layers run step by step in the forward pass). The
+same pass gives the input's and initial states' gradients, so torch's own backward of the module,
+which would form the weights' gradients again, never runs.
 
 torch puts the batch in dim 1 of the input unless ``batch_first``, always in dim 1 of the hidden
 states (h_0, c_0 in; h_n, c_n out), and a ``PackedSequence`` (sequences of different lengths)
@@ -62,7 +65,7 @@ class RecurrentLayer(FunctionalLayer):
 
     def clear(self) -> None:
         super().clear()
-        self.layouts: list = []  # per call, before finish(): how its output gradients hold the batch
+        self.layouts: list = []  # per call: how its output and their gradients hold the batch
         self.outputs: list = []  # per call: its output as torch gave it, for the unrolled steps
         self.call_sites: list = []  # per call: its unrolled sites, where the backward pass formed them
         self.sites: dict = {}  # by parameter id, a weight's (g, a) over every call's steps
@@ -91,7 +94,7 @@ class RecurrentLayer(FunctionalLayer):
             return
         weights: dict = {}
         for call, grads in enumerate(self.grads):
-            sites = self.call_sites[call] or self._unrolled_sites(call, grads if isinstance(grads, list) else [grads])
+            sites = self.call_sites[call] or self._unrolled_sites(call, grads)  # grads: output, h_n (, c_n)
             for name, rows in sites.biases.items():
                 key = id(self.module.get_parameter(name))
                 self.per_sample[key] = rows if key not in self.per_sample else self.per_sample[key] + rows
@@ -457,7 +460,7 @@ def _lstm(run: _Run) -> _Gradients:
     c = _cell_states(run, f, i * g)
     tanh_c = _tanh(c)
     into_c = torch.stack((g * i * (1 - i), run.before(c, run.c0) * f * (1 - f), i * (1 - g * g)), 2)  # dc/d(i, f, g)
-    into_c, from_h, into_o, projected = run.active(into_c, o * (1 - tanh_c * tanh_c), tanh_c * o * (1 - o), o * tanh_c)
+    into_c, from_h, into_o = run.active(into_c, o * (1 - tanh_c * tanh_c), tanh_c * o * (1 - o))
     keep_c = f if run.on is None else torch.where(run.on, f, 1.0)
     grads = torch.empty(batch, steps, 4 * hidden, dtype=into_c.dtype, device=into_c.device)
     gates, d_c = grads.view(batch, steps, 4, hidden), [run.dc_n]
@@ -470,7 +473,8 @@ def _lstm(run: _Run) -> _Gradients:
         d_c[0] = total * keep_c[:, t]
 
     d_states, d_h0 = _through_time(run, grads, step, run.kept(None))
-    return _Gradients(grads, grads, h_before, None if run.w_hr is None else (d_states, projected), d_h0, d_c[0])
+    projection = None if run.w_hr is None else (d_states, *run.active(o * tanh_c))  # W_hr's (g, a = h'_t)
+    return _Gradients(grads, grads, h_before, projection, d_h0, d_c[0])
 
 
 def _cell_states(run: _Run, f: torch.Tensor, ig: torch.Tensor) -> torch.Tensor:
