@@ -87,10 +87,23 @@ class WeightNormed(nn.Module):
         return out.transpose(0, 1) + h.sum(0).unsqueeze(1).repeat(1, 1, 2)
 
 
+class Scaled(nn.Module):
+    """A GRU whose output alone is used, times a scalar and plus one: its final state, an output of
+    the same autograd node, has no use (once taken for the output broadcast over the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(4, 3, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(x)[0] * 2 + 1
+
+
 CASES = {
     "packed": (Packed, lambda generator: tokens(LENGTHS, generator)),
     "packed-sorted": (lambda: Packed(sorted_lengths=True), lambda generator: tokens(sorted(LENGTHS)[::-1], generator)),
     "projected": (Projected, lambda generator: torch.randn(6, 5, 4, generator=generator)),
+    "scaled": (Scaled, lambda generator: torch.randn(6, 5, 4, generator=generator)),
     "weight-normed": (WeightNormed, lambda generator: torch.randn(6, 7, 4, generator=generator)
                       * (torch.arange(7) < torch.tensor(LENGTHS)[:, None])[..., None]),
 }
@@ -153,6 +166,42 @@ def test_a_backward_the_user_runs_through_a_hooked_module_gives_torchs_gradients
         if p.requires_grad:
             assert p.grad is not None, name
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class ChangedInPlace(nn.Module):
+    """A GRU whose output the forward then doubles in place, on the input or above a Linear."""
+
+    def __init__(self, below: bool):
+        super().__init__()
+        self.below = nn.Linear(4, 4) if below else nn.Identity()
+        self.gru = nn.GRU(4, 3, batch_first=True)
+
+    def forward(self, x):
+        out, _ = self.gru(self.below(x))
+        return out.mul_(2)
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["on-the-input", "above-a-layer"])
+def test_an_output_changed_in_place_is_refused(below):
+    """The rule recomputes the gates from the recorded output, in its node's backward (a layer
+    below needs the input's gradient) or after the backward pass: changed in place, it is refused."""
+    model = ChangedInPlace(below)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=5)
+    with pytest.raises(ValueError, match=r"the output of module 'gru' \(GRU\) was changed in place"):
+        bk.step(model(torch.randn(5, 6, 4)).pow(2).sum((1, 2)))
+
+
+def test_a_second_derivative_through_a_hooked_module_is_refused():
+    """The rule's node has a backward without a graph: differentiating it again raises, where a
+    silent zero would be wrong."""
+    model = nn.GRU(4, 3, batch_first=True)
+    dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                      expected_batch_size=5)
+    x = torch.randn(5, 6, 4, requires_grad=True)
+    grad, = torch.autograd.grad(model(x)[0].pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
 
 
 @pytest.mark.parametrize("case", ["packed", "weight-normed"])

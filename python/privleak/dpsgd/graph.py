@@ -421,7 +421,9 @@ def shared_output_uses(edge, parents: dict, batch: int) -> Optional[Broadcasts]:
     (:class:`Broadcasts`, one operand); None if any use is of another kind or does not broadcast
     the output along the batch in dim 0 (a layer's ordinary output, which has the batch there,
     whatever its inputs' dim 0 looked like), or if there is none."""
-    consumers = parents.get(edge.node, [])
+    # a node of several outputs (an RNN's output and final states) has its parents for all of them
+    consumers = [(parent, k) for parent, k in parents.get(edge.node, [])
+                 if parent.next_functions[k][1] == edge.output_nr]
     meta = edge.node._input_metadata[edge.output_nr]
     uses = _uses_above(consumers, tuple(meta.shape), (), parents) if consumers else None
     if not uses or not all(use.broadcasts_over(batch) for use in uses):

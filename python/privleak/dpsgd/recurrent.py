@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_unflatten
@@ -66,7 +67,7 @@ class RecurrentLayer(FunctionalLayer):
     def clear(self) -> None:
         super().clear()
         self.layouts: list = []  # per call: how its output and their gradients hold the batch
-        self.outputs: list = []  # per call: its output as torch gave it, for the unrolled steps
+        self.outputs: list = []  # per call: its output as torch gave it, for the unrolled steps, and its version
         self.call_sites: list = []  # per call: its unrolled sites, where the backward pass formed them
         self.sites: dict = {}  # by parameter id, a weight's (g, a) over every call's steps
 
@@ -76,7 +77,8 @@ class RecurrentLayer(FunctionalLayer):
         calls = len(self.calls)
         live = super().record(args, kwargs, output)
         if len(self.calls) > calls:
-            self.outputs.append(self.output_tensors(output)[0].detach())
+            out = self.output_tensors(output)[0].detach()
+            self.outputs.append((out, out._version))
             self.call_sites.append(None)
         return live
 
@@ -108,12 +110,16 @@ class RecurrentLayer(FunctionalLayer):
         first, as :meth:`take_grad` keeps them) are ``grads``."""
         leaves, spec, live, replay, _ = self.calls[call]
         (x, lengths, states), _ = tree_unflatten(leaves, spec)
+        output, version = self.outputs[call]
+        if output._version != version:
+            raise ValueError(f"the output of {self.describe()} was changed in place after its forward: book-keeping "
+                             "recomputes its gates from it; change a copy (out.clone()) or use an out-of-place op")
         cotangents = [None] * 3
         for k, g in zip(live, grads):
             cotangents[k] = g
         with replay.context(self._spectral_norms):
-            return unrolled_sites(self.module, x, lengths, states,
-                                  self._padded(self.layouts[call], self.outputs[call]), cotangents, inputs)
+            return unrolled_sites(self.module, x, lengths, states, self._padded(self.layouts[call], output), cotangents,
+                                  inputs)
 
     def separated(self, args: tuple, kwargs: dict, output: Any) -> Any:
         """The call's outputs from :class:`_Unrolled` in place of torch's fused op, whose backward
@@ -271,6 +277,7 @@ class _Unrolled(torch.autograd.Function):
         return tuple(y.detach() for y in outputs)
 
     @staticmethod
+    @once_differentiable  # its backward runs without a graph: a second derivative through it is refused
     def backward(ctx, *grads: Optional[torch.Tensor]) -> tuple:
         return None, None, None, *ctx.layer.backward_call(ctx.call, grads, ctx.needs_input_grad[3:])
 
