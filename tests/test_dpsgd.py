@@ -412,3 +412,31 @@ def test_cuda_norm_sums_given_match_the_cpu_bits(per_layer):
                                              1.0, 2, given.cuda())
     assert len(cpu) == len(gpu) == 5
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+class _LSTMRegressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(3, 4, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+@requires_cuda
+def test_per_sample_gradients_of_an_lstm_on_cuda_match_the_cpu():
+    """torch.func cannot vmap cuDNN's LSTM (pytorch#105982): on CUDA the materialised path runs
+    it on torch's native kernels, giving the CPU's per-sample gradients, and leaves cuDNN on."""
+    torch.manual_seed(0)
+    model = _LSTMRegressor()
+    x, y = torch.randn(5, 7, 3), torch.randn(5, 1)
+
+    def loss(out, target):
+        return (out - target).pow(2).sum()
+
+    want = dpsgd.per_sample_gradients(model, loss, x, y)
+    got = dpsgd.per_sample_gradients(model.cuda(), loss, x.cuda(), y.cuda())
+    assert torch.backends.cudnn.enabled
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-5)

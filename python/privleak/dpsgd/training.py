@@ -32,7 +32,15 @@ def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, 
         out = functional_call(model, (params, buffers), (x.unsqueeze(0),))
         return loss_fn(out, y.unsqueeze(0))
 
-    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    # torch.func cannot vmap cuDNN's recurrent layers: their flatten_parameters reads the batched
+    # weights' data pointers (pytorch/pytorch#105982). torch's own RNN kernels take their place.
+    cudnn = torch.backends.cudnn.enabled
+    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()) and any(p.is_cuda for p in params.values()):
+        torch.backends.cudnn.enabled = False
+    try:
+        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    finally:
+        torch.backends.cudnn.enabled = cudnn
     return [grads[name].contiguous() for name in names]
 
 
