@@ -244,8 +244,9 @@ def test_cuda_gives_the_cpu_bits(case, dtype):
 
 
 @requires_cuda
-def test_cuda_gives_the_cpu_bits_for_nan_and_inf():
-    x, g, args = conv_case(CONV2D[3], seed=19)
+@pytest.mark.parametrize("case", [CONV2D[3], CONV2D[4]], ids=["element", "tiled"])
+def test_cuda_gives_the_cpu_bits_for_nan_and_inf(case):
+    x, g, args = conv_case(case, seed=19)
     g[0, 1, 0, 0], x[1, 2, 3, 3] = float("inf"), float("nan")
     cpu = conv_weight_grads(x, g, **args)
     gpu = conv_weight_grads(x.cuda(), g.cuda(), **args).cpu()

@@ -221,12 +221,18 @@ CONV_CASES = [((2, 3, 9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1)),
               ((3, 5, 1, 150), 2, (1, 5), (1, 2), (0, 2), (1, 1)),
               ((1, 1, 1, 1), 1, (1, 1), (1, 1), (0, 0), (1, 1)),
               ((2, 4, 14, 13), 3, (3, 2), (1, 1), (2, 1), (1, 2))]
+#: layers the tiled per-sample gradient kernel takes (16+ outputs, 32+ columns): partial output,
+#: column and position tiles, exact tiles, strides, asymmetric padding, dilation, a Conv1d
+CONV_TILED_CASES = [((2, 8, 9, 9), 33, (3, 3), (1, 1), (1, 1), (1, 1)),
+                    ((1, 15, 6, 7), 70, (3, 3), (2, 1), (1, 0), (1, 1)),
+                    ((3, 16, 1, 40), 16, (1, 3), (1, 2), (0, 1), (1, 2)),
+                    ((2, 16, 5, 5), 32, (2, 2), (1, 1), (0, 0), (1, 1))]
 
 
-def conv_inputs(gen):
+def conv_inputs(gen, cases=CONV_CASES):
     """(dtype name, x, g, kernel, stride, padding, dilation, geometry) for every dtype and case."""
     for dt in ["float32", "float64", "bfloat16", "float16"]:
-        for (shape, o, k, s, pad, dil) in CONV_CASES:
+        for (shape, o, k, s, pad, dil) in cases:
             x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(DTYPES[dt])
             ho = (shape[2] + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // s[0] + 1
             wo = (shape[3] + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // s[1] + 1
@@ -433,10 +439,14 @@ def factors(args):
 # ---------------------------------------------------------------- per-sample convolution gradients
 def conv_grads(args):
     gen = torch.Generator().manual_seed(12)
-    for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen):
-        ref = torch.ops.privleak.conv_weight_grads(x, g, k, s, pad, dil)
-        one_output_case(args, f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}",
-                        ref, ["convgrad", dt, x, g, *geometry])
+    for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen, CONV_CASES + CONV_TILED_CASES):
+        for poisoned in [False, True] if x.shape[1] == 8 else [False]:  # an inf and a NaN in a tiled case
+            if poisoned:
+                x, g = x.clone(), g.clone()
+                g[0, 1, 0, 0], x[1, 2, 3, 3] = float("inf"), float("nan")
+            ref = torch.ops.privleak.conv_weight_grads(x, g, k, s, pad, dil)
+            one_output_case(args, f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}"
+                            f"{' inf and NaN' if poisoned else ''}", ref, ["convgrad", dt, x, g, *geometry])
 
 
 # ---------------------------------------------------------------- VMF
