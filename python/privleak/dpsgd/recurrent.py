@@ -450,10 +450,13 @@ def _through_time(run: _Run, g_hh: torch.Tensor, step, keep: Optional[torch.Tens
     t+1 the next step in the direction's time (dh_n after the last), where ``step(t, dh_t)`` writes
     g_t = g_hh[:, t], the gradient of h_{t-1} W_hh^T + b_hh. Returns dh (B, T, out) and dh_0."""
     d_states, carried = torch.empty_like(run.dy), run.dh_n
+    # each step's views made at once: indexing them a step at a time was most of a small batch's ops
+    dy, dh_out, g_out = run.dy.unbind(1), d_states.unbind(1), g_hh.unbind(1)
+    keeps = None if keep is None else keep.unbind(1)
     for t in run.backward_steps():
-        dh = torch.add(run.dy[:, t], carried, out=d_states[:, t])
+        dh = torch.add(dy[t], carried, out=dh_out[t])
         step(t, dh)
-        carried = g_hh[:, t] @ run.w_hh if keep is None else torch.addmm(dh * keep[:, t], g_hh[:, t], run.w_hh)
+        carried = torch.mm(g_out[t], run.w_hh) if keeps is None else torch.addmm(dh * keeps[t], g_out[t], run.w_hh)
     return d_states, carried
 
 
@@ -468,16 +471,18 @@ def _lstm(run: _Run) -> _Gradients:
     tanh_c = _tanh(c)
     into_c = torch.stack((g * i * (1 - i), run.before(c, run.c0) * f * (1 - f), i * (1 - g * g)), 2)  # dc/d(i, f, g)
     into_c, from_h, into_o = run.active(into_c, o * (1 - tanh_c * tanh_c), tanh_c * o * (1 - o))
-    keep_c = f if run.on is None else torch.where(run.on, f, 1.0)
+    keep_c = (f if run.on is None else torch.where(run.on, f, 1.0)).unbind(1)
     grads = torch.empty(batch, steps, 4 * hidden, dtype=into_c.dtype, device=into_c.device)
     gates, d_c = grads.view(batch, steps, 4, hidden), [run.dc_n]
+    into_c, from_h, into_o = into_c.unbind(1), from_h.unbind(1), into_o.unbind(1)
+    into_c_out, into_o_out = gates[:, :, :3].unbind(1), gates[:, :, 3].unbind(1)
 
     def step(t: int, dh: torch.Tensor) -> None:
-        dm = dh if run.w_hr is None else dh @ run.w_hr
-        total = torch.addcmul(d_c[0], dm, from_h[:, t])
-        torch.mul(total[:, None], into_c[:, t], out=gates[:, t, :3])
-        torch.mul(dm, into_o[:, t], out=gates[:, t, 3])
-        d_c[0] = total * keep_c[:, t]
+        dm = dh if run.w_hr is None else torch.mm(dh, run.w_hr)
+        total = torch.addcmul(d_c[0], dm, from_h[t])
+        torch.mul(total.unsqueeze(1), into_c[t], out=into_c_out[t])
+        torch.mul(dm, into_o[t], out=into_o_out[t])
+        d_c[0] = total * keep_c[t]
 
     d_states, d_h0 = _through_time(run, grads, step, run.kept(None))
     projection = None if run.w_hr is None else (d_states, *run.active(o * tanh_c))  # W_hr's (g, a = h'_t)
@@ -488,9 +493,10 @@ def _cell_states(run: _Run, f: torch.Tensor, ig: torch.Tensor) -> torch.Tensor:
     """An LSTM's cell states after each step (B, T, h): c_t = f_t c_{t-1} + (i g)_t from c0, held past
     a sample's length."""
     c, states = run.c0, [None] * f.shape[1]
+    ig, f, on = ig.unbind(1), f.unbind(1), None if run.on is None else run.on.unbind(1)
     for t in reversed(run.backward_steps()):
-        new = torch.addcmul(ig[:, t], f[:, t], c)
-        c = states[t] = new if run.on is None else torch.where(run.on[:, t], new, c)
+        new = torch.addcmul(ig[t], f[t], c)
+        c = states[t] = new if on is None else torch.where(on[t], new, c)
     return torch.stack(states, 1)
 
 
@@ -514,10 +520,10 @@ def _gru(run: _Run) -> _Gradients:
     into_ih, into_hh = run.active(torch.stack((into_r, into_z, into_n), 2),
                                   torch.stack((into_r, into_z, into_n * r), 2))
     grads_hh = torch.empty(batch, steps, 3 * hidden, dtype=into_hh.dtype, device=into_hh.device)
-    gates = grads_hh.view(batch, steps, 3, hidden)
+    gates, into_step = grads_hh.view(batch, steps, 3, hidden).unbind(1), into_hh.unbind(1)
 
     def step(t: int, dh: torch.Tensor) -> None:
-        torch.mul(dh[:, None], into_hh[:, t], out=gates[:, t])
+        torch.mul(dh.unsqueeze(1), into_step[t], out=gates[t])
 
     d_states, d_h0 = _through_time(run, grads_hh, step, run.kept(z))
     return _Gradients((d_states[:, :, None] * into_ih).flatten(2), grads_hh, h_before, None, d_h0, None)
@@ -529,9 +535,10 @@ def _rnn(run: _Run, slope) -> _Gradients:
     h_before = run.before(run.y, run.h0)
     slopes, = run.active(slope(run.y))
     grads = torch.empty_like(slopes)
+    slope_at, grad_at = slopes.unbind(1), grads.unbind(1)
 
     def step(t: int, dh: torch.Tensor) -> None:
-        torch.mul(dh, slopes[:, t], out=grads[:, t])
+        torch.mul(dh, slope_at[t], out=grad_at[t])
 
     return _Gradients(grads, grads, h_before, None, _through_time(run, grads, step, run.kept(None))[1], None)
 
