@@ -27,6 +27,9 @@ CONV2D = [
     (2, 5, 7, 4, 4, 1, 0, 1, 1),
     (2, 4, 6, 3, 3, 3, 2, 2, 2),
 ]
+#: layers the CUDA kernel tiles (16+ outputs, 32+ channel-kernel columns, and at least as many
+#: tiles of 32 outputs x 64 columns a sample as the GPU has multiprocessors: 360 and 200 here)
+CUDA_TILED = [(40, 16, 70, 6, 3, 1, 1, 1, 1), (200, 32, 16, 3, 1, 1, 0, 1, 1)]
 
 
 def draw(shape, dtype=torch.float32, seed=0):
@@ -233,9 +236,30 @@ def test_bad_input_names_the_argument(change, match):
         conv_weight_grads(**args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_that_underflow_sum_to_a_signed_zero(dtype):
+    """Every product rounds to -0 in float32, so each chain is -0, as the float64 reference's
+    sum (-9e-60 there) rounds: the sign is kept (on CUDA, past a layer's last position too: the
+    next test)."""
+    x, g, args = conv_case(CUDA_TILED[1], dtype)
+    x, g = torch.full_like(x, 1e-30), torch.full_like(g, -1e-30)
+    got = conv_weight_grads(x, g, **args)
+    want = conv_weight_grads_reference(x, g, **args).to(got.dtype)
+    assert (got == 0).all() and torch.equal(got.signbit(), want.signbit()) and want.signbit().all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("tiny", [1e-30, 1e-200], ids=["float32", "float64"])
+def test_cuda_keeps_the_cpu_signed_zeros(tiny):
+    x, g, args = conv_case(CUDA_TILED[1], torch.float64 if tiny < 1e-100 else torch.float32)
+    x, g = torch.full_like(x, tiny), torch.full_like(g, -tiny)
+    cpu = conv_weight_grads(x, g, **args)
+    assert torch.equal(conv_weight_grads(x.cuda(), g.cuda(), **args).cpu().signbit(), cpu.signbit())
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("case", CONV2D)
+@pytest.mark.parametrize("case", CONV2D + CUDA_TILED)
 def test_cuda_gives_the_cpu_bits(case, dtype):
     x, g, args = conv_case(case, dtype, seed=17)
     cpu = conv_weight_grads(x, g, **args)
@@ -244,7 +268,7 @@ def test_cuda_gives_the_cpu_bits(case, dtype):
 
 
 @requires_cuda
-@pytest.mark.parametrize("case", [CONV2D[3], CONV2D[4]], ids=["element", "tiled"])
+@pytest.mark.parametrize("case", [CONV2D[3], CUDA_TILED[0]], ids=["element", "tiled"])
 def test_cuda_gives_the_cpu_bits_for_nan_and_inf(case):
     x, g, args = conv_case(case, seed=19)
     g[0, 1, 0, 0], x[1, 2, 3, 3] = float("inf"), float("nan")

@@ -9,7 +9,9 @@
 //   the element kernel below reached 1.0-1.4 TFLOP/s on the CIFAR CNN's layers, a few per cent
 //   of the GPU: each fma there reads two values from memory.
 // - element: one thread per element, for layers whose tiles would be mostly empty (few outputs or
-//   columns: the paper CNN's 12 outputs, a depthwise convolution's one per group).
+//   columns: the paper CNN's 12 outputs, a depthwise convolution's one per group), and for grids
+//   of fewer tiles than the GPU has multiprocessors (a small batch): each tile walks every
+//   position, so there the element kernel spreads the same chains over more of the GPU.
 #include "cuda/conv_grads.h"
 
 #include <cuda_runtime.h>
@@ -99,11 +101,14 @@ __global__ void __launch_bounds__(kTileThreads) conv_grads_tiled_kernel(const In
         const int64_t t = t0 + step;
         const bool live = t < positions;
         const int64_t h = live ? t / c.out_width : 0, w = live ? t % c.out_width : 0;
+        // Past the last position g is -0 (and x +0): fma(+0, -0, acc) is acc for every acc, -0
+        // included (a chain's acc can be -0: a negative product that underflows), so the full
+        // stage leaves the chains as the CPU's. With +0 there, a -0 would turn +0.
         for (int oo = lane; oo < kTileOutputs; oo += kLanes) {
           const int64_t o = first_output + oo;
-          g_tile[step][oo] = live && o < c.outputs
-                                 ? static_cast<Acc>(Element<In>::load(g[(n * c.outputs + o) * positions + t]))
-                                 : Acc(0);
+          Acc value = live ? Acc(0) : -Acc(0);
+          if (live && o < c.outputs) value = static_cast<Acc>(Element<In>::load(g[(n * c.outputs + o) * positions + t]));
+          g_tile[step][oo] = value;
         }
         for (int jj = lane; jj < kTileColumns; jj += kLanes) {
           const Column col = columns[jj];
@@ -113,8 +118,6 @@ __global__ void __launch_bounds__(kTileThreads) conv_grads_tiled_kernel(const In
                                     : Acc(0);
         }
         __syncthreads();
-        // Past the last position both factors are +0: fma(+0, +0, acc) is acc (which is never -0,
-        // starting from +0), so the full stage leaves the chains as the CPU's.
 #pragma unroll
         for (int s = 0; s < kTileSteps; ++s) {
           Acc a[kMicro], b[kMicro];
@@ -142,9 +145,14 @@ __global__ void __launch_bounds__(kTileThreads) conv_grads_tiled_kernel(const In
   }
 }
 
-// The tiled kernel where at least a quarter of its tiles' elements are the layer's.
-bool tiles_fill(const ConvGeometry& c) {
-  return c.outputs >= kTileOutputs / 2 && c.channels * c.kernel_size() >= kTileColumns / 2;
+int64_t tiles_along(int64_t size, int tile) { return (size + tile - 1) / tile; }
+
+// The tiled kernel where at least a quarter of its tiles' elements are the layer's and its tiles
+// are at least as many as the multiprocessors.
+bool tiled(const ConvGeometry& c, int multiprocessors) {
+  const int64_t columns = c.channels * c.kernel_size();
+  return c.outputs >= kTileOutputs / 2 && columns >= kTileColumns / 2 &&
+         tiles_along(columns, kTileColumns) * tiles_along(c.outputs, kTileOutputs) * c.batch >= multiprocessors;
 }
 
 }  // namespace
@@ -161,11 +169,9 @@ void conv_weight_grads(NoiseDType dtype, const void* x, const void* g, const Con
     using Acc = typename GhostAcc<In>::type;
     const auto xs = static_cast<const In*>(x);
     const auto gs = static_cast<const In*>(g);
-    if (tiles_fill(geometry)) {
-      const int64_t columns = geometry.channels * geometry.kernel_size();
-      const dim3 grid(static_cast<unsigned>((columns + kTileColumns - 1) / kTileColumns),
-                      static_cast<unsigned>(std::min<int64_t>((geometry.outputs + kTileOutputs - 1) / kTileOutputs,
-                                                              kGridCap)),
+    if (tiled(geometry, multiprocessor_count(device))) {
+      const dim3 grid(static_cast<unsigned>(tiles_along(geometry.channels * geometry.kernel_size(), kTileColumns)),
+                      static_cast<unsigned>(std::min<int64_t>(tiles_along(geometry.outputs, kTileOutputs), kGridCap)),
                       static_cast<unsigned>(std::min<int64_t>(geometry.batch, kGridCap)));
       conv_grads_tiled_kernel<In, Acc><<<grid, kTileThreads, 0, s>>>(xs, gs, geometry, static_cast<Acc*>(out));
     } else {

@@ -26,6 +26,12 @@ int device_count(std::string& error) {
   return count;
 }
 
+int multiprocessor_count(int device) {
+  int count = 0;
+  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return count;
+}
+
 std::string device_name(int device) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");

@@ -7,6 +7,8 @@ namespace privleak::cuda {
 // Number of usable CUDA devices; 0 with `error` set when the driver or a GPU is missing.
 int device_count(std::string& error);
 std::string device_name(int device);
+// The device's streaming multiprocessors (a launch plan's measure of how many blocks fill it).
+int multiprocessor_count(int device);
 
 // Throws std::runtime_error naming `what` when a CUDA call failed.
 void check(int status, const char* what);

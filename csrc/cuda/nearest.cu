@@ -71,12 +71,6 @@ int64_t tile_side(DType dtype, bool tensor_cores) {
   });
 }
 
-int multiprocessor_count(int device) {
-  int count = 0;
-  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  return count;
-}
-
 int64_t align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Workspace: input norms (squared L2), then each range's best score and index per query.

@@ -33,6 +33,7 @@ mut clip_missing_syncthreads clip clip $'lanes[threadIdx.x] = sum;\n  __syncthre
 mut vmf_tangent_coordinate vmf vmf 'static_cast<double>(z), static_cast<double>(mu[i + 1])' 'static_cast<double>(z), static_cast<double>(mu[i])'
 mut conv_grads_width conv_grads conv_grads 'inside = i >= 0 && i < c.height && j >= 0 && j < c.width;' 'inside = i >= 0 && i < c.height && j >= 0 && j <= c.width;'
 mut conv_grads_tiled_width conv_grads conv_grads 'col.valid && i >= 0 && i < c.height && j >= 0 && j < c.width;' 'col.valid && i >= 0 && i < c.height && j >= 0 && j <= c.width;'
+mut conv_grads_tiled_signed_zero conv_grads conv_grads 'Acc value = live ? Acc(0) : -Acc(0);' 'Acc value = Acc(0);'
 mut conv_grads_tiled_missing_syncthreads conv_grads conv_grads $'        }\n        __syncthreads();\n      }\n#pragma unroll' $'        }\n      }\n#pragma unroll'
 mut column_stats_fold column_stats column_stats 'for (int64_t chunk = 1; chunk < num_chunks; ++chunk)' 'for (int64_t chunk = 2; chunk < num_chunks; ++chunk)'
 mut nearest_lanes nearest nearest 'for (int offset = width / 2; offset > 0; offset /= 2)' 'for (int offset = width / 4; offset > 0; offset /= 2)'

@@ -199,14 +199,14 @@ def ghost_bigbatch(args):
     ghost_case(args, "ghost batch 65537 (gridDim.y loop)", layers, b)
 
 
-def run_fields(args, label, fields):
+def run_fields(args, label, fields, env=None):
     """Runs the driver line of ``fields`` (each tensor written to a file and named by its path),
     then its output's path; returns the output's bytes (None for no output)."""
     with tempfile.TemporaryDirectory(dir=args.workdir) as wd:
         c = Case(wd)
         line = " ".join(c.file(raw(f)) if isinstance(f, torch.Tensor) else str(f) for f in fields)
         out = c.file()
-        run_driver(args, [f"{line} {out}"], wd, label)
+        run_driver(args, [f"{line} {out}"], wd, label, env=env)
         return open(out, "rb").read() if os.path.exists(out) else None
 
 
@@ -221,8 +221,9 @@ CONV_CASES = [((2, 3, 9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1)),
               ((3, 5, 1, 150), 2, (1, 5), (1, 2), (0, 2), (1, 1)),
               ((1, 1, 1, 1), 1, (1, 1), (1, 1), (0, 0), (1, 1)),
               ((2, 4, 14, 13), 3, (3, 2), (1, 1), (2, 1), (1, 2))]
-#: layers the tiled per-sample gradient kernel takes (16+ outputs, 32+ columns): partial output,
-#: column and position tiles, exact tiles, strides, asymmetric padding, dilation, a Conv1d
+#: layers the tiled per-sample gradient kernel takes (16+ outputs, 32+ columns) where its tiles are
+#: as many as the multiprocessors (EMU_SMS 1; at 132 these take the element kernel): partial
+#: output, column and position tiles, exact tiles, strides, asymmetric padding, dilation, a Conv1d
 CONV_TILED_CASES = [((2, 8, 9, 9), 33, (3, 3), (1, 1), (1, 1), (1, 1)),
                     ((1, 15, 6, 7), 70, (3, 3), (2, 1), (1, 0), (1, 1)),
                     ((3, 16, 1, 40), 16, (1, 3), (1, 2), (0, 1), (1, 2)),
@@ -367,9 +368,9 @@ def compare_tensors(label, refs, gots):
     print(f"{'PASS' if ok else 'FAIL'} {label}" + ("" if ok else "\n    " + "\n    ".join(bad[:8])), flush=True)
 
 
-def one_output_case(args, label, ref, fields):
+def one_output_case(args, label, ref, fields, env=None):
     """The driver line of ``fields``, whose one output is like ref, compared with ref."""
-    data = run_fields(args, label, fields)
+    data = run_fields(args, label, fields, env)
     compare_tensors(label, [ref], [None if data is None else from_raw(data, ref)])
 
 
@@ -439,14 +440,23 @@ def factors(args):
 # ---------------------------------------------------------------- per-sample convolution gradients
 def conv_grads(args):
     gen = torch.Generator().manual_seed(12)
+    tiled = {(shape, o) for shape, o, *_ in CONV_TILED_CASES}
     for dt, x, g, k, s, pad, dil, geometry in conv_inputs(gen, CONV_CASES + CONV_TILED_CASES):
-        for poisoned in [False, True] if x.shape[1] == 8 else [False]:  # an inf and a NaN in a tiled case
-            if poisoned:
+        # an inf and a NaN; products that underflow to -0 (a chain's -0 kept past the last position)
+        kinds = ["plain", "inf and NaN", "-0"] if x.shape[1] == 8 else ["plain"]
+        for kind in kinds:
+            if kind == "inf and NaN":
                 x, g = x.clone(), g.clone()
                 g[0, 1, 0, 0], x[1, 2, 3, 3] = float("inf"), float("nan")
+            elif kind == "-0" and dt != "float16":  # float16 has no products that small
+                tiny = 1e-200 if dt == "float64" else 1e-30
+                x, g = torch.full_like(x, tiny), torch.full_like(g, -tiny)
+            elif kind == "-0":
+                continue
             ref = torch.ops.privleak.conv_weight_grads(x, g, k, s, pad, dil)
-            one_output_case(args, f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} d{dil}"
-                            f"{' inf and NaN' if poisoned else ''}", ref, ["convgrad", dt, x, g, *geometry])
+            for sms in ["1", "132"] if (tuple(x.shape), g.shape[1]) in tiled else ["132"]:
+                one_output_case(args, f"conv_weight_grads {dt} x{tuple(x.shape)} O{g.shape[1]} k{k} s{s} p{pad} "
+                                f"d{dil} {kind} SMs {sms}", ref, ["convgrad", dt, x, g, *geometry], {"EMU_SMS": sms})
 
 
 # ---------------------------------------------------------------- VMF
