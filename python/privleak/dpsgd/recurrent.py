@@ -523,7 +523,7 @@ def _gru(run: _Run) -> _Gradients:
     n = tanh(x W_in^T + b_in + r (h_{t-1} W_hn^T + b_hn)), h_t = (1 - z) n + z h_{t-1}."""
     batch, steps, hidden = run.y.shape[0], run.y.shape[1], run.w_hh.shape[0] // 3
     h_before = run.before(run.y, run.h0)
-    into_ih, into_hh, keep = _gru_factors(run, h_before)
+    into_hh, into_n, keep = _gru_factors(run, h_before)
     grads_hh = torch.empty(batch, steps, 3 * hidden, dtype=into_hh.dtype, device=into_hh.device)
     gates, into_step = grads_hh.view(batch, steps, 3, hidden).unbind(1), into_hh.unbind(1)
 
@@ -531,13 +531,16 @@ def _gru(run: _Run) -> _Gradients:
         torch.mul(dh.unsqueeze(1), into_step[t], out=gates[t])
 
     d_states, d_h0 = _through_time(run, grads_hh, step, keep)
-    return _Gradients((d_states[:, :, None] * into_ih).flatten(2), grads_hh, h_before, None, d_h0, None)
+    # x W_ih^T + b_ih's gradients: r's and z's are h_{t-1} W_hh^T + b_hh's, n's lacks the factor r
+    grads_ih = grads_hh.clone()
+    torch.mul(d_states, into_n, out=grads_ih.view(batch, steps, 3, hidden)[:, :, 2])
+    return _Gradients(grads_ih, grads_hh, h_before, None, d_h0, None)
 
 
 def _gru_factors(run: _Run, h_before: torch.Tensor) -> tuple:
-    """What a GRU's backward pass reads, from its gates recomputed: dh_t/d(x W_ih^T + b_ih) and
-    dh_t/d(h_{t-1} W_hh^T + b_hh) (B, T, 3, h) each, zero past a sample's length, and the part of
-    dh_t that h_{t-1} gets as it is (z_t, 1 past the length). Its own function, as
+    """What a GRU's backward pass reads, from its gates recomputed: dh_t/d(h_{t-1} W_hh^T + b_hh)
+    (B, T, 3, h) and dh_t/d(x W_in^T + b_in) (B, T, h), zero past a sample's length, and the part
+    of dh_t that h_{t-1} gets as it is (z_t, 1 past the length). Its own function, as
     :func:`_lstm_factors`, so that the gates are freed before the pass allocates its gradients."""
     (i_r, i_z, i_n), (h_r, h_z, h_n) = (F.linear(run.x, run.w_ih, run.b_ih).chunk(3, 2),
                                         F.linear(h_before, run.w_hh, run.b_hh).chunk(3, 2))
@@ -545,9 +548,8 @@ def _gru_factors(run: _Run, h_before: torch.Tensor) -> tuple:
     n = _tanh(i_n + r * h_n)
     into_n = (1 - z) * (1 - n * n)  # dh/d(i_n + r h_n)
     into_r, into_z = into_n * h_n * r * (1 - r), (h_before - n) * z * (1 - z)
-    into_ih, into_hh = run.active(torch.stack((into_r, into_z, into_n), 2),
-                                  torch.stack((into_r, into_z, into_n * r), 2))
-    return into_ih, into_hh, run.kept(z)
+    into_hh, into_n = run.active(torch.stack((into_r, into_z, into_n * r), 2), into_n)
+    return into_hh, into_n, run.kept(z)
 
 
 def _rnn(run: _Run, slope) -> _Gradients:
