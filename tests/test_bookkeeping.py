@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import bookkeeping, graph, layers, recurrent, tied
+from privleak.dpsgd import attention, bookkeeping, graph, layers, recurrent, tied
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from transformers.pytorch_utils import Conv1D
@@ -115,7 +115,7 @@ class ConvTwice(nn.Module):
 
 
 class Attention(nn.Module):
-    """nn.MultiheadAttention (the fallback) between Linear layers."""
+    """nn.MultiheadAttention between Linear layers."""
 
     def __init__(self):
         super().__init__()
@@ -567,7 +567,7 @@ def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
 
 
 #: the cases with a module replayed per sample (FunctionalLayer), not only broadcast parameters
-REPLAYED = ["fallback", "multihead-attention", "batchnorm-eval", "adapters", "position-modules",
+REPLAYED = ["fallback", "batchnorm-eval", "adapters", "position-modules",
             "mixture-of-experts"]
 
 
@@ -658,7 +658,7 @@ def test_the_mixed_rule_is_bu_et_al():
 @pytest.mark.parametrize("case, kind", [
     ("linear", layers.LinearLayer), ("conv2d", layers.ConvLayer), ("embedding", layers.EmbeddingLayer),
     ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer), ("rmsnorm", layers.RMSNormLayer),
-    ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", layers.MultiheadAttentionLayer),
+    ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", attention.MultiheadAttentionLayer),
     ("fallback", layers.FunctionalLayer), ("position-modules", layers.LookupEmbeddingLayer),
     ("batchnorm-eval", layers.BatchNormLayer), ("parametrized", layers.FunctionalLayer),
     ("recurrent", recurrent.RecurrentLayer)])
@@ -1319,11 +1319,6 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         batchnorm(x)
     with torch.no_grad():
         batchnorm(x)  # evaluation in training mode trains nothing
-    attention = Attention()
-    attention.attention.dropout = 0.1
-    bk = make(attention)
-    with pytest.raises(ValueError, match=r"module 'attention' \(MultiheadAttention\) .* dropout=0.1"):
-        bk.step(attention(torch.randn(4, 5, 3)).sum((1, 2)))
     dropped = nn.Sequential(nn.Linear(3, 4), DroppedScale(4))
     bk = make(dropped)
     with pytest.raises(ValueError, match=r"module '1' \(DroppedScale\) .* random .*dropout '1.drop' in training"):
@@ -1341,8 +1336,6 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         bk.step(dropped(torch.randn(4, 5, 3)).sum((1, 2)))
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
         make(nn.Embedding(5, 2, scale_grad_by_freq=True))
-    with pytest.raises(ValueError, match="batch_first"):
-        make(nn.MultiheadAttention(4, 2))
 
 
 class Checkpointed(nn.Module):

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd import experts, recurrent, tied  # noqa: F401 (experts, recurrent: register their rules)
+from privleak.dpsgd import attention, experts, recurrent, tied  # noqa: F401 (attention, experts, recurrent: register their rules)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
@@ -144,8 +144,7 @@ class BookKeeping:
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
-        self._hooks = [layer.module.register_forward_hook(self._hook(layer), with_kwargs=True)
-                       for layer in self.layers]
+        self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
 
     # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.
     @property
@@ -191,6 +190,18 @@ class BookKeeping:
         self._hooks = []
         self._clear()
         self._accumulated = None
+
+    def _hooks_of(self, layer: Layer) -> list:
+        module = layer.module
+        hooks = [module.register_forward_hook(self._hook(layer), with_kwargs=True)]
+        if layer.intercepts_forward:
+            def enter(module, args):
+                if self._recording and torch.is_grad_enabled():
+                    layer.enter_forward()
+
+            hooks += [module.register_forward_pre_hook(enter),
+                      module.register_forward_hook(lambda *_: layer.exit_forward(), prepend=True, always_call=True)]
+        return hooks
 
     def _hook(self, layer: Layer):
         def record(module, args, kwargs, output):

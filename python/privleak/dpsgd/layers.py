@@ -140,6 +140,9 @@ class Layer:
     #: a call on the batch whose outputs have it flattened with their positions (B T, ...: a DeepSeek-style router
     #: flattens its input itself) may read their gradients as (B, T, ...) (:meth:`unflatten_outputs`)
     flattened_output_calls: ClassVar[bool] = False
+    #: the layer computes what a forward call of its module computes, through :meth:`enter_forward` and
+    #: :meth:`exit_forward` around it (nn.MultiheadAttention's functional projections, :mod:`~privleak.dpsgd.attention`)
+    intercepts_forward: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -180,6 +183,12 @@ class Layer:
         self.versions: list = []  # (recorded input, its version counter then), to find in-place changes
         self.sources: list = []  # per call, the autograd node that made the recorded input (None: a leaf)
         self.flattened: dict = {}  # call: batch size, for calls whose input was the batch flattened with its positions
+
+    def enter_forward(self) -> None:
+        """Before a forward call of the module with grad (:attr:`intercepts_forward` layers)."""
+
+    def exit_forward(self) -> None:
+        """After that call, also one that raised."""
 
     def trains(self, parameter: Optional[torch.Tensor]) -> bool:
         return parameter is not None and parameter.requires_grad
@@ -447,6 +456,8 @@ def clipped_product(left: torch.Tensor, right: torch.Tensor, factors: torch.Tens
         right = _scaled(right, factors)
     else:
         left = _scaled(left, factors)
+    if right.stride(0) < right.stride(1):  # positions first in memory (attention's): its rows in that order
+        left, right = left.transpose(0, 1), right.transpose(0, 1)
     return left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])
 
 
@@ -1318,26 +1329,6 @@ def _generator_states(device: torch.device) -> list[torch.Tensor]:
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
     return states
-
-
-@layer_kind(nn.MultiheadAttention)
-class MultiheadAttentionLayer(FunctionalLayer):
-    """nn.MultiheadAttention through the fallback: its forward uses in_proj_weight and out_proj's
-    parameters functionally, out of the hooks' sight, so the layer accounts for out_proj too.
-    Attention built from nn.Linear projections gets book-keeping proper instead."""
-
-    claims_children = True
-
-    def __init__(self, name: str, module: nn.Module):
-        super().__init__(name, module)
-        if not module.batch_first:
-            raise ValueError(f"{self.describe()} must have batch_first=True: book-keeping splits every layer's "
-                             "inputs by sample along dim 0")
-
-    def random_replay(self) -> str:
-        return (f"{self.describe()} is recomputed per sample and has dropout={self.module.dropout} in training mode, "
-                "which cannot be replayed: use dropout=0, .eval(), or attention built from nn.Linear layers (full "
-                "book-keeping)")
 
 
 @layer_kind("peft.tuners.lora.layer.ParamWrapper")
