@@ -19,7 +19,10 @@ and the same batch.
 
 Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-style CNN of about
 0.8M parameters (Conv2d + GroupNorm + Linear on 32x32x3), a 2-layer transformer of about 2.3M
-parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), a 69M transformer
+parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), the same transformer
+built from torch's nn.TransformerEncoderLayer (nn.MultiheadAttention, dropout 0.1, no causal mask:
+Opacus trains it as its DPMultiheadAttention, which refuses the is_causal hint nn.TransformerEncoder
+gives with one; the materialised side cannot replay the dropout), a 69M transformer
 (d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M), a LLaMA-style model of
 its size, OPT-125m, and GPT-2 small frozen with LoRA adapters (peft; sequence 128; transformers
 needed); --skip-large leaves these out. "tiny-transformer" (only when named in --models) is the
@@ -141,6 +144,24 @@ class Transformer(nn.Module):
         return self.head(self.norm(self.blocks(self.tokens(ids) + self.positions(positions))))
 
 
+class TorchTransformer(nn.Module):
+    """The transformer as torch's own layers build it: nn.TransformerEncoder of pre-norm
+    nn.TransformerEncoderLayer (nn.MultiheadAttention, torch's default dropout 0.1), an encoder
+    without a causal mask (Opacus's DPMultiheadAttention refuses the is_causal hint given with one)."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(length, width)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+        return self.head(self.norm(self.blocks(self.tokens(ids) + self.positions(positions))))
+
+
 class HuggingFaceLM(nn.Module):
     """A Hugging Face causal language model as users build it, returning its logits, random weights
     from its config (nothing is downloaded), dropout off so that every side computes the same
@@ -223,6 +244,7 @@ MODELS = {
     "paper-cnn": (lambda: PaperNetwork(), images((1, 28, 28), 10), nn.CrossEntropyLoss, (64, 256), (64,)),
     "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
     "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
+    "torch-transformer": (lambda: TorchTransformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), ()),
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
     "lstm": (lambda: LSTMClassifier(), labelled_tokens(10000, 50, 2), nn.CrossEntropyLoss, (64, 256), ()),
     "tiny-transformer": (lambda: Transformer(50, 16, 2, 2, 8), tokens(50, 8), SequenceLoss, (2, 16), (2,)),

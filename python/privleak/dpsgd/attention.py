@@ -35,14 +35,14 @@ class Projection(NamedTuple):
     """One F.linear of the attention: rows ``rows`` (start, stop) of the parameter ``weight`` and
     ``bias_rows`` of ``bias`` (None: no bias); its input (positions, B, d) and output (positions, B,
     p), positions first as torch's attention lays them out (the output projection's (T B, d) rows
-    are read as (T, B, d))."""
+    are read as (T, B, d)). The output is dropped once its gradient edge is taken."""
 
     weight: torch.Tensor
     rows: tuple
     bias: Optional[torch.Tensor]
     bias_rows: tuple
     inputs: torch.Tensor
-    output: torch.Tensor
+    output: Optional[torch.Tensor]
 
 
 class Appended(NamedTuple):
@@ -50,7 +50,7 @@ class Appended(NamedTuple):
     or values: each sample's gradient is the output gradient of its copy."""
 
     parameter: torch.Tensor
-    output: torch.Tensor
+    output: Optional[torch.Tensor]
 
 
 def attention_forward(project, append, query, key, value, embed_dim_to_check, num_heads, in_proj_weight,
@@ -230,8 +230,7 @@ class MultiheadAttentionLayer(Layer):
         self.recording = False  # the recorder's mode is on
         self.batches: list[int] = []
         self.call_edge_lists: list = []
-        self.sites: dict = {}  # after finish: parameter id -> [(rows, inputs, output grads)], positions first
-        self.appended: dict = {}  # after finish: parameter id -> (B, 1, 1, E) per-sample gradients
+        self.sites: dict = {}  # after finish: parameter id -> (weight, [(rows, inputs, output grads)]), batch first
 
     def enter_forward(self) -> None:
         """Before a forward call with grad: take its attention (:class:`_Recorder`)."""
@@ -247,17 +246,17 @@ class MultiheadAttentionLayer(Layer):
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         recorder, self.recorder = self.recorder, None
-        out = output[0] if isinstance(output, tuple) else output
-        if recorder is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
+        if recorder is None or not output[0].requires_grad:
             return []
-        roots = [t.grad_fn for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        roots = [t.grad_fn for t in output if t is not None and t.grad_fn is not None]  # (output, weights or None)
         self.uses.append(graph.count_uses(roots, self.parameters, stop=_input_nodes([*args, *kwargs.values()]),
                                           graph=f"the output of {self.describe()}"))
-        self.calls.append([site._replace(inputs=self.keep(site.inputs)) if isinstance(site, Projection) else site
-                           for site in recorder.found])
+        outputs = [site.output for site in recorder.found]
+        # The outputs are not kept (their gradients come by their edges): autograd frees them.
+        self.calls.append([site._replace(inputs=self.keep(site.inputs), output=None) if isinstance(site, Projection)
+                           else site._replace(output=None) for site in recorder.found])
         self.sources.append(None)
         self.batches.append(recorder.batch)
-        outputs = [site.output for site in recorder.found]
         edges = [get_gradient_edge(y) for y in outputs]
         self.edges.extend(edges)
         self.call_edge_lists.append(edges)
@@ -271,7 +270,7 @@ class MultiheadAttentionLayer(Layer):
         return self.call_edge_lists[call]
 
     def finish(self) -> None:
-        """Each weight's uses as disjoint row blocks of inputs and output gradients, positions first
+        """Each weight's uses as disjoint row blocks of inputs and output gradients, batch first
         (:func:`_blocks`); the biases' and ``bias_k``/``bias_v``'s per-sample gradients formed."""
         batch = self.batches[0] if self.batches else 0
         weights: dict = {}
@@ -285,12 +284,15 @@ class MultiheadAttentionLayer(Layer):
                 a = site.inputs
                 if a.ndim == 2:  # the output projection's (T B, d) rows
                     a, g = a.unflatten(0, (-1, batch)), g.unflatten(0, (-1, batch))
+                # Batch first, once, for the ghost-norm kernel and the GEMM alike: a self-attention's
+                # input is a view of the batch-first tensor already; the rest are copied.
+                a, g = a.transpose(0, 1).contiguous(), g.transpose(0, 1).contiguous()
                 if self.trains(site.weight):
                     weights.setdefault(id(site.weight), (site.weight, []))[1].append((site.rows, a, g))
                 if self.trains(site.bias):
                     start, stop = site.bias_rows
                     rows = g.new_zeros(batch, site.bias.shape[0], dtype=torch.promote_types(g.dtype, torch.float32))
-                    rows[:, start:stop] = g.sum(0, dtype=rows.dtype)
+                    rows[:, start:stop] = g.sum(1, dtype=rows.dtype)
                     self._add_rows(site.bias, rows)
         self.sites = {key: (weight, _blocks(found)) for key, (weight, found) in weights.items()}
         self.calls = self.grads = []
@@ -301,8 +303,8 @@ class MultiheadAttentionLayer(Layer):
 
     def norms(self, batch: int, norm_type: int) -> dict:
         """Each weight's norms, its blocks' added; zeros for a parameter the step did not use."""
-        found = {key: [weight_norms(*_common(a.transpose(0, 1), g.transpose(0, 1)), norm_type, deferred=True)
-                       for _, a, g in blocks] for key, (_, blocks) in self.sites.items()}
+        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=True) for _, a, g in blocks]
+                 for key, (_, blocks) in self.sites.items()}
         pending = [n for ns in found.values() for n in ns if isinstance(n, ghost_norm.GhostNormInputs)]
         computed = iter(ghost_norm.ghost_norms(pending) if pending else ())
         norms = {key: total(next(computed) if isinstance(n, ghost_norm.GhostNormInputs) else n for n in ns)
@@ -317,8 +319,7 @@ class MultiheadAttentionLayer(Layer):
             if id(p) in factors:
                 sums[id(p)] = summed = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 for (start, stop), a, g in self.sites.get(id(p), (None, ()))[1]:
-                    left, right = _common(g.transpose(0, 1), a.transpose(0, 1))
-                    summed[start:stop] += clipped_product(left, right, factors[id(p)], keep)
+                    summed[start:stop] += clipped_product(*_common(g, a), factors[id(p)], keep)
         return sums
 
 
@@ -333,6 +334,6 @@ def _blocks(found: list) -> list:
         inner = [c for c in cuts if start <= c <= stop]
         for lo, hi in zip(inner, inner[1:]):
             pieces.setdefault((lo, hi), []).append((a, g[..., lo - start:hi - start]))
-    return [((lo, hi), *(parts[0] if len(parts) == 1 else (torch.cat([a for a, _ in parts]),
-                                                          torch.cat([g for _, g in parts]))))
+    return [((lo, hi), *(parts[0] if len(parts) == 1 else (torch.cat([a for a, _ in parts], 1),
+                                                          torch.cat([g for _, g in parts], 1))))
             for (lo, hi), parts in sorted(pieces.items())]

@@ -456,8 +456,6 @@ def clipped_product(left: torch.Tensor, right: torch.Tensor, factors: torch.Tens
         right = _scaled(right, factors)
     else:
         left = _scaled(left, factors)
-    if right.stride(0) < right.stride(1):  # positions first in memory (attention's): its rows in that order
-        left, right = left.transpose(0, 1), right.transpose(0, 1)
     return left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])
 
 
