@@ -440,3 +440,20 @@ def test_per_sample_gradients_of_an_lstm_on_cuda_match_the_cpu():
     assert torch.backends.cudnn.enabled
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_per_sample_gradients_draw_each_samples_dropout_mask():
+    """y = w . dropout(x) with a squared loss: sample i's gradient of w is 2 (y_i - t_i) m_i x_i /
+    (1 - p) for its own dropout mask m_i, so each coordinate is 0 or the undropped value, about a
+    fraction p of them 0, the masks differing between samples."""
+    torch.manual_seed(0)
+    p, batch, width = 0.5, 64, 32
+    model = torch.nn.Sequential(torch.nn.Dropout(p), torch.nn.Linear(width, 1, bias=False))
+    x, t = torch.randn(batch, width) + 3.0, torch.randn(batch, 1)
+    (grads,) = dpsgd.per_sample_gradients(model, lambda out, y: (out - y).square().sum(), x, t)
+    kept = grads[:, 0] != 0
+    y = (model[1].weight.detach() * kept * x / (1 - p)).sum(1, keepdim=True)  # each sample's own forward
+    torch.testing.assert_close(grads[:, 0], torch.where(kept, 2 * (y - t) * x / (1 - p), 0.0))
+    fraction = 1 - kept.double().mean().item()  # binomial(2048, 0.5): sd 0.011
+    assert abs(fraction - p) < 0.06
+    assert len({tuple(row.tolist()) for row in kept}) > batch // 2

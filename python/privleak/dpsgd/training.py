@@ -19,8 +19,10 @@ def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, 
     """Per-sample gradients of ``loss_fn(model(x_b), y_b)`` for every trainable parameter.
 
     Computed with ``torch.func`` (``vmap`` of ``grad`` over a ``functional_call``), so any model
-    without batch-coupled layers (BatchNorm in training mode) works. Returns one (B, *p.shape)
-    tensor per parameter with ``requires_grad``, in ``model.parameters()`` order.
+    without batch-coupled layers (BatchNorm in training mode) works. Random ops (dropout in
+    training mode) draw for each sample on its own (``randomness="different"``), as one batched
+    forward draws a mask per sample. Returns one (B, *p.shape) tensor per parameter with
+    ``requires_grad``, in ``model.parameters()`` order.
     """
     from torch.func import functional_call, grad, vmap
 
@@ -38,7 +40,7 @@ def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, 
     if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()) and any(p.is_cuda for p in params.values()):
         torch.backends.cudnn.enabled = False
     try:
-        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, targets)
+        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
     finally:
         torch.backends.cudnn.enabled = cudnn
     return [grads[name].contiguous() for name in names]
