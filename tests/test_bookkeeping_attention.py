@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from privleak import dpsgd
 from privleak import mechanisms as M
 from privleak.dpsgd import attention, layers
-from test_bookkeeping import CONFIGS, assert_same_update, clip_between, regression, trainable
+from test_bookkeeping import CONFIGS, assert_same_update, clip_between, one_backward_per_sample, regression, trainable
 from torch import nn
 
 
@@ -83,9 +83,30 @@ def frozen_projection():
     return model
 
 
+def frozen_bias_k():
+    model = Attending("bias-kv-zero")
+    model.mha.bias_k.requires_grad_(False)
+    return model
+
+
+class OnTheData(nn.Module):
+    """nn.MultiheadAttention first, on the data (no gradient reaches its input), its in-projection
+    frozen: only out_proj and the head train."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha, self.out = nn.MultiheadAttention(4, 2, dropout=0.3, batch_first=True), nn.Linear(4, 2)
+        self.mha.in_proj_weight.requires_grad_(False)
+        self.mha.in_proj_bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.out(self.mha(x, x, x)[0])
+
+
 FORMS = ["self", "weights", "sequence-first", "cross", "separate", "bias-kv-zero", "causal", "twice"]
 CASES = {**{form: (lambda form=form: Attending(form)) for form in FORMS},
-         "encoder-layer": encoder_layer, "decoder-layer": Decoder, "frozen-in-proj": frozen_projection}
+         "encoder-layer": encoder_layer, "decoder-layer": Decoder, "frozen-in-proj": frozen_projection,
+         "frozen-bias-k": frozen_bias_k, "on-the-data": OnTheData}
 
 
 def setting(case):
@@ -236,3 +257,56 @@ def test_a_backward_the_user_runs_gives_torchs_gradients():
         regression(network(x), target).sum().backward()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_sample_with_a_non_finite_gradient_is_dropped():
+    """non_finite="drop": a sample whose input holds a NaN gets clip factor 0, the others the update
+    of their per-sample gradients alone."""
+    model, x, target = setting("cross")
+    model.mha.dropout = 0.0
+    x[3, 2, 1] = float("nan")
+    grads = one_backward_per_sample(model, x, target)  # one batched backward would spread the NaN (0 * NaN)
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.3, non_finite="drop")
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(1))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(1))
+    got = bk.step(regression(model(x), target))
+    assert all(bool(torch.isfinite(g).all()) for g in got)
+    assert_same_update(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")  # nn.Transformer's, of batch_first
+@pytest.mark.parametrize("build", [
+    lambda: nn.TransformerEncoderLayer(8, 2, 16),
+    lambda: nn.Sequential(nn.Linear(4, 8), nn.TransformerDecoder(nn.TransformerDecoderLayer(8, 2, 16), 1)),
+    lambda: nn.Transformer(8, 2, 1, 1, 16)])
+def test_torchs_transformer_layers_with_the_sequence_first_are_refused(build):
+    """Their Linear layers would take the positions for the samples, silently when T = B."""
+    model = build()
+    with pytest.raises(ValueError, match=r"\(Transformer(Encoder|Decoder)Layer\) has batch_first=False"):
+        dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                          expected_batch_size=2)
+
+
+def test_a_mode_left_by_an_interrupted_forward_takes_nothing_else():
+    """A KeyboardInterrupt runs no forward hook, so the recorder's mode stays on: it passes other
+    modules' attention and evaluations on to torch, and the module's next forward replaces it."""
+    model = nn.MultiheadAttention(4, 2, batch_first=True)
+    other = nn.MultiheadAttention(4, 2, batch_first=True)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=2)
+    x = torch.randn(2, 3, 4)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x, x, x)
+    handle.remove()
+    assert torch._C._len_torch_function_stack() == 1
+    torch.testing.assert_close(other(x[0], x[0], x[0])[0], other(x, x, x)[0][0])  # unbatched: torch's own
+    with torch.no_grad():
+        model(x[0], x[0], x[0])
+    assert all(u.isfinite().all() for u in bk.step(model(x, x, x)[0].sum((1, 2))))
+    assert torch._C._len_torch_function_stack() == 0

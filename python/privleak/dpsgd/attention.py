@@ -27,7 +27,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from privleak.dpsgd import ghost_norm, graph
+from privleak.dpsgd import graph
 from privleak.dpsgd.layers import Layer, _common, _input_nodes, clipped_product, layer_kind, total, weight_norms
 
 
@@ -182,20 +182,27 @@ _SIGNATURE = inspect.signature(attention_forward)
 
 
 class _Recorder(TorchFunctionMode):
-    """Active through one recorded forward call of the module: computes its
-    ``F.multi_head_attention_forward`` by :func:`attention_forward`, keeping the projections and
-    appended biases in ``found``; every other torch function runs as it is."""
+    """On through one recorded forward call of ``module``: computes its
+    ``F.multi_head_attention_forward`` by :func:`attention_forward`, keeping in ``found`` the
+    projections and appended biases whose outputs need gradients for a trainable parameter; every
+    other torch function runs as it is. Only the module's one call with grad is taken: a mode left
+    on by an interrupted forward (a KeyboardInterrupt runs no forward hook) passes the rest on."""
 
-    def __init__(self):
+    def __init__(self, module: nn.Module):
         super().__init__()
+        self.module = module
         self.found: list = []
         self.batch = 0
+        self.done = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.multi_head_attention_forward:
+        if func is not F.multi_head_attention_forward or self.done or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         bound = _SIGNATURE.bind(self._project, self._append, *args, **kwargs)
+        if bound.arguments["out_proj_weight"] is not self.module.out_proj.weight:  # another module's
+            return func(*args, **kwargs)
+        self.done = True
         self.batch = bound.arguments["query"].shape[1] if bound.arguments["query"].ndim == 3 else 0
         return attention_forward(*bound.args, **bound.kwargs)
 
@@ -205,12 +212,16 @@ class _Recorder(TorchFunctionMode):
             return p if stop - start == p.shape[0] else p[start:stop]
 
         y = F.linear(x, used(weight, *rows), None if bias is None else used(bias, *bias_rows))
-        self.found.append(Projection(weight, rows, bias, bias_rows, x, y))
+        trained = weight.requires_grad, bias is not None and bias.requires_grad
+        if y.requires_grad and any(trained):  # the input only for a trained weight
+            self.found.append(Projection(weight, rows, bias if trained[1] else None, bias_rows,
+                                         x if trained[0] else None, y))
         return y
 
     def _append(self, parameter: torch.Tensor, batch: int):
         y = parameter.repeat(1, batch, 1)
-        self.found.append(Appended(parameter, y))
+        if parameter.requires_grad:
+            self.found.append(Appended(parameter, y))
         return y
 
 
@@ -226,6 +237,7 @@ class MultiheadAttentionLayer(Layer):
 
     def clear(self) -> None:
         super().clear()
+        self.exit_forward()
         self.recorder: Optional[_Recorder] = None
         self.recording = False  # the recorder's mode is on
         self.batches: list[int] = []
@@ -234,13 +246,14 @@ class MultiheadAttentionLayer(Layer):
 
     def enter_forward(self) -> None:
         """Before a forward call with grad: take its attention (:class:`_Recorder`)."""
-        self.recorder = _Recorder()
+        self.exit_forward()  # a mode an interrupted forward left on
+        self.recorder = _Recorder(self.module)
         self.recorder.__enter__()
         self.recording = True
 
     def exit_forward(self) -> None:
         """After the forward call, also one that raised: the mode ends; :meth:`record` reads it."""
-        if self.recording:
+        if getattr(self, "recording", False):
             self.recording = False
             self.recorder.__exit__(None, None, None)
 
@@ -253,8 +266,8 @@ class MultiheadAttentionLayer(Layer):
                                           graph=f"the output of {self.describe()}"))
         outputs = [site.output for site in recorder.found]
         # The outputs are not kept (their gradients come by their edges): autograd frees them.
-        self.calls.append([site._replace(inputs=self.keep(site.inputs), output=None) if isinstance(site, Projection)
-                           else site._replace(output=None) for site in recorder.found])
+        self.calls.append([site._replace(inputs=None if site.inputs is None else self.keep(site.inputs), output=None)
+                           if isinstance(site, Projection) else site._replace(output=None) for site in recorder.found])
         self.sources.append(None)
         self.batches.append(recorder.batch)
         edges = [get_gradient_edge(y) for y in outputs]
@@ -278,37 +291,37 @@ class MultiheadAttentionLayer(Layer):
             for site, g in zip(sites, grads):
                 if g is None:  # the loss does not use this call's output
                     continue
-                if isinstance(site, Appended):
-                    self._add_rows(site.parameter, g[0].reshape(batch, 1, 1, -1))
+                if isinstance(site, Appended):  # (1, B, E): each sample's copy
+                    self._add(site.parameter, slice(None), g[0].reshape(batch, 1, 1, -1))
                     continue
-                a = site.inputs
-                if a.ndim == 2:  # the output projection's (T B, d) rows
-                    a, g = a.unflatten(0, (-1, batch)), g.unflatten(0, (-1, batch))
-                # Batch first, once, for the ghost-norm kernel and the GEMM alike: a self-attention's
-                # input is a view of the batch-first tensor already; the rest are copied.
-                a, g = a.transpose(0, 1).contiguous(), g.transpose(0, 1).contiguous()
-                if self.trains(site.weight):
-                    weights.setdefault(id(site.weight), (site.weight, []))[1].append((site.rows, a, g))
-                if self.trains(site.bias):
-                    start, stop = site.bias_rows
-                    rows = g.new_zeros(batch, site.bias.shape[0], dtype=torch.promote_types(g.dtype, torch.float32))
-                    rows[:, start:stop] = g.sum(1, dtype=rows.dtype)
-                    self._add_rows(site.bias, rows)
+                if g.ndim == 2:  # the output projection's (T B, p) rows
+                    g = g.unflatten(0, (-1, batch))
+                # Batch first, once, for the ghost-norm kernel and the GEMM alike (a self-attention's
+                # input is a view of a batch-first tensor already; the rest are copied).
+                g = g.transpose(0, 1).contiguous()
+                if site.inputs is not None:
+                    a = site.inputs if site.inputs.ndim == 3 else site.inputs.unflatten(0, (-1, batch))
+                    weights.setdefault(id(site.weight), (site.weight, []))[1].append(
+                        (site.rows, a.transpose(0, 1).contiguous(), g))
+                if site.bias is not None:  # half-precision sums would round: float32 at least
+                    self._add(site.bias, slice(*site.bias_rows), g.sum(1, dtype=torch.promote_types(g.dtype,
+                                                                                                     torch.float32)))
         self.sites = {key: (weight, _blocks(found)) for key, (weight, found) in weights.items()}
-        self.calls = self.grads = []
+        self.calls, self.grads = [], []
 
-    def _add_rows(self, parameter: torch.Tensor, rows: torch.Tensor) -> None:
+    def _add(self, parameter: torch.Tensor, rows: slice, values: torch.Tensor) -> None:
+        """Add per-sample gradients ``values`` (B, ...) into rows ``rows`` of the parameter's."""
         key = id(parameter)
-        self.per_sample[key] = rows if key not in self.per_sample else self.per_sample[key] + rows
+        if key not in self.per_sample:
+            self.per_sample[key] = values.new_zeros(values.shape[0], *parameter.shape,
+                                                    dtype=torch.promote_types(values.dtype, torch.float32))
+        self.per_sample[key][:, rows] += values
 
     def norms(self, batch: int, norm_type: int) -> dict:
         """Each weight's norms, its blocks' added; zeros for a parameter the step did not use."""
-        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=True) for _, a, g in blocks]
-                 for key, (_, blocks) in self.sites.items()}
-        pending = [n for ns in found.values() for n in ns if isinstance(n, ghost_norm.GhostNormInputs)]
-        computed = iter(ghost_norm.ghost_norms(pending) if pending else ())
-        norms = {key: total(next(computed) if isinstance(n, ghost_norm.GhostNormInputs) else n for n in ns)
-                 for key, ns in found.items()}
+        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=len(blocks) == 1) for _, a, g in blocks]
+                 for key, (_, blocks) in self.sites.items()}  # one block: BookKeeping's one kernel call for all
+        norms = {key: total(ns) for key, ns in found.items()}
         return {**{id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters
                    if id(p) not in self.per_sample}, **norms}
 
@@ -337,3 +350,23 @@ def _blocks(found: list) -> list:
     return [((lo, hi), *(parts[0] if len(parts) == 1 else (torch.cat([a for a, _ in parts], 1),
                                                           torch.cat([g for _, g in parts], 1))))
             for (lo, hi), parts in sorted(pieces.items())]
+
+
+@layer_kind(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+class SequenceFirstTransformerLayer(Layer):
+    """torch's transformer layers (and nn.Transformer, built of them) with ``batch_first=False``,
+    refused when BookKeeping is built: their Linear and LayerNorm layers would take the positions
+    (dim 0) for the samples, which a sequence as long as the batch would not reveal. With
+    ``batch_first=True`` the layers' children take their own rules."""
+
+    hook_without_parameters = True
+
+    @classmethod
+    def takes(cls, module: nn.Module) -> bool:
+        return not module.self_attn.batch_first
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__(name, module)
+        raise ValueError(f"{self.describe()} has batch_first=False: its Linear and LayerNorm layers would read the "
+                         "sequence (dim 0) as the batch, and book-keeping splits every layer's input by sample along "
+                         "dim 0; build it with batch_first=True")
