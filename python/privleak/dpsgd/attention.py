@@ -14,6 +14,11 @@ projects self-attention with all 3E rows at once, a query and a shared key-value
 three inputs with E each. Disjoint rows' per-sample gradients are disjoint blocks of the
 parameter's, so their squared norms (or L1 norms) add. ``bias_k`` and ``bias_v`` are appended to
 every sample's keys and values: each sample's gradient is that of its own copy.
+
+:func:`attention_forward` checks its arguments and converts the masks with torch's own private
+helpers (``F._mha_shape_check``, ``F._canonical_mask``), so that errors and mask forms are
+torch's; a torch that renames them fails the tests (tests/test_bookkeeping_attention.py compares
+the function with torch's on every form of its arguments).
 """
 from __future__ import annotations
 
@@ -33,15 +38,16 @@ from privleak.dpsgd.layers import Layer, _common, _input_nodes, clipped_product,
 
 class Projection(NamedTuple):
     """One F.linear of the attention: rows ``rows`` (start, stop) of the parameter ``weight`` and
-    ``bias_rows`` of ``bias`` (None: no bias); its input (positions, B, d) and output (positions, B,
-    p), positions first as torch's attention lays them out (the output projection's (T B, d) rows
-    are read as (T, B, d)). The output is dropped once its gradient edge is taken."""
+    ``bias_rows`` of ``bias`` (None: none, or frozen); its input (positions, B, d; None for a frozen
+    weight) and output (positions, B, p), positions first as torch's attention lays them out (the
+    output projection's (T B, d) rows are read as (T, B, d)). The output is dropped once its
+    gradient edge is taken."""
 
     weight: torch.Tensor
     rows: tuple
     bias: Optional[torch.Tensor]
     bias_rows: tuple
-    inputs: torch.Tensor
+    inputs: Optional[torch.Tensor]
     output: Optional[torch.Tensor]
 
 
