@@ -77,6 +77,26 @@ class Decoder(nn.Module):
         return self.out(self.layer(self.inp(x), self.memory(x), tgt_mask=causal, tgt_is_causal=True))
 
 
+class VisionTransformer(nn.Module):
+    """torchvision's ViT in small: patches by a strided Conv2d, a class token and position embedding
+    of the model's own (expanded and added over the batch), nn.TransformerEncoder, a head on the
+    class token. Images (B, 3, 8, 8) in place of the (B, T, 4) sequences (:data:`IMAGES`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches = nn.Conv2d(3, 8, 4, stride=4)
+        self.cls, self.positions = nn.Parameter(torch.randn(1, 1, 8)), nn.Parameter(torch.randn(1, 5, 8) * 0.1)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, images):
+        x = self.patches(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.positions
+        return self.head(self.encoder(x)[:, :1]).expand(-1, 5, -1)
+
+
 def frozen_projection():
     model = Attending("self")
     model.mha.in_proj_weight.requires_grad_(False)
@@ -106,14 +126,17 @@ class OnTheData(nn.Module):
 FORMS = ["self", "weights", "sequence-first", "cross", "separate", "bias-kv-zero", "causal", "twice"]
 CASES = {**{form: (lambda form=form: Attending(form)) for form in FORMS},
          "encoder-layer": encoder_layer, "decoder-layer": Decoder, "frozen-in-proj": frozen_projection,
-         "frozen-bias-k": frozen_bias_k, "on-the-data": OnTheData}
+         "frozen-bias-k": frozen_bias_k, "on-the-data": OnTheData, "vision-transformer": VisionTransformer}
+
+
+IMAGES = ("vision-transformer",)  #: cases whose inputs are images (B, 3, 8, 8)
 
 
 def setting(case):
     torch.manual_seed(0)
     model = CASES[case]()
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 5, 4, generator=generator)
+    x = torch.randn(6, *((3, 8, 8) if case in IMAGES else (5, 4)), generator=generator)
     target = torch.randn(6, 5, 2, generator=generator)
     return model, x, target
 
@@ -131,9 +154,13 @@ def per_sample_grads_of_one_forward(model, x, target, seed):
 
 @pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True), ("laplace", False)])
 @pytest.mark.parametrize("case", CASES)
-def test_attention_gives_the_update_of_each_samples_gradient(case, mechanism, per_layer):
+def test_attention_gives_the_update_of_each_samples_gradient(case, mechanism, per_layer, monkeypatch):
     """The update equals privatize() of the per-sample gradients through torch's own attention, with
-    the same dropout masks; every nn.MultiheadAttention gets the attention rule (nothing replayed)."""
+    the same dropout masks; every nn.MultiheadAttention gets the attention rule, and nothing is
+    replayed (a ViT's class token and positions take their ops' output gradients)."""
+    replayed, replay = [], layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, *args: replayed.append(self.name) or replay(self, *args))
     model, x, target = setting(case)
     reference = copy.deepcopy(model)
     grads = per_sample_grads_of_one_forward(reference, x, target, seed=5)
@@ -141,12 +168,12 @@ def test_attention_gives_the_update_of_each_samples_gradient(case, mechanism, pe
     want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.5,
                            generator=M.NoiseGenerator(7))
-    assert not any(type(layer) is layers.FunctionalLayer for layer in bk.layers)
     assert sum(type(layer) is attention.MultiheadAttentionLayer for layer in bk.layers) == sum(
         isinstance(m, nn.MultiheadAttention) for m in model.modules())
     torch.manual_seed(5)
     assert_same_update(bk.step(regression(model(x), target)), want)
     assert torch._C._len_torch_function_stack() == 0
+    assert not replayed
 
 
 def test_dropout_draws_as_torch_draws():
