@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
 from privleak.dpsgd import attention, layers
@@ -97,6 +98,19 @@ class VisionTransformer(nn.Module):
         return self.head(self.encoder(x)[:, :1]).expand(-1, 5, -1)
 
 
+class EncoderDecoder(nn.Module):
+    """nn.Transformer, batch first: an encoder layer and a decoder layer with a causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.memory, self.out = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 2)
+        self.transformer = nn.Transformer(8, 2, 1, 1, 16, dropout=0.1, batch_first=True)
+
+    def forward(self, x):
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.out(self.transformer(self.memory(x), self.inp(x), tgt_mask=causal))
+
+
 def frozen_projection():
     model = Attending("self")
     model.mha.in_proj_weight.requires_grad_(False)
@@ -125,8 +139,9 @@ class OnTheData(nn.Module):
 
 FORMS = ["self", "weights", "sequence-first", "cross", "separate", "bias-kv-zero", "causal", "twice"]
 CASES = {**{form: (lambda form=form: Attending(form)) for form in FORMS},
-         "encoder-layer": encoder_layer, "decoder-layer": Decoder, "frozen-in-proj": frozen_projection,
-         "frozen-bias-k": frozen_bias_k, "on-the-data": OnTheData, "vision-transformer": VisionTransformer}
+         "encoder-layer": encoder_layer, "decoder-layer": Decoder, "encoder-decoder": EncoderDecoder,
+         "frozen-in-proj": frozen_projection, "frozen-bias-k": frozen_bias_k, "on-the-data": OnTheData,
+         "vision-transformer": VisionTransformer}
 
 
 IMAGES = ("vision-transformer",)  #: cases whose inputs are images (B, 3, 8, 8)
@@ -174,6 +189,25 @@ def test_attention_gives_the_update_of_each_samples_gradient(case, mechanism, pe
     assert_same_update(bk.step(regression(model(x), target)), want)
     assert torch._C._len_torch_function_stack() == 0
     assert not replayed
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["self", "cross", "separate", "bias-kv-zero", "encoder-decoder", "vision-transformer"])
+def test_attention_on_cuda_matches_the_cpu(case):
+    """Book-keeping on the GPU against the per-sample gradients on the CPU, without dropout (the
+    devices draw other masks): eval mode, which turns dropout off and still records."""
+    model, x, target = setting(case)
+    model.eval()
+    grads = per_sample_grads_of_one_forward(copy.deepcopy(model), x, target, seed=5)
+    config = CONFIGS["gaussian"](clip_between(grads, False), False)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    model.cuda()
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.5,
+                           generator=M.NoiseGenerator(7))
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # float32 convolutions, as on the CPU
+        got = bk.step(regression(model(x.cuda()), target.cuda()))
+    assert all(g.is_cuda for g in got)
+    assert_same_update([g.cpu() for g in got], want)
 
 
 def test_dropout_draws_as_torch_draws():
