@@ -104,7 +104,9 @@ class BookKeeping:
     deprecated hook-based ``torch.nn.utils.spectral_norm`` (the parametrization is replayed exactly);
     reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``: its
     forward runs without grad, out of the hooks' sight); a layer input changed in place after the
-    layer's call (``h += layer(h)``).
+    layer's call (``h += layer(h)``); torch's nn.TransformerEncoderLayer and
+    nn.TransformerDecoderLayer with ``batch_first=False`` (their Linear layers would read the
+    positions as samples).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -196,7 +198,7 @@ class BookKeeping:
         module = layer.module
         hooks = [module.register_forward_hook(self._hook(layer), with_kwargs=True)]
         if layer.intercepts_forward:
-            def enter(module, args):
+            def enter(_module, _args):
                 if self._recording and torch.is_grad_enabled():
                     layer.enter_forward()
 
