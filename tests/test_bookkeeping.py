@@ -471,6 +471,14 @@ LAYER_CASES = {
                                      nn.Tanh(), nn.Conv2d(4, 3, 3, padding=1, padding_mode="reflect")),
                normal(6, 2, 9, 8)),
     "conv-twice": (ConvTwice, normal(6, 3, 7, 6)),
+    "conv-transpose": (lambda: nn.Sequential(nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1),
+                                             nn.Tanh(), nn.ConvTranspose2d(4, 4, (2, 3), dilation=(1, 2), groups=2,
+                                                                           bias=False),
+                                             nn.Tanh(), nn.ConvTranspose2d(4, 3, 3, stride=(1, 2), padding=(0, 1))),
+                       normal(6, 2, 4, 5)),
+    "conv-transpose-1d": (lambda: nn.Sequential(nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1),
+                                                nn.Tanh(), nn.ConvTranspose1d(4, 2, 2, dilation=3, groups=2)),
+                          normal(6, 3, 7)),
     "embedding": (lambda: nn.Sequential(nn.Embedding(9, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 3)), ids((6, 8))),
     "layernorm": (lambda: nn.Sequential(nn.Linear(4, 5), nn.LayerNorm((3, 5)), nn.Tanh(), nn.Linear(5, 2)),
                   normal(6, 3, 4)),
@@ -551,7 +559,8 @@ def test_every_layer_on_cuda_matches_the_materialised_update_on_the_cpu(case, me
 
 
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])
-@pytest.mark.parametrize("case", ["linear-sequence", "linear-twice", "conv1d", "conv2d", "groupnorm"])
+@pytest.mark.parametrize("case", ["linear-sequence", "linear-twice", "conv1d", "conv2d", "conv-transpose",
+                                  "conv-transpose-1d", "groupnorm"])
 def test_both_sides_of_the_mixed_rule_match(case, ghost, monkeypatch):
     """Force every Linear-like layer onto one side of the mixed rule: both give the same update."""
     calls = []
@@ -656,7 +665,8 @@ def test_the_mixed_rule_is_bu_et_al():
 
 
 @pytest.mark.parametrize("case, kind", [
-    ("linear", layers.LinearLayer), ("conv2d", layers.ConvLayer), ("embedding", layers.EmbeddingLayer),
+    ("linear", layers.LinearLayer), ("conv2d", layers.ConvLayer), ("conv-transpose", layers.TransposedConvLayer),
+    ("embedding", layers.EmbeddingLayer),
     ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer), ("rmsnorm", layers.RMSNormLayer),
     ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", attention.MultiheadAttentionLayer),
     ("fallback", layers.FunctionalLayer), ("position-modules", layers.LookupEmbeddingLayer),
@@ -1569,7 +1579,8 @@ def test_remove_takes_the_hooks_off():
 
 
 @pytest.mark.parametrize("forming", list(layers.Forming), ids=lambda f: f.name.lower())
-@pytest.mark.parametrize("case", ["conv1d", "conv2d", "conv-twice", "groupnorm"])
+@pytest.mark.parametrize("case", ["conv1d", "conv2d", "conv-twice", "conv-transpose", "conv-transpose-1d",
+                                  "groupnorm"])
 def test_every_way_of_holding_a_convolution_matches(case, forming, monkeypatch):
     """On the per-sample side of the mixed rule a convolution forms its per-sample gradients in the
     backward pass (dropping its inputs) or after it, or keeps its inputs and output gradients for a
@@ -1611,7 +1622,7 @@ def test_groupnorm_from_the_forward_statistics_or_normalising_again_matches(save
 
 
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])
-@pytest.mark.parametrize("case", ["conv1d", "conv2d"])
+@pytest.mark.parametrize("case", ["conv1d", "conv2d", "conv-transpose"])
 def test_a_convolution_taken_a_few_samples_at_a_time_matches(case, ghost, monkeypatch):
     """A convolution that keeps its inputs forms its patches (ghost norms) or per-sample gradients
     (norms) a few samples at a time: chunks of 4, 2 and 1 of the batch of 6 give the same update."""
@@ -1638,3 +1649,23 @@ def test_the_backward_asks_autograd_only_for_the_lowest_layer_outputs():
         t.register_hook(lambda g, name=name: seen.append(name))
     torch.autograd.grad(loss, bookkeeping.lowest(edges, parents))
     assert sorted(seen) == ["branch", "chain_high", "chain_low"]
+
+
+def test_a_transposed_convolution_with_an_output_padding_past_its_stride_is_refused():
+    """Its output gradient's convolution would be longer than its input (torch allows an output
+    padding below the dilation): refused, naming the module; with output_size= below the stride it
+    trains."""
+    model = nn.Sequential(nn.ConvTranspose2d(2, 2, 3, stride=1, dilation=2, output_padding=1))
+    make(model)
+    with pytest.raises(ValueError, match=r"module '0' \(ConvTranspose2d\) has an output padding of at least"):
+        model(torch.randn(4, 2, 5, 5))
+    up = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1)
+    x, target = torch.randn(4, 2, 5, 5), torch.randn(4, 3, 10, 10)
+    want = [torch.stack(column) for column in zip(*[
+        torch.autograd.grad(regression(up(x[i:i + 1], output_size=[10, 10]), target[i:i + 1]).sum(),
+                            list(up.parameters())) for i in range(4)])]
+    config = dpsgd.DPSGDConfig(clip_between(want, False), noise_multiplier=0.5)
+    expected = dpsgd.privatize(want, config, 4.0, M.NoiseGenerator(3))
+    bk = dpsgd.BookKeeping(up, torch.optim.SGD(up.parameters(), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(3))
+    assert_same_update(bk.step(regression(up(x, output_size=[10, 10]), target)), expected)

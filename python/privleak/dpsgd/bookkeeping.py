@@ -68,15 +68,14 @@ class BookKeeping:
 
     Args:
         model: the module whose forward computes the losses. Its trainable parameters must be the
-            optimizer's. Each supported layer (nn.Linear, nn.Conv1d/2d, nn.Embedding, nn.LayerNorm,
-            nn.GroupNorm, nn.RMSNorm, transformers' Conv1D, nn.MultiheadAttention's projections,
-            :mod:`privleak.dpsgd.attention`) gets book-keeping; any other module with trainable
-            parameters of its own gets per-sample gradients of that module alone (``torch.func``;
-            :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for parameters only added to,
-            multiplied into or expanded over the batch (a ViT's class token and position
-            embedding, an RMSNorm module's weight), their ops' output gradients (times the other
-            factor of a product). Every layer input has the batch in
-            dim 0; or is one shared by the batch (GPT-2's position ids (1, T), T5's relative
+            optimizer's. Each supported layer (nn.Linear, nn.Conv1d/2d, nn.ConvTranspose1d/2d,
+            nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, transformers' Conv1D,
+            nn.MultiheadAttention's projections, :mod:`privleak.dpsgd.attention`) gets book-keeping;
+            any other module with trainable parameters of its own gets per-sample gradients of that
+            module alone (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for
+            parameters only added to, multiplied into or expanded over the batch (a ViT's class
+            token and position embedding, an RMSNorm module's weight), their ops' output gradients
+            (times the other factor of a product). Every layer input has the batch in dim 0; or is one shared by the batch (GPT-2's position ids (1, T), T5's relative
             position buckets (T, T)) whose output is used only so (any layer but a convolution or
             GroupNorm); or, for a Linear or LayerNorm, is the batch flattened with its positions
             (OPT's (B T, d)), as the autograd graph shows. An nn.Embedding subclass whose forward

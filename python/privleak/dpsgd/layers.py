@@ -580,6 +580,14 @@ class ConvLayer(Layer):
         self._output_sizes += [y.shape for y in outputs]
         return outputs
 
+    def _outputs_per_group(self) -> int:
+        """p, the outputs of one group: those of one input channel's weights."""
+        return self.module.weight.shape[0] // self.module.groups
+
+    def _bias_grads(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The module's output gradient, of a call's input x and output gradient g as the rule reads them."""
+        return g
+
     def renumber(self, new: dict) -> None:
         super().renumber(new)
         self._output_sizes = [size for call, size in enumerate(self._output_sizes) if call in new]
@@ -597,8 +605,7 @@ class ConvLayer(Layer):
         return math.prod(self.module.weight.shape[1:])
 
     def _ghost(self, norm_type: int) -> bool:
-        m = self.module
-        return norm_type == 2 and use_ghost_norm(self._positions(), self._patch_size(), m.out_channels // m.groups)
+        return norm_type == 2 and use_ghost_norm(self._positions(), self._patch_size(), self._outputs_per_group())
 
     def _choose(self, norm_type: int) -> Forming:
         m = self.module
@@ -620,7 +627,8 @@ class ConvLayer(Layer):
                 self.replace(call, self._rows(x, g))
             self.calls, self.grads = [], []
         elif self.calls and self.trains(self.module.bias):  # NEVER: the weight's norms and sums come later
-            self.per_sample[id(self.module.bias)] = bias_rows(self.grads, channels_last=False)
+            self.per_sample[id(self.module.bias)] = bias_rows(
+                [self._bias_grads(x, g) for x, g in zip(self.calls, self.grads)], channels_last=False)
 
     def _rows(self, x: torch.Tensor, g: torch.Tensor) -> dict:
         """The per-sample gradients of one call, input x and output gradient g, per parameter id."""
@@ -628,7 +636,7 @@ class ConvLayer(Layer):
         if self.trains(m.weight):
             rows[id(m.weight)] = self._per_sample_weight_grads(x, g)
         if self.trains(m.bias):
-            rows[id(m.bias)] = bias_rows([g], channels_last=False)
+            rows[id(m.bias)] = bias_rows([self._bias_grads(x, g)], channels_last=False)
         return rows
 
     def _patches(self, x: torch.Tensor) -> torch.Tensor:
@@ -677,7 +685,7 @@ class ConvLayer(Layer):
         else:
             norms, transient = self._ghost_norms, m.groups * self._positions() * self._patch_size()
         if ghost:
-            transient += self._positions() * m.out_channels
+            transient += self._positions() * self._outputs_per_group() * m.groups
         step = samples_per_chunk(self._held_per_sample(), transient)
         return {id(m.weight): torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])}
 
@@ -703,7 +711,7 @@ class ConvLayer(Layer):
     def _ghost_norms(self, samples: slice) -> torch.Tensor:
         """Ghost norms of the weight for a slice of the batch, from the patches."""
         m = self.module
-        outputs = m.out_channels // m.groups
+        outputs = self._outputs_per_group()
         a = [self._patches(x[samples]) for x in self.calls]
         g = [y[samples].reshape(-1, outputs, math.prod(y.shape[2:])).transpose(1, 2) for y in self.grads]
         a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
@@ -719,6 +727,38 @@ class ConvLayer(Layer):
         sums = (self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
                 for x, y in zip(self.calls, self.grads))
         return {id(self.module.weight): total(sums)}
+
+
+@layer_kind(nn.ConvTranspose1d, nn.ConvTranspose2d)
+class TransposedConvLayer(ConvLayer):
+    """nn.ConvTranspose1d / nn.ConvTranspose2d (stride, padding, output padding, dilation, groups).
+    The weight gradient of y = conv_transpose(x, W) is that of the convolution of g = dL/dy with
+    the same stride, padding, dilation and groups whose output is x: dL/dW[i, o, k] = sum_t
+    x[i, t] g[o, s t - p + d k], a convolution's weight gradient with g as its input and x as its
+    output gradient, of weight shape (C_in, C_out / G, *k), the transposed convolution's own. So
+    the convolution rule runs with the two swapped as the output gradient comes in (its ghost
+    norms, per-sample kernel and clipped sum alike); the bias's per-sample gradients are g summed
+    over positions, as a convolution's."""
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        outputs = Layer.record(self, args, kwargs, output)
+        if outputs:
+            m, x = self.module, self.calls[-1]
+            for size, out, k, stride, pad, dilation in zip(x.shape[2:], outputs[0].shape[2:], m.kernel_size, m.stride,
+                                                           m.padding, m.dilation):
+                if out - ((size - 1) * stride - 2 * pad + dilation * (k - 1) + 1) >= stride:
+                    raise ValueError(f"{self.describe()} has an output padding of at least its stride (possible with "
+                                     "a dilation above the stride): the convolution of its output gradient would "
+                                     "not give its input's size; use an output padding below the stride")
+            self._output_sizes.append(x.shape)  # the swapped convolution's output: x
+        return outputs
+
+    def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
+        x, self.calls[call] = self.calls[call], grad
+        super().take_grad(call, output, x, norm_type)
+
+    def _bias_grads(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x  # swapped: the convolution's input is the module's output gradient
 
 
 @layer_kind(nn.Embedding)
