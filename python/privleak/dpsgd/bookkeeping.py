@@ -73,22 +73,20 @@ class BookKeeping:
             nn.MultiheadAttention's projections, :mod:`privleak.dpsgd.attention`) gets book-keeping;
             any other module with trainable parameters of its own gets per-sample gradients of that
             module alone (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for
-            parameters only added to, multiplied into or expanded over the batch (a ViT's class
-            token and position embedding, an RMSNorm module's weight), their ops' output gradients
-            (times the other factor of a product). Every layer input has the batch in dim 0; or is one shared by the batch (GPT-2's position ids (1, T), T5's relative
-            position buckets (T, T)) whose output is used only so (any layer but a convolution or
-            GroupNorm); or, for a Linear or LayerNorm, is the batch flattened with its positions
-            (OPT's (B T, d)), as the autograd graph shows. An nn.Embedding subclass whose forward
-            returns its lookup of ids it makes (BART's and OPT's position embeddings) gets the
-            Embedding rule. A module that computes its weight as it runs (a parametrization such
-            as weight_norm, spectral_norm or orthogonal) takes the fallback on its
-            parametrization's originals. nn.LSTM, nn.GRU and nn.RNN get book-keeping over their
+            parameters only added to, multiplied into or expanded over the batch (a ViT's class token
+            and position embedding, an RMSNorm module's weight), their ops' output gradients (times the
+            other factor of a product). Every layer input has the batch in dim 0; or is one shared by
+            the batch (GPT-2's position ids (1, T), T5's relative position buckets (T, T)) whose output
+            is used only so (any layer but a convolution or GroupNorm); or, for a Linear or LayerNorm,
+            is the batch flattened with its positions (OPT's (B T, d)), as the autograd graph shows. An
+            nn.Embedding subclass whose forward returns its lookup of ids it makes (BART's and OPT's
+            position embeddings) gets the Embedding rule. A module that computes its weight as it runs
+            (a parametrization such as weight_norm, spectral_norm or orthogonal) takes the fallback on
+            its parametrization's originals. nn.LSTM, nn.GRU and nn.RNN get book-keeping over their
             steps run again after the backward pass, packed sequences included
-            (:mod:`privleak.dpsgd.recurrent`). A weight
-            tied between
-            nn.Linear, nn.Embedding (or a scaled word embedding) and Conv1D layers (a language
-            model's head and token embedding) is clipped as one parameter, its norm exact
-            (:mod:`privleak.dpsgd.tied`).
+            (:mod:`privleak.dpsgd.recurrent`). A weight tied between nn.Linear, nn.Embedding (or a
+            scaled word embedding) and Conv1D layers (a language model's head and token embedding) is
+            clipped as one parameter, its norm exact (:mod:`privleak.dpsgd.tied`).
         optimizer: any torch optimizer over the model's trainable parameters.
         config: :class:`~privleak.dpsgd.DPSGDConfig`; per-layer clip norms follow the optimizer's
             parameter order. An L1 mechanism (Laplace) gets its norms from each layer's
