@@ -22,15 +22,15 @@ Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-st
 parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), the same transformer
 built from torch's nn.TransformerEncoderLayer (nn.MultiheadAttention, dropout 0.1, no causal mask:
 Opacus trains it as its DPMultiheadAttention, which refuses the is_causal hint nn.TransformerEncoder
-gives with one; the materialised side cannot replay the dropout), a 69M transformer
-(d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M), a LLaMA-style model of
-its size, OPT-125m, and GPT-2 small frozen with LoRA adapters (peft; sequence 128; transformers
-needed); --skip-large leaves these out. "tiny-transformer" (only when named in --models) is the
-transformer's layers at d 16, 2 heads, sequence 8: with almost no arithmetic its step time is the
-host's cost per op and Python's, which is what a small model's step is on a GPU (the host
-launches the kernels faster than they run only for large ones). "params" counts the trainable
-parameters. A side that
-cannot train a model says what it raised.
+gives with one), a DCGAN-style generator of nn.ConvTranspose2d layers (0.1M, codes 4 x 4 x 64 to
+images 32 x 32 x 3, squared error), a 69M transformer (d 768, 8 layers, sequence 128), and Hugging
+Face's GPT-2 small (124M), a LLaMA-style model of its size, OPT-125m, and GPT-2 small frozen with
+LoRA adapters (peft; sequence 128; transformers needed); --skip-large leaves these out.
+"tiny-transformer" (only when named in --models) is the transformer's layers at d 16, 2 heads,
+sequence 8: with almost no arithmetic its step time is the host's cost per op and Python's, which is
+what a small model's step is on a GPU (the host launches the kernels faster than they run only for
+large ones). "params" counts the trainable parameters. A side that cannot train a model says what it
+raised.
 
 Times: the sides run in turns, --rounds rounds of calls lasting about 50 ms each
 (bench/_measure.seconds_by_round); each side reports its median, and its ratio to non-private as
@@ -162,6 +162,14 @@ class TorchTransformer(nn.Module):
         return self.head(self.norm(self.blocks(self.tokens(ids) + self.positions(positions))))
 
 
+def generator() -> nn.Module:
+    """A DCGAN-style image generator, 4 x 4 x 64 codes to 32 x 32 x 3 images by nn.ConvTranspose2d
+    layers (0.1M parameters), trained to reconstruct images (an autoencoder's decoder)."""
+    return nn.Sequential(nn.ConvTranspose2d(64, 64, 4, 2, 1), nn.GroupNorm(8, 64), nn.ReLU(),
+                         nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.GroupNorm(8, 32), nn.ReLU(),
+                         nn.ConvTranspose2d(32, 3, 4, 2, 1), nn.Tanh())
+
+
 class HuggingFaceLM(nn.Module):
     """A Hugging Face causal language model as users build it, returning its logits, random weights
     from its config (nothing is downloaded), dropout off so that every side computes the same
@@ -219,6 +227,24 @@ class SequenceLoss(nn.Module):
         return {"none": per_sample, "sum": per_sample.sum(), "mean": per_sample.mean()}[self.reduction]
 
 
+class ImageLoss(nn.Module):
+    """Squared error of images, per sample the mean over its pixels; ``reduction`` as torch's."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, out, targets):
+        per_sample = (out - targets).square().flatten(1).mean(1)
+        return {"none": per_sample, "sum": per_sample.sum(), "mean": per_sample.mean()}[self.reduction]
+
+
+def codes_and_images(code, image):
+    def make(batch, generator):
+        return torch.randn(batch, *code, generator=generator), torch.rand(batch, *image, generator=generator) * 2 - 1
+    return make
+
+
 def images(shape, classes):
     def make(batch, generator):
         return torch.randn(batch, *shape, generator=generator), torch.randint(0, classes, (batch,), generator=generator)
@@ -244,6 +270,7 @@ MODELS = {
     "paper-cnn": (lambda: PaperNetwork(), images((1, 28, 28), 10), nn.CrossEntropyLoss, (64, 256), (64,)),
     "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
     "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
+    "generator": (generator, codes_and_images((64, 4, 4), (3, 32, 32)), ImageLoss, (64, 256), ()),
     "torch-transformer": (lambda: TorchTransformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), ()),
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
     "lstm": (lambda: LSTMClassifier(), labelled_tokens(10000, 50, 2), nn.CrossEntropyLoss, (64, 256), ()),
