@@ -219,7 +219,7 @@ def test_dropout_draws_as_torch_draws():
     model.mha.dropout = 0.0
     without = per_sample_grads_of_one_forward(model, x, target, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(with_dropout, again))
-    assert not torch.allclose(with_dropout[2], without[2])  # in_proj_weight's
+    assert not torch.allclose(with_dropout[2], without[2])  # out_proj.weight's
 
 
 ARGUMENTS = {  # F.multi_head_attention_forward's keyword arguments per case, beyond the weights

@@ -302,16 +302,15 @@ class MultiheadAttentionLayer(Layer):
                     continue
                 if g.ndim == 2:  # the output projection's (T B, p) rows
                     g = g.unflatten(0, (-1, batch))
-                # Batch first, once, for the ghost-norm kernel and the GEMM alike (a self-attention's
-                # input is a view of a batch-first tensor already; the rest are copied).
-                g = g.transpose(0, 1).contiguous()
+                if site.bias is not None:  # over the positions (dim 0); half precision would round: float32
+                    self._add(site.bias, slice(*site.bias_rows), g.sum(0, dtype=torch.promote_types(g.dtype,
+                                                                                                     torch.float32)))
                 if site.inputs is not None:
+                    # Batch first, once, for the ghost-norm kernel and the GEMM alike (a self-attention's
+                    # input is a view of a batch-first tensor already; the rest are copied).
                     a = site.inputs if site.inputs.ndim == 3 else site.inputs.unflatten(0, (-1, batch))
                     weights.setdefault(id(site.weight), (site.weight, []))[1].append(
-                        (site.rows, a.transpose(0, 1).contiguous(), g))
-                if site.bias is not None:  # half-precision sums would round: float32 at least
-                    self._add(site.bias, slice(*site.bias_rows), g.sum(1, dtype=torch.promote_types(g.dtype,
-                                                                                                     torch.float32)))
+                        (site.rows, a.transpose(0, 1).contiguous(), g.transpose(0, 1).contiguous()))
         self.sites = {key: (weight, _blocks(found)) for key, (weight, found) in weights.items()}
         self.calls, self.grads = [], []
 
