@@ -426,6 +426,22 @@ def parametrized():
                          P.weight_norm(nn.Linear(12, 5)), nn.Tanh(), P.orthogonal(nn.Linear(5, 6)), nn.Tanh(), hooked)
 
 
+class StandardizedConv2d(nn.Conv2d):
+    """A weight-standardised convolution (Qiao et al. 2019; De et al. 2022 train wide ResNets with
+    it under DP-SGD), with a gain per output channel as in NF-Nets: its forward computes the weight
+    it convolves with from its parameters, so the convolution rule, which reads the weight as a
+    parameter, does not fit, and the module takes the fallback."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1))
+
+    def forward(self, x):
+        w = self.weight
+        w = self.gain * (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
 class Recurrent(nn.Module):
     """Each recurrent module with the batch where torch puts it: an LSTM batch first read at its
     output and final states, a bidirectional two-layer GRU sequence first with initial states made
@@ -501,6 +517,9 @@ LAYER_CASES = {
     "prompt-tuning": (PromptTuned, ids((6, 5))),
     "mixture-of-experts": (MixtureOfExperts, normal(6, 5, 3)),
     "parametrized": (parametrized, normal(6, 2, 4)),
+    "standardized-conv": (lambda: nn.Sequential(StandardizedConv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                                                StandardizedConv2d(4, 3, 3, stride=2, bias=False)),
+                          normal(6, 2, 6, 5)),
     "recurrent": (Recurrent, normal(6, 5, 4)),
 }
 
