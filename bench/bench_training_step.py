@@ -23,7 +23,8 @@ parameters (d 256, 4 heads, sequence 64, attention written with nn.Linear), the 
 built from torch's nn.TransformerEncoderLayer (nn.MultiheadAttention, dropout 0.1, no causal mask:
 Opacus trains it as its DPMultiheadAttention, which refuses the is_causal hint nn.TransformerEncoder
 gives with one), a DCGAN-style generator of nn.ConvTranspose2d layers (0.1M, codes 4 x 4 x 64 to
-images 32 x 32 x 3, squared error), a wide ResNet (WRN-16-4 with GroupNorm, 2.75M), a 69M
+images 32 x 32 x 3, squared error), a wide ResNet (WRN-16-4 with GroupNorm, 2.75M; "wrn-16-4-ws": its
+convolutions weight-standardised, nn.Conv2d subclasses computing their weight), a 69M
 transformer (d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M), a LLaMA-style
 model of its size, OPT-125m, and GPT-2 small frozen with LoRA adapters (peft; sequence 128;
 transformers needed); --skip-large leaves these out.
@@ -98,16 +99,26 @@ class CifarCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class StandardizedConv2d(nn.Conv2d):
+    """Weight standardisation (Qiao et al. 2019): each output channel's weights centred and scaled
+    to unit variance before the convolution, as De et al. 2022 train their wide ResNets."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
 class WideResidualBlock(nn.Module):
     """Pre-activation residual block of a wide ResNet: GroupNorm, ReLU, 3x3 convolution, twice; a
     1x1 convolution on the shortcut where the width or the stride changes."""
 
-    def __init__(self, channels: int, width: int, stride: int):
+    def __init__(self, channels: int, width: int, stride: int, conv=nn.Conv2d):
         super().__init__()
         self.norm1, self.norm2 = nn.GroupNorm(16, channels), nn.GroupNorm(16, width)
-        self.conv1 = nn.Conv2d(channels, width, 3, stride, 1, bias=False)
-        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
-        self.shortcut = (nn.Conv2d(channels, width, 1, stride, bias=False)
+        self.conv1 = conv(channels, width, 3, stride, 1, bias=False)
+        self.conv2 = conv(width, width, 3, 1, 1, bias=False)
+        self.shortcut = (conv(channels, width, 1, stride, bias=False)
                          if stride != 1 or channels != width else nn.Identity())
 
     def forward(self, x):
@@ -119,14 +130,15 @@ class WideResNet(nn.Module):
     """WRN-16-4 on 32x32x3 images (2.75M parameters), GroupNorm of 16 groups in place of BatchNorm:
     the wide ResNets De et al. 2022 ("Unlocking High-Accuracy Differentially Private Image
     Classification through Scale") train on CIFAR-10 with DP-SGD (their best result with 40
-    layers), at 16 layers of width 4, without weight standardisation."""
+    layers), at 16 layers of width 4; with ``conv=StandardizedConv2d``, their weight
+    standardisation."""
 
-    def __init__(self, depth: int = 16, widen: int = 4, classes: int = 10):
+    def __init__(self, depth: int = 16, widen: int = 4, classes: int = 10, conv=nn.Conv2d):
         super().__init__()
-        blocks, channels = [nn.Conv2d(3, 16, 3, padding=1, bias=False)], 16
+        blocks, channels = [conv(3, 16, 3, padding=1, bias=False)], 16
         for stage, width in enumerate((16 * widen, 32 * widen, 64 * widen)):
             for block in range((depth - 4) // 6):
-                blocks.append(WideResidualBlock(channels, width, 2 if stage and not block else 1))
+                blocks.append(WideResidualBlock(channels, width, 2 if stage and not block else 1, conv))
                 channels = width
         self.features = nn.Sequential(*blocks, nn.GroupNorm(16, channels), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
         self.head = nn.Linear(channels, classes)
@@ -309,6 +321,8 @@ MODELS = {
     "cifar-cnn": (lambda: CifarCNN(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
     "transformer": (lambda: Transformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), (32,)),
     "wrn-16-4": (lambda: WideResNet(), images((3, 32, 32), 10), nn.CrossEntropyLoss, (64, 128), ()),
+    "wrn-16-4-ws": (lambda: WideResNet(conv=StandardizedConv2d), images((3, 32, 32), 10), nn.CrossEntropyLoss,
+                    (32, 64), ()),
     "generator": (generator, codes_and_images((64, 4, 4), (3, 32, 32)), ImageLoss, (64, 256), ()),
     "torch-transformer": (lambda: TorchTransformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), ()),
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),

@@ -106,9 +106,9 @@ class Twice(nn.Module):
 class ConvTwice(nn.Module):
     """The same Conv2d applied at two places of one forward (inputs of two sizes)."""
 
-    def __init__(self):
+    def __init__(self, conv=nn.Conv2d):
         super().__init__()
-        self.inner, self.outer = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 2, 3, stride=2)
+        self.inner, self.outer = conv(3, 3, 3, padding=1), conv(3, 2, 3, stride=2)
 
     def forward(self, x):
         return self.outer(torch.tanh(self.inner(torch.tanh(self.inner(x))[..., 1:, :])))
@@ -426,20 +426,42 @@ def parametrized():
                          P.weight_norm(nn.Linear(12, 5)), nn.Tanh(), P.orthogonal(nn.Linear(5, 6)), nn.Tanh(), hooked)
 
 
+def standardized_forward(self, x):
+    """A weight-standardised convolution's forward (Qiao et al. 2019; De et al. 2022 train wide
+    ResNets with it under DP-SGD), with a gain per output channel as in NF-Nets: it computes the
+    weight it convolves with from its parameters (privleak.dpsgd.computed_weight)."""
+    w = self.weight
+    dims = tuple(range(1, w.ndim))
+    w = self.gain * (w - w.mean(dims, keepdim=True)) / (w.std(dims, keepdim=True) + 1e-5)
+    return self._conv_forward(x, w, self.bias)
+
+
 class StandardizedConv2d(nn.Conv2d):
-    """A weight-standardised convolution (Qiao et al. 2019; De et al. 2022 train wide ResNets with
-    it under DP-SGD), with a gain per output channel as in NF-Nets: its forward computes the weight
-    it convolves with from its parameters, so the convolution rule, which reads the weight as a
-    parameter, does not fit, and the module takes the fallback."""
+    forward = standardized_forward
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1))
+        self.gain = nn.Parameter(torch.rand(self.out_channels, 1, 1, 1) + 0.5)
+
+
+class StandardizedConv1d(nn.Conv1d):
+    forward = standardized_forward
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.rand(self.out_channels, 1, 1) + 0.5)
+
+
+class ScaledOutputConv2d(nn.Conv2d):
+    """A convolution whose forward multiplies its output by a parameter of its own: the computed
+    weight's rule does not fit it (a parameter used after the convolution), so it is replayed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = nn.Parameter(torch.rand(self.out_channels, 1, 1) + 0.5)
 
     def forward(self, x):
-        w = self.weight
-        w = self.gain * (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
-        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return super().forward(x) * self.scale
 
 
 class Recurrent(nn.Module):
@@ -517,9 +539,16 @@ LAYER_CASES = {
     "prompt-tuning": (PromptTuned, ids((6, 5))),
     "mixture-of-experts": (MixtureOfExperts, normal(6, 5, 3)),
     "parametrized": (parametrized, normal(6, 2, 4)),
-    "standardized-conv": (lambda: nn.Sequential(StandardizedConv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
-                                                StandardizedConv2d(4, 3, 3, stride=2, bias=False)),
+    "standardized-conv": (lambda: nn.Sequential(StandardizedConv2d(2, 4, 3, padding=1, padding_mode="reflect"),
+                                                nn.GroupNorm(2, 4), nn.ReLU(), StandardizedConv2d(4, 3, 3, stride=2,
+                                                                                                  bias=False)),
                           normal(6, 2, 6, 5)),
+    "standardized-conv1d": (lambda: nn.Sequential(StandardizedConv1d(3, 4, 3, stride=2, padding=1), nn.Tanh(),
+                                                  StandardizedConv1d(4, 2, 2, dilation=2, groups=2, padding="same")),
+                            normal(6, 3, 11)),
+    "standardized-conv-twice": (lambda: ConvTwice(StandardizedConv2d), normal(6, 3, 7, 6)),
+    "conv-scaled-output": (lambda: nn.Sequential(ScaledOutputConv2d(2, 3, 3), nn.Tanh(), nn.Flatten(),
+                                                 nn.Linear(27, 2)), normal(6, 2, 5, 5)),
     "recurrent": (Recurrent, normal(6, 5, 4)),
 }
 
@@ -562,6 +591,34 @@ CASES_AND_MECHANISMS = [(case, mechanism) for case in LAYER_CASES for mechanism 
 @pytest.mark.parametrize("case, mechanism", CASES_AND_MECHANISMS)
 def test_every_layer_matches_the_materialised_update(case, mechanism, per_layer):
     compare(case, mechanism, per_layer)
+
+
+class DropConnectConv2d(nn.Conv2d):
+    """DropConnect (Wan et al. 2013): each forward call convolves with the weight masked at random,
+    one mask for the batch."""
+
+    def forward(self, x):
+        return self._conv_forward(x, self.weight * (torch.rand_like(self.weight) > 0.3), self.bias)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+def test_a_weight_masked_at_random_in_the_forward_is_differentiated_under_its_mask(per_layer):
+    # A replay would draw another mask (vmap refuses the draw); the computed weight's rule reads
+    # the one the forward drew. The reference: one backward pass per sample under that mask.
+    torch.manual_seed(0)
+    model = nn.Sequential(DropConnectConv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(75, 2))
+    x, target = torch.randn(6, 2, 5, 5), torch.randn(6, 2)
+    torch.manual_seed(1)
+    losses = regression(model(x), target)
+    rows = [torch.autograd.grad(losses[i], trainable(model), retain_graph=True) for i in range(6)]
+    grads = [torch.stack(column) for column in zip(*rows)]
+    config = CONFIGS["gaussian"](clip_between(grads, per_layer), per_layer)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    torch.manual_seed(1)
+    got = book_kept(model, x, target, config, 4.5, M.NoiseGenerator(7))
+    assert_same_update(got, want)
+    masked = grads[0].reshape(6, -1).abs().sum(0) == 0  # the mask's zeros: no sample's gradient there
+    assert 0 < int(masked.sum()) < masked.numel()
 
 
 @requires_cuda

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd import attention, experts, recurrent, tied  # noqa: F401 (attention, experts, recurrent: register their rules)
+from privleak.dpsgd import attention, computed_weight, experts, recurrent, tied  # noqa: F401 (all but tied: register their rules)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses

@@ -1022,6 +1022,7 @@ class FunctionalLayer(Layer):
 
     uses_per_call = None
     broadcast_calls = flattened_batch_calls = flattened_output_calls = True
+    chunk_at_least = 1  #: samples a chunk takes at least, where the norms come in chunks (a replay is large alone)
 
     def __init__(self, name: str, module: nn.Module):
         self._replay_warned = False
@@ -1187,7 +1188,7 @@ class FunctionalLayer(Layer):
         for its norms alone; :meth:`sums_by_parameter` makes the clipped sum by a second pass."""
         if not self.chunked:
             return {}
-        chunk = samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=1)
+        chunk = samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=self.chunk_at_least)
         norms: dict = {id(p): [] for p in self.parameters}
         for start in range(0, batch, chunk):
             grads = self.per_sample_grads(batch, slice(start, start + chunk))
