@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from privleak.dpsgd import conv_grads
 from privleak.dpsgd.layers import (
     ConvLayer,
+    Forming,
     FunctionalLayer,
     _batch_of,
     _common,
@@ -44,6 +45,7 @@ from privleak.dpsgd.layers import (
 
 _CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2}  # torch.nn.functional's conv1d and conv2d are these
 _ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_VJP_VALUES = 1 << 20  # values of the per-sample gradients a vector-Jacobian product takes at a time (below)
 
 
 class Convolution(NamedTuple):
@@ -170,6 +172,16 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return bool(self.convolutions) and all(c is not None for c in self.convolutions) and not (
             self.shared_calls or self.flattened or self.flattened_outputs)
 
+    def _forming(self, batch: int) -> Forming:
+        """Whole where no larger than the inputs and output gradients the layer holds, else a few
+        samples at a time for the norms: the second pass that then makes the clipped sum is one
+        weight-gradient convolution and one vector-Jacobian product, not a replay, so it pays to
+        hold less (WRN-16-4 weight-standardised, B 64: the 16 x 16 stage's 147k weights a sample
+        formed whole held 4 x 38 MB past the non-private peak)."""
+        if not self._fits():
+            return super()._forming(batch)
+        return Forming.AFTER if self._per_sample_size() <= self._held_per_sample(batch) else Forming.NEVER
+
     def _weight_parameters(self, convolution: Convolution) -> list:
         return [p for p in self.parameters if p is not convolution.bias]
 
@@ -184,10 +196,11 @@ class ComputedWeightConvLayer(FunctionalLayer):
             per_sample = conv_grads.per_sample_conv_grads(x, g, list(c.weight.shape[2:]), c.stride, c.padding,
                                                           c.dilation, c.groups)
             params = self._weight_parameters(c)
-            pulled = torch.autograd.grad(c.weight, params, per_sample.to(c.weight.dtype), retain_graph=True,
-                                         allow_unused=True, is_grads_batched=True)
-            terms = {id(p): torch.zeros(x.shape[0], *p.shape, dtype=p.dtype, device=p.device) if t is None else t
-                     for p, t in zip(params, pulled)}
+            step = max(1, _VJP_VALUES // c.weight.numel())
+            pulled = [torch.autograd.grad(c.weight, params, part.to(c.weight.dtype), retain_graph=True,
+                                          allow_unused=True, is_grads_batched=True) for part in per_sample.split(step)]
+            terms = {id(p): torch.zeros(x.shape[0], *p.shape, dtype=p.dtype, device=p.device) if t[0] is None
+                     else torch.cat(t) for p, t in zip(params, zip(*pulled))}
             if c.bias is not None:
                 terms[id(c.bias)] = bias_rows([g], channels_last=False)
             for key, t in terms.items():

@@ -1167,11 +1167,16 @@ class FunctionalLayer(Layer):
                                    for i, p in enumerate(self.parameters)}
                 return self.per_sample
             self.warn_of_replayed_layers()
-            if when_to_form(self._per_sample_size(), self._held_per_sample(batch)) is Forming.NEVER:
+            if self._forming(batch) is Forming.NEVER:
                 self.chunked = True
             else:
                 self.per_sample = self.per_sample_grads(batch)
         return self.per_sample
+
+    def _forming(self, batch: int) -> Forming:
+        """Whether the per-sample gradients are formed whole or (NEVER) a few samples at a time for
+        the norms, the clipped sum then a second pass (:func:`when_to_form`)."""
+        return when_to_form(self._per_sample_size(), self._held_per_sample(batch))
 
     def _per_sample_size(self) -> int:
         return sum(p.numel() for p in self.parameters)
