@@ -452,15 +452,30 @@ class StandardizedConv1d(nn.Conv1d):
         self.gain = nn.Parameter(torch.rand(self.out_channels, 1, 1) + 0.5)
 
 
-class ScaledOutputConv2d(nn.Conv2d):
-    """A convolution whose forward multiplies its output by a parameter of its own: the computed
-    weight's rule does not fit it (a parameter used after the convolution), so it is replayed."""
+class PaddedConv2d(nn.Conv2d):
+    """A convolution that pads its input itself (as TensorFlow's 'SAME' padding is written), with
+    its weight as it is: the computed weight's rule with J_phi the identity."""
 
-    def __init__(self, *args, **kwargs):
+    def forward(self, x):
+        return F.conv2d(F.pad(x, [0, 1, 1, 0]), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class ScaledOutputConv2d(nn.Conv2d):
+    """A convolution whose forward multiplies its output by a parameter of its own, its input by
+    another, and changes its output in place: the computed weight's rule fits none of these (the
+    parameters used outside the computed weight; the output gradient not the convolution's), so
+    each is replayed."""
+
+    def __init__(self, *args, where="output", **kwargs):
         super().__init__(*args, **kwargs)
+        self.where = where
         self.scale = nn.Parameter(torch.rand(self.out_channels, 1, 1) + 0.5)
 
     def forward(self, x):
+        if self.where == "input":
+            return self._conv_forward(x * self.scale[:x.shape[1]], self.weight * 2, self.bias)
+        if self.where == "in place":
+            return self._conv_forward(x, self.weight * self.scale.view(-1, 1, 1, 1), self.bias).mul_(1.5).tanh_()
         return super().forward(x) * self.scale
 
 
@@ -547,8 +562,10 @@ LAYER_CASES = {
                                                   StandardizedConv1d(4, 2, 2, dilation=2, groups=2, padding="same")),
                             normal(6, 3, 11)),
     "standardized-conv-twice": (lambda: ConvTwice(StandardizedConv2d), normal(6, 3, 7, 6)),
-    "conv-scaled-output": (lambda: nn.Sequential(ScaledOutputConv2d(2, 3, 3), nn.Tanh(), nn.Flatten(),
-                                                 nn.Linear(27, 2)), normal(6, 2, 5, 5)),
+    "conv-padded-itself": (lambda: nn.Sequential(PaddedConv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(75, 2)),
+                           normal(6, 2, 5, 5)),
+    "conv-scaled-output": (lambda: nn.Sequential(*[m for where in ("output", "input", "in place") for m in (
+                               ScaledOutputConv2d(2, 2, 3, padding=1, where=where), nn.Tanh())]), normal(6, 2, 5, 5)),
     "recurrent": (Recurrent, normal(6, 5, 4)),
 }
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from privleak.dpsgd import conv_grads
+from privleak.dpsgd import conv_grads, graph
 from privleak.dpsgd.layers import (
     ConvLayer,
     Forming,
@@ -72,8 +72,9 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
-        if func in _CONVOLUTIONS and torch.is_grad_enabled():
-            self.found.append((_CONVOLUTIONS[func], {**dict(zip(_ARGUMENTS, args)), **kwargs}, output))
+        if func in _CONVOLUTIONS and torch.is_grad_enabled():  # the node and version tell a later in-place op
+            self.found.append((_CONVOLUTIONS[func], {**dict(zip(_ARGUMENTS, args)), **kwargs}, output,
+                               output.grad_fn, output._version))
         return output
 
 
@@ -146,16 +147,25 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return outputs
 
     def _fitting(self, recorder: Optional[_Recorder], leaves: list, output: Any) -> Optional[Convolution]:
-        """The call's convolution where the call fits the rule (the module docstring), else None."""
+        """The call's convolution where the call fits the rule (the module docstring), else None: its
+        output is the call's, unchanged since (no in-place op), and every use of the parameters but
+        the bias is in the computed weight's graph, which does not reach the call's inputs (the
+        parameters enter neither the convolution's input nor anything after it)."""
         if recorder is None or len(recorder.found) != 1:
             return None
-        dims, bound, y = recorder.found[0]
+        dims, bound, y, node, version = recorder.found[0]
         x, w, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if (y is not output or y.grad_fn is not node or y._version != version or not isinstance(x, torch.Tensor)
+                or x.ndim != dims + 2 or x.shape[0] != _batch_of(leaves) or not w.requires_grad
+                or (bias is not None and bias.requires_grad and not any(bias is p for p in self.parameters))):
+            return None
+        inputs = _input_nodes(leaves)
+        if any(p is bias and u != 1 for p, u in zip(self.parameters, self.uses[-1])):  # the convolution's use only
+            return None
         own = [p for p in self.parameters if p is not bias]
-        if (y is not output or not isinstance(x, torch.Tensor) or x.ndim != dims + 2
-                or x.shape[0] != _batch_of(leaves) or not w.requires_grad or w.grad_fn is None
-                or (bias is not None and bias.requires_grad and not any(bias is p for p in self.parameters))
-                or _reaches(w.grad_fn, _input_nodes(leaves)) or not own):
+        in_weight = [1 if w is p else 0 for p in own] if w.grad_fn is None else graph.count_uses([w.grad_fn], own)
+        if not own or _reaches(w.grad_fn, inputs) or in_weight != [u for p, u in zip(self.parameters, self.uses[-1])
+                                                                     if p is not bias]:
             return None
         dilation = _per_dim(bound.get("dilation", 1), dims)
         padding = _padding(bound.get("padding", 0), w, dilation)
