@@ -454,17 +454,31 @@ class StandardizedConv1d(nn.Conv1d):
 
 class PaddedConv2d(nn.Conv2d):
     """A convolution that pads its input itself (as TensorFlow's 'SAME' padding is written), with
-    its weight as it is: the computed weight's rule with J_phi the identity."""
+    its weight as it is (the computed weight's rule with J_phi the identity), and its sizes as
+    one-element lists (torch's conv2d repeats them for both dims)."""
 
     def forward(self, x):
-        return F.conv2d(F.pad(x, [0, 1, 1, 0]), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(F.pad(x, [0, 1, 1, 0]), self.weight, self.bias, [self.stride[0]], [0], [self.dilation[0]])
+
+
+class GainConv2d(nn.Conv2d):
+    """y = conv(x, W g) without a bias (an equalised learning rate's form): the weight a product of
+    parameters, which the fallback's broadcast rule would watch in the backward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, bias=False, **kwargs)
+        self.gain = nn.Parameter(torch.rand(self.out_channels, 1, 1, 1) + 0.5)
+
+    def forward(self, x):
+        return self._conv_forward(x, self.weight * self.gain, None)
 
 
 class ScaledOutputConv2d(nn.Conv2d):
     """A convolution whose forward multiplies its output by a parameter of its own, its input by
-    another, and changes its output in place: the computed weight's rule fits none of these (the
-    parameters used outside the computed weight; the output gradient not the convolution's), so
-    each is replayed."""
+    another, its input and its weight by one node made of it, makes its weight from the batch, or
+    changes its output in place: the
+    computed weight's rule fits none of these (the parameters used outside the computed weight;
+    the output gradient not the convolution's), so each is replayed."""
 
     def __init__(self, *args, where="output", **kwargs):
         super().__init__(*args, **kwargs)
@@ -474,6 +488,11 @@ class ScaledOutputConv2d(nn.Conv2d):
     def forward(self, x):
         if self.where == "input":
             return self._conv_forward(x * self.scale[:x.shape[1]], self.weight * 2, self.bias)
+        if self.where == "dynamic":  # a weight made from the batch (no per-sample gradient to compare with)
+            return self._conv_forward(x, self.weight * x.mean(), self.bias)
+        if self.where == "shared":
+            s = self.scale.mean().exp()
+            return self._conv_forward(x * s, self.weight * s, self.bias)
         if self.where == "in place":
             return self._conv_forward(x, self.weight * self.scale.view(-1, 1, 1, 1), self.bias).mul_(1.5).tanh_()
         return super().forward(x) * self.scale
@@ -564,7 +583,9 @@ LAYER_CASES = {
     "standardized-conv-twice": (lambda: ConvTwice(StandardizedConv2d), normal(6, 3, 7, 6)),
     "conv-padded-itself": (lambda: nn.Sequential(PaddedConv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(75, 2)),
                            normal(6, 2, 5, 5)),
-    "conv-scaled-output": (lambda: nn.Sequential(*[m for where in ("output", "input", "in place") for m in (
+    "conv-gain": (lambda: nn.Sequential(GainConv2d(2, 3, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 2)),
+                  normal(6, 2, 5, 5)),
+    "conv-scaled-output": (lambda: nn.Sequential(*[m for where in ("output", "input", "shared", "in place") for m in (
                                ScaledOutputConv2d(2, 2, 3, padding=1, where=where), nn.Tanh())]), normal(6, 2, 5, 5)),
     "recurrent": (Recurrent, normal(6, 5, 4)),
 }
@@ -608,6 +629,20 @@ CASES_AND_MECHANISMS = [(case, mechanism) for case in LAYER_CASES for mechanism 
 @pytest.mark.parametrize("case, mechanism", CASES_AND_MECHANISMS)
 def test_every_layer_matches_the_materialised_update(case, mechanism, per_layer):
     compare(case, mechanism, per_layer)
+
+
+@pytest.mark.parametrize("where", ["output", "input", "shared", "in place", "dynamic", None])
+def test_only_a_weight_computed_from_the_parameters_alone_takes_the_computed_weight_rule(where):
+    # The rule's own check, on a layer after another (its input has grad, so that a weight made
+    # from the batch shows in its graph); None: a weight-standardised convolution, which fits.
+    conv = StandardizedConv2d(2, 2, 3, padding=1) if where is None else ScaledOutputConv2d(2, 2, 3, padding=1,
+                                                                                           where=where)
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.Tanh(), conv)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                           dpsgd.DPSGDConfig(1.0, noise_multiplier=1.0), expected_batch_size=4)
+    model(torch.randn(4, 2, 5, 5))
+    (layer,) = [layer for layer in bk.layers if layer.module is conv]
+    assert len(layer.convolutions) == 1 and (layer.convolutions[0] is None) == (where is not None)
 
 
 class DropConnectConv2d(nn.Conv2d):

@@ -16,10 +16,12 @@ the output gradients scaled by the clip factors, sum_i f_i J^T G_i(w) = J^T sum_
 The w the forward used is the one differentiated, so a mask drawn at random in the forward
 (DropConnect) is the call's own, where a replay could not redraw it.
 
-A call that does not fit (its forward makes no convolution or several, returns something other
-than the convolution's output, computes a bias, or makes a weight that depends on the batch: a
-dynamic convolution) takes the fallback, the replay of :class:`~privleak.dpsgd.layers.FunctionalLayer`,
-as every call of that step.
+A call that does not fit takes the fallback, the replay of
+:class:`~privleak.dpsgd.layers.FunctionalLayer`, as every call of that step: its forward makes no
+convolution or several, returns something other than the convolution's output or changes it in
+place, computes the bias, uses a parameter outside the computed weight (in the convolution's input,
+or after it), or makes a weight that depends on the batch (a dynamic convolution; seen through
+the inputs with grad: one computed from a first layer's input is not).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from privleak.dpsgd import conv_grads, graph
 from privleak.dpsgd.layers import (
@@ -40,7 +43,6 @@ from privleak.dpsgd.layers import (
     _scaled,
     _zero_dropped,
     bias_rows,
-    total,
 )
 
 _CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2}  # torch.nn.functional's conv1d and conv2d are these
@@ -79,7 +81,9 @@ class _Recorder(TorchFunctionMode):
 
 
 def _per_dim(value: Any, dims: int) -> list:
-    return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * dims
+    """One int per spatial dim, as torch expands a number or a one-element list."""
+    values = [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)]
+    return values * dims if len(values) == 1 else values
 
 
 def _padding(value: Any, weight: torch.Tensor, dilation: list) -> Optional[list]:
@@ -93,18 +97,19 @@ def _padding(value: Any, weight: torch.Tensor, dilation: list) -> Optional[list]
     return _per_dim(value, dims)
 
 
-def _reaches(root, nodes: frozenset) -> bool:
-    """Whether the autograd graph from node ``root`` reaches any of ``nodes``."""
+def _graph_nodes(root, inputs: frozenset) -> Optional[set]:
+    """The autograd nodes of the graph from node ``root`` (none for None); None where it reaches
+    one of ``inputs`` (a weight computed from the batch)."""
     seen, stack = set(), [root]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
-        if node in nodes:
-            return True
+        if node in inputs:
+            return None
         seen.add(node)
         stack.extend(child for child, _ in node.next_functions)
-    return False
+    return seen
 
 
 class ComputedWeightConvLayer(FunctionalLayer):
@@ -118,6 +123,8 @@ class ComputedWeightConvLayer(FunctionalLayer):
 
     @classmethod
     def takes(cls, module: nn.Module) -> bool:
+        """Any Conv1d or Conv2d subclass with a forward of its own, a parametrized one too: the
+        weight its convolution gets is what the rule reads."""
         return isinstance(module, (nn.Conv1d, nn.Conv2d))
 
     def clear(self) -> None:
@@ -142,15 +149,18 @@ class ComputedWeightConvLayer(FunctionalLayer):
         recorder, self.recorder = self.recorder, None
         outputs = super().record(args, kwargs, output)
         if outputs:
-            leaves = self.calls[-1][0]
-            self.convolutions.append(self._fitting(recorder, leaves, output))
+            convolution = self._fitting(recorder, tree_flatten((args, kwargs))[0], output)
+            self.convolutions.append(convolution)
+            if convolution is not None:  # no broadcast rule: its watched nodes would run the weight's graph in
+                self.watched[-1] = []  # the step's backward, which would then free it before the norms
+                self.calls[-1] = (*self.calls[-1][:4], None)
         return outputs
 
     def _fitting(self, recorder: Optional[_Recorder], leaves: list, output: Any) -> Optional[Convolution]:
+        # leaves: the call's arguments as given (their autograd nodes are where the module's graph ends)
         """The call's convolution where the call fits the rule (the module docstring), else None: its
-        output is the call's, unchanged since (no in-place op), and every use of the parameters but
-        the bias is in the computed weight's graph, which does not reach the call's inputs (the
-        parameters enter neither the convolution's input nor anything after it)."""
+        output is the call's, unchanged since (no in-place op); the parameters enter it only through
+        the computed weight and the bias, and the weight's graph does not reach the call's inputs."""
         if recorder is None or len(recorder.found) != 1:
             return None
         dims, bound, y, node, version = recorder.found[0]
@@ -160,12 +170,18 @@ class ComputedWeightConvLayer(FunctionalLayer):
                 or (bias is not None and bias.requires_grad and not any(bias is p for p in self.parameters))):
             return None
         inputs = _input_nodes(leaves)
-        if any(p is bias and u != 1 for p, u in zip(self.parameters, self.uses[-1])):  # the convolution's use only
+        inside = _graph_nodes(w.grad_fn, inputs)
+        if (inside is None or not any(p is not bias for p in self.parameters)
+                or any(getattr(n, "variable", None) is bias for n in inside if bias is not None)):
             return None
-        own = [p for p in self.parameters if p is not bias]
-        in_weight = [1 if w is p else 0 for p in own] if w.grad_fn is None else graph.count_uses([w.grad_fn], own)
-        if not own or _reaches(w.grad_fn, inputs) or in_weight != [u for p, u in zip(self.parameters, self.uses[-1])
-                                                                     if p is not bias]:
+        # Outside the weight's graph the parameters are used only as the convolution's bias and
+        # (a weight used as it is) weight, and the weight's graph is entered only by the
+        # convolution's weight edge (its input 1): a node shared with the input's graph (x * s and
+        # w * s of one s) would count once in a count of uses.
+        parents: dict = {}
+        outside = graph.count_uses([node], self.parameters, stop=inputs | inside, parents=parents)
+        if outside != [(p is bias) + (p is w) for p in self.parameters] or any(
+                parents.get(n, []) != ([(node, 1)] if n is w.grad_fn else []) for n in inside):
             return None
         dilation = _per_dim(bound.get("dilation", 1), dims)
         padding = _padding(bound.get("padding", 0), w, dilation)
@@ -191,6 +207,14 @@ class ComputedWeightConvLayer(FunctionalLayer):
         if not self._fits():
             return super()._forming(batch)
         return Forming.AFTER if self._per_sample_size() <= self._held_per_sample(batch) else Forming.NEVER
+
+    def _held_per_sample(self, batch: int) -> int:
+        """The fallback's count, and the convolutions' inputs where the forward made them (padded)."""
+        leaves = {x.untyped_storage().data_ptr() for leaves, *_ in self.calls for x in leaves
+                  if isinstance(x, torch.Tensor)}
+        made = sum(c.input.numel() for c in self.convolutions
+                   if c is not None and c.input.untyped_storage().data_ptr() not in leaves)
+        return super()._held_per_sample(batch) + made // max(batch, 1)
 
     def _weight_parameters(self, convolution: Convolution) -> list:
         return [p for p in self.parameters if p is not convolution.bias]
@@ -218,26 +242,26 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return grads
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        """J^T of the convolution's weight gradient of x and f g per call, one per distinct tensor
-        of factors (per-layer clipping gives each parameter its own)."""
+        """J^T of the convolution's weight gradient of x and f g per call: one of each per distinct
+        tensor of factors (flat clipping gives every parameter the same one, per-layer clipping each
+        its own; told apart by identity, as the fallback's)."""
         if not self._fits():
             return super().sums_by_parameter(factors, keep)
         sums: dict = {}
         for c, (g,) in zip(self.convolutions, self.grads):
             x, g = _common(_zero_dropped(c.input, keep), _zero_dropped(g, keep))
-            params = self._weight_parameters(c)
-            done: dict = {}  # id of a factors tensor: the weight gradient for it
-            for p in params:
-                f = factors[id(p)]
-                if id(f) not in done:
-                    weight = c.weight.detach().to(x.dtype)
-                    done[id(f)] = torch.ops.aten.convolution_backward(
-                        _scaled(g, f), x, weight, None, c.stride, c.padding, c.dilation, False, [0] * len(c.stride),
-                        c.groups, [False, True, False])[1]
-                (pulled,) = torch.autograd.grad(c.weight, [p], done[id(f)].to(c.weight.dtype), retain_graph=True,
-                                                allow_unused=True)
-                sums[id(p)] = total(t for t in (sums.get(id(p)), pulled if pulled is not None else torch.zeros_like(p))
-                                    if t is not None)
+            groups: dict = {}  # id of a factors tensor: (it, its parameters)
+            for p in self._weight_parameters(c):
+                groups.setdefault(id(factors[id(p)]), (factors[id(p)], []))[1].append(p)
+            for f, params in groups.values():
+                weight_grad = torch.ops.aten.convolution_backward(
+                    _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
+                    [0] * len(c.stride), c.groups, [False, True, False])[1]
+                pulled = torch.autograd.grad(c.weight, params, weight_grad.to(c.weight.dtype), retain_graph=True,
+                                             allow_unused=True)
+                for p, t in zip(params, pulled):
+                    t = torch.zeros_like(p) if t is None else t
+                    sums[id(p)] = t if id(p) not in sums else sums[id(p)] + t
             if c.bias is not None:
                 term = bias_rows([_scaled(g, factors[id(c.bias)])], channels_last=False).sum(0)
                 sums[id(c.bias)] = term if id(c.bias) not in sums else sums[id(c.bias)] + term
