@@ -243,25 +243,13 @@ class MultiheadAttentionLayer(Layer):
 
     def clear(self) -> None:
         super().clear()
-        self.exit_forward()
-        self.recorder: Optional[_Recorder] = None
-        self.recording = False  # the recorder's mode is on
         self.batches: list[int] = []
         self.call_edge_lists: list = []
         self.sites: dict = {}  # after finish: parameter id -> (weight, [(rows, inputs, output grads)]), batch first
 
-    def enter_forward(self) -> None:
-        """Before a forward call with grad: take its attention (:class:`_Recorder`)."""
-        self.exit_forward()  # a mode an interrupted forward left on
-        self.recorder = _Recorder(self.module)
-        self.recorder.__enter__()
-        self.recording = True
-
-    def exit_forward(self) -> None:
-        """After the forward call, also one that raised: the mode ends; :meth:`record` reads it."""
-        if getattr(self, "recording", False):
-            self.recording = False
-            self.recorder.__exit__(None, None, None)
+    def forward_mode(self) -> _Recorder:
+        """Takes the forward call's attention (:class:`_Recorder`)."""
+        return _Recorder(self.module)
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         recorder, self.recorder = self.recorder, None

@@ -129,21 +129,10 @@ class ComputedWeightConvLayer(FunctionalLayer):
 
     def clear(self) -> None:
         super().clear()
-        self.exit_forward()
-        self.recorder: Optional[_Recorder] = None
-        self.recording = False  # the recorder's mode is on
         self.convolutions: list = []  # per call, its Convolution, or None where the call does not fit
 
-    def enter_forward(self) -> None:
-        self.exit_forward()  # a mode an interrupted forward left on
-        self.recorder = _Recorder()
-        self.recorder.__enter__()
-        self.recording = True
-
-    def exit_forward(self) -> None:
-        if getattr(self, "recording", False):
-            self.recording = False
-            self.recorder.__exit__(None, None, None)
+    def forward_mode(self) -> _Recorder:
+        return _Recorder()
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         recorder, self.recorder = self.recorder, None

@@ -30,6 +30,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privleak.dpsgd import conv_grads, ghost_norm, graph
@@ -183,12 +184,28 @@ class Layer:
         self.versions: list = []  # (recorded input, its version counter then), to find in-place changes
         self.sources: list = []  # per call, the autograd node that made the recorded input (None: a leaf)
         self.flattened: dict = {}  # call: batch size, for calls whose input was the batch flattened with its positions
+        self.exit_forward()
+        self.recorder: Optional[TorchFunctionMode] = None  # the forward mode of the call under way
+        self.recording = False  # the recorder's mode is on
+
+    def forward_mode(self) -> TorchFunctionMode:
+        """The torch function mode an :attr:`intercepts_forward` layer puts on through a forward call."""
+        raise NotImplementedError
 
     def enter_forward(self) -> None:
-        """Before a forward call of the module with grad (:attr:`intercepts_forward` layers)."""
+        """Before a forward call of the module with grad (:attr:`intercepts_forward` layers): a new
+        :meth:`forward_mode` on, as :attr:`recorder` (a mode an interrupted forward left on taken off
+        first: a KeyboardInterrupt runs no forward hook)."""
+        self.exit_forward()
+        self.recorder = self.forward_mode()
+        self.recorder.__enter__()
+        self.recording = True
 
     def exit_forward(self) -> None:
-        """After that call, also one that raised."""
+        """After that call, also one that raised: the mode off; :meth:`record` takes :attr:`recorder`."""
+        if getattr(self, "recording", False):
+            self.recording = False
+            self.recorder.__exit__(None, None, None)
 
     def trains(self, parameter: Optional[torch.Tensor]) -> bool:
         return parameter is not None and parameter.requires_grad
