@@ -146,10 +146,10 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return outputs
 
     def _fitting(self, recorder: Optional[_Recorder], leaves: list, output: Any) -> Optional[Convolution]:
-        # leaves: the call's arguments as given (their autograd nodes are where the module's graph ends)
         """The call's convolution where the call fits the rule (the module docstring), else None: its
         output is the call's, unchanged since (no in-place op); the parameters enter it only through
-        the computed weight and the bias, and the weight's graph does not reach the call's inputs."""
+        the computed weight and the bias, and the weight's graph does not reach the call's inputs
+        (``leaves``, its arguments as given: their autograd nodes are where the module's graph ends)."""
         if recorder is None or len(recorder.found) != 1:
             return None
         dims, bound, y, node, version = recorder.found[0]
