@@ -80,9 +80,12 @@ class BookKeeping:
             is used only so (any layer but a convolution or GroupNorm); or, for a Linear or LayerNorm,
             is the batch flattened with its positions (OPT's (B T, d)), as the autograd graph shows. An
             nn.Embedding subclass whose forward returns its lookup of ids it makes (BART's and OPT's
-            position embeddings) gets the Embedding rule. A module that computes its weight as it runs
-            (a parametrization such as weight_norm, spectral_norm or orthogonal) takes the fallback on
-            its parametrization's originals. nn.LSTM, nn.GRU and nn.RNN get book-keeping over their
+            position embeddings) gets the Embedding rule. An nn.Conv1d/2d subclass whose forward
+            convolves with a weight computed from its parameters (weight standardisation, a gain,
+            DropConnect) gets the convolution rule on that weight, mapped back to the parameters
+            (:mod:`privleak.dpsgd.computed_weight`). Any other module that computes its weight as it
+            runs (a parametrization such as weight_norm, spectral_norm or orthogonal) takes the
+            fallback on its parametrization's originals. nn.LSTM, nn.GRU and nn.RNN get book-keeping over their
             steps run again after the backward pass, packed sequences included
             (:mod:`privleak.dpsgd.recurrent`). A weight tied between nn.Linear, nn.Embedding (or a
             scaled word embedding) and Conv1D layers (a language model's head and token embedding) is
