@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import attention, bookkeeping, graph, layers, recurrent, tied
+from privleak.dpsgd import attention, bookkeeping, computed_weight, graph, layers, recurrent, tied
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from transformers.pytorch_utils import Conv1D
@@ -452,6 +452,25 @@ class StandardizedConv1d(nn.Conv1d):
         self.gain = nn.Parameter(torch.rand(self.out_channels, 1, 1) + 0.5)
 
 
+STANDARDISATIONS = {  # a weight-standardised convolution's phi as it is written, without a gain
+    "std": lambda w: (w - w.mean(tuple(range(1, w.ndim)), keepdim=True))
+    / (w.std(tuple(range(1, w.ndim)), keepdim=True) + 1e-5),
+    "batch-norm": lambda w: F.batch_norm(w.reshape(1, w.shape[0], -1), None, None, training=True, momentum=0.0,
+                                         eps=1e-6).reshape_as(w),  # timm's StdConv2d
+    "rsqrt": lambda w: (w - w.mean(tuple(range(1, w.ndim)), keepdim=True))
+    * torch.rsqrt(w.var(tuple(range(1, w.ndim)), keepdim=True, unbiased=False) + 1e-4),
+}
+
+
+def standardised(base, form):
+    """A subclass of ``base`` (nn.Conv1d or nn.Conv2d) standardising its weight, one parameter of
+    the weight's shape, by STANDARDISATIONS[form]: J^T in the standardised form
+    (privleak.dpsgd.computed_weight)."""
+    def forward(self, x):
+        return self._conv_forward(x, STANDARDISATIONS[form](self.weight), self.bias)
+    return type(f"Standardised{base.__name__}", (base,), {"forward": forward})
+
+
 class PaddedConv2d(nn.Conv2d):
     """A convolution that pads its input itself (as TensorFlow's 'SAME' padding is written), with
     its weight as it is (the computed weight's rule with J_phi the identity), and its sizes as
@@ -581,6 +600,15 @@ LAYER_CASES = {
                                                   StandardizedConv1d(4, 2, 2, dilation=2, groups=2, padding="same")),
                             normal(6, 3, 11)),
     "standardized-conv-twice": (lambda: ConvTwice(StandardizedConv2d), normal(6, 3, 7, 6)),
+    # J^T in the standardised form: G_i(w) formed whole (first), a few samples at a time (the 8-channel
+    # convolutions on 2 x 3 inputs), a Conv1d of two groups
+    "standardised-conv": (lambda: nn.Sequential(
+        standardised(nn.Conv2d, "std")(2, 4, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+        standardised(nn.Conv2d, "batch-norm")(4, 8, 3, stride=2, bias=False), nn.Tanh(),
+        standardised(nn.Conv2d, "rsqrt")(8, 8, 3, padding=1)), normal(6, 2, 6, 8)),
+    "standardised-conv1d": (lambda: nn.Sequential(standardised(nn.Conv1d, "std")(4, 6, 3, padding=1, groups=2),
+                                                  nn.Tanh(), standardised(nn.Conv1d, "rsqrt")(6, 2, 2)),
+                            normal(6, 4, 7)),
     "conv-padded-itself": (lambda: nn.Sequential(PaddedConv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(75, 2)),
                            normal(6, 2, 5, 5)),
     "conv-gain": (lambda: nn.Sequential(GainConv2d(2, 3, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 2)),
@@ -671,6 +699,73 @@ def test_a_weight_masked_at_random_in_the_forward_is_differentiated_under_its_ma
     assert_same_update(got, want)
     masked = grads[0].reshape(6, -1).abs().sum(0) == 0  # the mask's zeros: no sample's gradient there
     assert 0 < int(masked.sum()) < masked.numel()
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "laplace"])
+@pytest.mark.parametrize("case, layers_in_form", [("standardised-conv", 3), ("standardised-conv1d", 2),
+                                                  ("conv-padded-itself", 1), ("standardized-conv", 0),
+                                                  ("standardized-conv-twice", 0)])
+def test_the_standardised_form_gives_the_norms_where_it_holds(case, layers_in_form, mechanism, monkeypatch):
+    # Its L2 norms for each standardised convolution (a padded one's weight as it is: J = I is the
+    # form too), none with a gain beside the weight or a layer called twice; L1 norms (Laplace)
+    # from the per-sample gradients of the parameters. The update is checked in compare().
+    seen = set()  # the layers' Jacobians, alive through the step
+    norms = computed_weight.standardised_squared_norms
+    monkeypatch.setattr(computed_weight, "standardised_squared_norms", lambda g, j: seen.add(id(j)) or norms(g, j))
+    compare(case, mechanism, per_layer=False)
+    assert len(seen) == (layers_in_form if mechanism == "gaussian" else 0)
+
+
+def _standardising_jacobian_of(phi, shape=(5, 4, 3, 3), seed=0):
+    v = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).requires_grad_()
+    return computed_weight.row_standardising_jacobian(phi(v), v), v
+
+
+@pytest.mark.parametrize("shape", [(5, 4, 3, 3), (3, 64, 3, 3), (7, 2, 5)])
+def test_a_standardisation_s_jacobian_is_the_scaled_projection_of_qiao_et_al(shape):
+    # Population std without eps: J = (I - 1 1^T / n - u u^T) / sigma, the scaled projection
+    # (r = 1 / sigma, lambda1 = lambdau = 0), against that closed form.
+    dims = tuple(range(1, len(shape)))
+    jacobian, v = _standardising_jacobian_of(
+        lambda w: (w - w.mean(dims, keepdim=True)) / w.std(dims, keepdim=True, unbiased=False), shape)
+    sigma = v.detach().double().std(dims, unbiased=False)
+    torch.testing.assert_close(jacobian.scale, 1 / sigma, rtol=1e-5, atol=0)
+    assert float(jacobian.basis_scales.abs().max()) < 1e-5 * float(jacobian.scale.min())
+
+
+@pytest.mark.parametrize("phi, holds", [
+    (STANDARDISATIONS["std"], True), (STANDARDISATIONS["batch-norm"], True), (STANDARDISATIONS["rsqrt"], True),
+    (lambda w: 3 * w, True),
+    (lambda w: w + 1e-3 * w.roll(1, 0), False),  # channels mixed by 0.1%
+    (lambda w: STANDARDISATIONS["std"](w) + 1e-3 * w[:, :1].sum(), False),  # a rank-one term beside it
+    (lambda w: w / torch.linalg.vector_norm(w, dim=(1, 2, 3), keepdim=True), False),  # weight norm
+    (lambda w: w * (torch.arange(w.numel()).reshape(w.shape) % 3 > 0), False),  # a fixed DropConnect mask
+    (lambda w: w.mean((1, 2, 3), keepdim=True).expand_as(w) + 0 * w, False)])  # constant rows: no direction u
+def test_the_standardised_form_is_taken_where_the_jacobian_has_it_and_only_there(phi, holds):
+    jacobian, v = _standardising_jacobian_of(phi)
+    assert (jacobian is not None) == holds
+    if holds:  # and where it holds, it is J^T: against torch's vector-Jacobian product of random rows
+        z = torch.randn(2, *v.shape, generator=torch.Generator().manual_seed(9))
+        (want,) = torch.autograd.grad(phi(v), v, z, is_grads_batched=True)
+        coefficients, rest = computed_weight._split(z.reshape(2, v.shape[0], -1).double(), jacobian.basis)
+        got = jacobian.scale[:, None, None] * rest + torch.bmm(coefficients * jacobian.basis_scales[:, None],
+                                                               jacobian.basis)
+        torch.testing.assert_close(got.transpose(0, 1).reshape_as(want).float(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", sorted(STANDARDISATIONS))
+def test_standardised_norms_are_those_of_the_vector_jacobian_products(form):
+    # |J^T G_i|^2 of per-sample weight gradients, against the float64 product of torch's autograd;
+    # G_i mostly along 1 (as after a ReLU) included.
+    phi = STANDARDISATIONS[form]
+    jacobian, v = _standardising_jacobian_of(phi, (6, 8, 3, 3))
+    generator = torch.Generator().manual_seed(3)
+    grads = torch.randn(5, *v.shape, generator=generator)
+    grads[0] += 1e3
+    v64 = v.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(phi(v64), v64, grads.double(), is_grads_batched=True)
+    torch.testing.assert_close(computed_weight.standardised_squared_norms(grads, jacobian),
+                               want.flatten(1).square().sum(1), rtol=1e-4, atol=0)
 
 
 @requires_cuda

@@ -16,6 +16,32 @@ the output gradients scaled by the clip factors, sum_i f_i J^T G_i(w) = J^T sum_
 The w the forward used is the one differentiated, so a mask drawn at random in the forward
 (DropConnect) is the call's own, where a replay could not redraw it.
 
+**Standardised weights.** Where w is made from one parameter v of its shape and phi acts on each
+output channel's row alone as a standardisation does, its per-sample norms need no product by J_phi
+at all. For w_o = (v_o - mean(v_o)) / (std(v_o) + eps), in any of its written forms (``w.std``, or
+``var`` and ``rsqrt``, or ``F.batch_norm`` of the weight as timm's StdConv2d; any eps, correction or
+constant gain), J_phi^T maps each row's gradient z to
+
+    J_o^T z = r_o z_perp + lambda1_o 1 (1 . z) / n + lambdau_o u_o (u_o . z),
+
+z_perp the part of z orthogonal to 1 and u_o, u_o the unit direction of w_o - mean(w_o), n a row's
+size (with eps = 0 and the population std: r = 1 / std, lambda1 = lambdau = 0, the scaled projection
+of Qiao et al.'s appendix). So the squared norm of J^T G_i(w) is
+
+    sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2 (u_o . G_io)^2,
+
+three reductions of G_i(w) (:func:`standardised_squared_norms`), no batched vector-Jacobian
+product (WRN-16-4 weight-standardised, B 32, one thread: that product and its copies took ~0.7 s
+of a 2.4 s step). The rule does not take this form on trust: each step (not under a CUDA graph's
+capture, whose syncs it refuses) it reads r, lambda1 and lambdau from J^T applied to u, to 1 and to
+a random Gaussian row (one product of three rows, :func:`row_standardising_jacobian`) and takes
+the closed form only where J^T gives the form's value on all three to 128 float rounding errors:
+in float32 a standardisation misses it by about 1e-7 of its scale, a J off the form by a relative
+1e-3 (a weight mixing its output channels by 0.1%) misses it by about 1e-3, a weight norm,
+DropConnect or a standardisation plus a rank-one term by more than 1e-2. Where it does not hold
+(a gain or other parameter beside v, several calls, L1 norms, half-precision weights), the step
+takes the product above.
+
 A call that does not fit takes the fallback, the replay of
 :class:`~privleak.dpsgd.layers.FunctionalLayer`, as every call of that step: its forward makes no
 convolution or several, returns something other than the convolution's output or changes it in
@@ -43,6 +69,8 @@ from privleak.dpsgd.layers import (
     _scaled,
     _zero_dropped,
     bias_rows,
+    row_norms,
+    samples_per_chunk,
 )
 
 _CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2}  # torch.nn.functional's conv1d and conv2d are these
@@ -112,6 +140,72 @@ def _graph_nodes(root, inputs: frozenset) -> Optional[set]:
     return seen
 
 
+class RowJacobian(NamedTuple):
+    """J_phi^T of a weight made from one parameter of its shape, row by row (output channel o, n
+    values a row): ``scale`` r_o on what is orthogonal to the two orthonormal rows of ``basis``
+    (1 / sqrt(n) and u_o, the module docstring; (O, 2, n)), ``basis_scales`` (lambda1_o, lambdau_o)
+    on those (O, 2); float64."""
+
+    scale: torch.Tensor
+    basis: torch.Tensor
+    basis_scales: torch.Tensor
+
+
+_PROBE_SEED = 0x5EED  # the random row of the check: fixed, so that a step is the same whenever it runs
+_ROUNDING_ERRORS = 128  # what the check allows of J^T's distance from the form, in float rounding errors
+
+
+def _split(z: torch.Tensor, basis: torch.Tensor) -> tuple:
+    """(coefficients (O, B, 2), rest (O, B, n)) of rows z (B, O, n) on an orthonormal basis (O, 2, n)
+    of each row's space: two batched products, the rest formed (its norm as |z|^2 less the
+    coefficients' would cancel where a gradient lies mostly along 1, as it does on inputs after a
+    ReLU; a product's passes are 3-4x faster than a mean, a sum of products and an addcmul's)."""
+    z = z.transpose(0, 1)
+    coefficients = torch.bmm(z, basis.transpose(1, 2))
+    return coefficients, torch.baddbmm(z, coefficients, basis, alpha=-1)
+
+
+def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor) -> Optional[RowJacobian]:
+    """J^T of ``weight`` = phi(``parameter``) (its graph kept) in the standardising form of the
+    module docstring, or None where J^T does not take that form to 128 rounding errors of the
+    weight's dtype on the three rows it is checked on (1, u and a random Gaussian row), or a row of
+    the weight is constant (no direction u). One vector-Jacobian product of three rows."""
+    rows = weight.shape[0]
+    w = weight.detach().reshape(rows, -1).double()
+    centred = w - w.mean(-1, keepdim=True)
+    length = torch.linalg.vector_norm(centred, dim=-1, keepdim=True)
+    if not bool((length > 0).all()):
+        return None
+    basis = torch.stack([torch.full_like(w, w.shape[1] ** -0.5), centred / length], 1)
+    generator = torch.Generator(device=w.device).manual_seed(_PROBE_SEED)
+    probes = torch.cat([basis, torch.randn(rows, 1, w.shape[1], generator=generator, dtype=w.dtype, device=w.device)],
+                       1).to(weight.dtype)  # (O, 3, n)
+    (pulled,) = torch.autograd.grad(weight, parameter, probes.transpose(0, 1).reshape(3, *weight.shape),
+                                    retain_graph=True, is_grads_batched=True)
+    pulled, probes = pulled.reshape(3, rows, -1).transpose(0, 1).double(), probes.double()
+    basis_scales = (pulled[:, :2] * basis).sum(-1)
+    coefficients, rest = _split(probes[:, 2:].transpose(0, 1), basis)
+    scale = (rest[:, 0] * pulled[:, 2]).sum(-1) / rest[:, 0].square().sum(-1)
+    coefficients, rest = _split(probes.transpose(0, 1), basis)  # each probe in the form: (O, 3, 2) and (O, 3, n)
+    formed = scale[:, None, None] * rest + torch.bmm(coefficients * basis_scales[:, None], basis)
+    largest = torch.cat([scale.abs()[:, None], basis_scales.abs()], 1).amax(1, keepdim=True)
+    allowed = _ROUNDING_ERRORS * torch.finfo(weight.dtype).eps * largest * torch.linalg.vector_norm(probes, dim=-1)
+    if not bool((torch.linalg.vector_norm(pulled - formed, dim=-1) <= allowed).all()):
+        return None
+    return RowJacobian(scale, basis, basis_scales)
+
+
+def standardised_squared_norms(grads: torch.Tensor, jacobian: RowJacobian) -> torch.Tensor:
+    """(B,) float64 |J^T G_i|^2 of per-sample weight gradients ``grads`` (B, O, ...):
+    sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2 (u_o . G_io)^2, the
+    products in the gradients' dtype (as :func:`~privleak.dpsgd.layers.row_norms`), the sum in float64."""
+    g = grads.reshape(*grads.shape[:2], -1)
+    coefficients, rest = _split(g, jacobian.basis.to(g.dtype))
+    squares = (jacobian.scale.square()[:, None] * torch.linalg.vector_norm(rest, dim=-1).double().square()
+               + (jacobian.basis_scales.square()[:, None] * coefficients.double().square()).sum(-1))
+    return squares.sum(0)
+
+
 class ComputedWeightConvLayer(FunctionalLayer):
     """An ``nn.Conv1d`` / ``nn.Conv2d`` subclass with a forward of its own (the module docstring):
     the fallback's recording, with each call's convolution kept, and its per-sample gradients and
@@ -130,6 +224,9 @@ class ComputedWeightConvLayer(FunctionalLayer):
     def clear(self) -> None:
         super().clear()
         self.convolutions: list = []  # per call, its Convolution, or None where the call does not fit
+        self.jacobian: Optional[RowJacobian] = None  # this step's, where the standardised form holds
+        self.jacobian_checked = False
+        self.weight_grads: Optional[torch.Tensor] = None  # G_i(w) of the standardised form, where formed whole
 
     def forward_mode(self) -> _Recorder:
         return _Recorder()
@@ -187,6 +284,21 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return bool(self.convolutions) and all(c is not None for c in self.convolutions) and not (
             self.shared_calls or self.flattened or self.flattened_outputs)
 
+    def _standardising(self) -> Optional[RowJacobian]:
+        """This step's J^T where the weight's norms take the standardised form (the module
+        docstring): one call, its weight made from one parameter of its shape in float32 or
+        float64, and J^T checked to take the form; None otherwise (checked once a step)."""
+        if not self.jacobian_checked:
+            self.jacobian_checked = True
+            if self._fits() and len(self.convolutions) == 1:
+                c = self.convolutions[0]
+                (*params,) = self._weight_parameters(c)
+                if (len(params) == 1 and params[0].shape == c.weight.shape
+                        and c.weight.dtype in (torch.float32, torch.float64)
+                        and not (c.weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+                    self.jacobian = row_standardising_jacobian(c.weight, params[0])
+        return self.jacobian
+
     def _forming(self, batch: int) -> Forming:
         """Whole where no larger than the inputs and output gradients the layer holds, else a few
         samples at a time for the norms: the second pass that then makes the clipped sum is one
@@ -195,6 +307,8 @@ class ComputedWeightConvLayer(FunctionalLayer):
         formed whole held 4 x 38 MB past the non-private peak)."""
         if not self._fits():
             return super()._forming(batch)
+        if self._standardising() is not None:  # norms without J^T (L1 norms: a few samples at a time)
+            return Forming.NEVER
         return Forming.AFTER if self._per_sample_size() <= self._held_per_sample(batch) else Forming.NEVER
 
     def _held_per_sample(self, batch: int) -> int:
@@ -208,6 +322,35 @@ class ComputedWeightConvLayer(FunctionalLayer):
     def _weight_parameters(self, convolution: Convolution) -> list:
         return [p for p in self.parameters if p is not convolution.bias]
 
+    @staticmethod
+    def _weight_grads(c: Convolution, g: torch.Tensor, samples: slice) -> torch.Tensor:
+        """(B, *w.shape) per-sample gradients of the computed weight w for a slice of the batch."""
+        x, g = _common(c.input[samples], g[samples])
+        return conv_grads.per_sample_conv_grads(x, g, list(c.weight.shape[2:]), c.stride, c.padding, c.dilation,
+                                                c.groups)
+
+    def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
+        """Squared L2 norms in the standardised form (the module docstring) from G_i(w): formed whole
+        and kept for the clipped sum (sum_i f_i G_i(w), one pass over them, in place of a
+        weight-gradient convolution) where no larger than the inputs and output gradients the layer
+        holds, else a few samples at a time; otherwise the fallback's."""
+        jacobian = self._standardising()
+        if norm_type != 2 or jacobian is None:
+            return super().norms_by_parameter(batch, norm_type)
+        (c,), ((g,),) = self.convolutions, self.grads
+        (weight,) = self._weight_parameters(c)
+        held = self._held_per_sample(batch)
+        if weight.numel() <= held:
+            self.weight_grads = self._weight_grads(c, g, slice(None))
+            norms = {id(weight): standardised_squared_norms(self.weight_grads, jacobian)}
+        else:
+            chunk = samples_per_chunk(held, 3 * weight.numel(), at_least=self.chunk_at_least)
+            norms = {id(weight): torch.cat([standardised_squared_norms(self._weight_grads(c, g, slice(i, i + chunk)),
+                                                                       jacobian) for i in range(0, batch, chunk)])}
+        if c.bias is not None:
+            norms[id(c.bias)] = row_norms(bias_rows([g], channels_last=False), norm_type)
+        return norms
+
     def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
         """G_i(theta) = J^T G_i(w) per call, added over the calls (the module docstring); the bias's
         per-sample gradients are the output gradients summed over positions."""
@@ -215,17 +358,15 @@ class ComputedWeightConvLayer(FunctionalLayer):
             return super().per_sample_grads(batch, samples)
         grads: dict = {}
         for c, (g,) in zip(self.convolutions, self.grads):
-            x, g = _common(c.input[samples], g[samples])
-            per_sample = conv_grads.per_sample_conv_grads(x, g, list(c.weight.shape[2:]), c.stride, c.padding,
-                                                          c.dilation, c.groups)
+            per_sample = self._weight_grads(c, g, samples)
             params = self._weight_parameters(c)
             step = max(1, _VJP_VALUES // c.weight.numel())
             pulled = [torch.autograd.grad(c.weight, params, part.to(c.weight.dtype), retain_graph=True,
                                           allow_unused=True, is_grads_batched=True) for part in per_sample.split(step)]
-            terms = {id(p): torch.zeros(x.shape[0], *p.shape, dtype=p.dtype, device=p.device) if t[0] is None
-                     else torch.cat(t) for p, t in zip(params, zip(*pulled))}
+            terms = {id(p): torch.zeros(per_sample.shape[0], *p.shape, dtype=p.dtype, device=p.device) if t[0] is None
+                     else t[0] if len(t) == 1 else torch.cat(t) for p, t in zip(params, zip(*pulled))}
             if c.bias is not None:
-                terms[id(c.bias)] = bias_rows([g], channels_last=False)
+                terms[id(c.bias)] = bias_rows([g[samples]], channels_last=False)
             for key, t in terms.items():
                 grads[key] = t if key not in grads else grads[key] + t
         return grads
@@ -243,9 +384,12 @@ class ComputedWeightConvLayer(FunctionalLayer):
             for p in self._weight_parameters(c):
                 groups.setdefault(id(factors[id(p)]), (factors[id(p)], []))[1].append(p)
             for f, params in groups.values():
-                weight_grad = torch.ops.aten.convolution_backward(
-                    _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
-                    [0] * len(c.stride), c.groups, [False, True, False])[1]
+                if self.weight_grads is not None:
+                    weight_grad = torch.tensordot(f.to(g.dtype), _zero_dropped(self.weight_grads, keep), 1)
+                else:
+                    weight_grad = torch.ops.aten.convolution_backward(
+                        _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
+                        [0] * len(c.stride), c.groups, [False, True, False])[1]
                 pulled = torch.autograd.grad(c.weight, params, weight_grad.to(c.weight.dtype), retain_graph=True,
                                              allow_unused=True)
                 for p, t in zip(params, pulled):
