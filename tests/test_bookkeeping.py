@@ -702,18 +702,42 @@ def test_a_weight_masked_at_random_in_the_forward_is_differentiated_under_its_ma
 
 
 @pytest.mark.parametrize("mechanism", ["gaussian", "laplace"])
-@pytest.mark.parametrize("case, layers_in_form", [("standardised-conv", 3), ("standardised-conv1d", 2),
-                                                  ("conv-padded-itself", 1), ("standardized-conv", 0),
-                                                  ("standardized-conv-twice", 0)])
-def test_the_standardised_form_gives_the_norms_where_it_holds(case, layers_in_form, mechanism, monkeypatch):
-    # Its L2 norms for each standardised convolution (a padded one's weight as it is: J = I is the
-    # form too), none with a gain beside the weight or a layer called twice; L1 norms (Laplace)
-    # from the per-sample gradients of the parameters. The update is checked in compare().
-    seen = set()  # the layers' Jacobians, alive through the step
-    norms = computed_weight.standardised_squared_norms
-    monkeypatch.setattr(computed_weight, "standardised_squared_norms", lambda g, j: seen.add(id(j)) or norms(g, j))
+@pytest.mark.parametrize("case, in_form, by_ghost_norm", [
+    ("standardised-conv", 3, 1), ("standardised-conv1d", 2, 0), ("conv-padded-itself", 1, 0),
+    ("standardized-conv", 0, 0), ("standardized-conv-twice", 0, 0)])
+def test_the_standardised_form_gives_the_norms_where_it_holds(case, in_form, by_ghost_norm, mechanism, monkeypatch):
+    # The form for each standardised convolution (a padded one's weight as it is: J = I is the form
+    # too), none with a gain beside the weight or a layer called twice; its L2 norms by the ghost
+    # norm for the last convolution of "standardised-conv" (8 channels at 2 x 3), from G_i(w) for
+    # the others; L1 norms (Laplace) from the per-sample gradients of the parameters. The update is
+    # checked in compare().
+    found, ghost = [], []
+    check, norms = computed_weight.row_standardising_jacobian, computed_weight.ComputedWeightConvLayer._ghost_norms
+    monkeypatch.setattr(computed_weight, "row_standardising_jacobian",
+                        lambda w, p: found.append(check(w, p)) or found[-1])
+    monkeypatch.setattr(computed_weight.ComputedWeightConvLayer, "_ghost_norms",
+                        lambda self, *args: ghost.append(self) or norms(self, *args))
     compare(case, mechanism, per_layer=False)
-    assert len(seen) == (layers_in_form if mechanism == "gaussian" else 0)
+    assert sum(j is not None for j in found) == in_form
+    assert len(set(ghost)) == (by_ghost_norm if mechanism == "gaussian" else 0)
+
+
+def test_the_ghost_norm_of_the_standardised_form_takes_g_i_w_where_its_difference_would_lose_digits(monkeypatch):
+    # Inputs far from 0 (padded by reflection): each G_io lies along 1 but for ~1e-5 of its square,
+    # which the ghost norm's difference would leave to rounding; those samples' norms come from G_i(w).
+    model = nn.Sequential(standardised(nn.Conv2d, "std")(8, 8, 3, padding=1, padding_mode="reflect"), nn.Flatten())
+    x = torch.randn(6, 8, 4, 4, generator=torch.Generator().manual_seed(2))
+    x[:3] += 300.0
+    target = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    lost = []
+    norms = computed_weight.standardised_squared_norms
+    monkeypatch.setattr(computed_weight, "standardised_squared_norms",
+                        lambda g, j: lost.append(g.shape[0]) or norms(g, j))
+    grads = materialised_grads(model, x, target)
+    config = CONFIGS["gaussian"](clip_between(grads, False), False)
+    want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
+    assert_same_update(book_kept(model, x, target, config, 4.5, M.NoiseGenerator(7)), want)
+    assert lost == [3]
 
 
 def _standardising_jacobian_of(phi, shape=(5, 4, 3, 3), seed=0):

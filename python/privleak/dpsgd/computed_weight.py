@@ -51,6 +51,7 @@ the inputs with grad: one computed from a first layer's input is not).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -58,7 +59,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from privleak.dpsgd import conv_grads, graph
+from privleak.dpsgd import conv_grads, ghost_norm, graph
 from privleak.dpsgd.layers import (
     ConvLayer,
     Forming,
@@ -71,6 +72,7 @@ from privleak.dpsgd.layers import (
     bias_rows,
     row_norms,
     samples_per_chunk,
+    use_ghost_norm,
 )
 
 _CONVOLUTIONS = {torch.conv1d: 1, torch.conv2d: 2}  # torch.nn.functional's conv1d and conv2d are these
@@ -78,10 +80,19 @@ _ARGUMENTS = ("input", "weight", "bias", "stride", "padding", "dilation", "group
 _VJP_VALUES = 1 << 20  # values of the per-sample gradients a vector-Jacobian product takes at a time (below)
 
 
+class ConvOutput(NamedTuple):
+    """A convolution's output (detached), its version then, and the bias it added (None: none)."""
+
+    value: torch.Tensor
+    version: int
+    bias: Optional[torch.Tensor]
+
+
 class Convolution(NamedTuple):
     """One forward call's convolution: its input (kept, detached), the weight it computed (with
     the graph back to the parameters), the bias passed (a trainable parameter of the module, or
-    None), and its geometry as one int per spatial dim."""
+    None), its geometry as one int per spatial dim, and its output where the standardised form's
+    ghost norm would take it (:meth:`ComputedWeightConvLayer._ghost_norms`; else None)."""
 
     input: torch.Tensor
     weight: torch.Tensor
@@ -90,6 +101,7 @@ class Convolution(NamedTuple):
     padding: list
     dilation: list
     groups: int
+    output: Optional[ConvOutput]
 
 
 class _Recorder(TorchFunctionMode):
@@ -273,8 +285,13 @@ class ComputedWeightConvLayer(FunctionalLayer):
         padding = _padding(bound.get("padding", 0), w, dilation)
         if padding is None:
             return None
+        groups = int(bound.get("groups", 1))
+        positions, kernel = math.prod(y.shape[2:]), math.prod(w.shape[2:])
+        ghost = (use_ghost_norm(positions, math.prod(w.shape[1:]), w.shape[0] // groups)
+                 and ghost_norm.pixel_gram_pays(math.prod(x.shape[2:]), positions, kernel))
+        output = ConvOutput(y.detach(), version, None if bias is None else bias.detach()) if ghost else None
         return Convolution(self.keep(x), w, bias if bias is not None and bias.requires_grad else None,
-                           _per_dim(bound.get("stride", 1), dims), padding, dilation, int(bound.get("groups", 1)))
+                           _per_dim(bound.get("stride", 1), dims), padding, dilation, groups, output)
 
     def renumber(self, new: dict) -> None:
         super().renumber(new)
@@ -323,24 +340,32 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return [p for p in self.parameters if p is not convolution.bias]
 
     @staticmethod
-    def _weight_grads(c: Convolution, g: torch.Tensor, samples: slice) -> torch.Tensor:
-        """(B, *w.shape) per-sample gradients of the computed weight w for a slice of the batch."""
+    def _weight_grads(c: Convolution, g: torch.Tensor, samples) -> torch.Tensor:
+        """(B, *w.shape) per-sample gradients of the computed weight w for a slice of the batch (or
+        an index tensor of samples)."""
         x, g = _common(c.input[samples], g[samples])
         return conv_grads.per_sample_conv_grads(x, g, list(c.weight.shape[2:]), c.stride, c.padding, c.dilation,
                                                 c.groups)
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
-        """Squared L2 norms in the standardised form (the module docstring) from G_i(w): formed whole
-        and kept for the clipped sum (sum_i f_i G_i(w), one pass over them, in place of a
+        """Squared L2 norms in the standardised form (the module docstring): by the ghost norm where
+        the call kept its output (:meth:`_ghost_norms`) and it is unchanged; else from G_i(w), formed
+        whole and kept for the clipped sum (sum_i f_i G_i(w), one pass over them, in place of a
         weight-gradient convolution) where no larger than the inputs and output gradients the layer
-        holds, else a few samples at a time; otherwise the fallback's."""
+        holds, or a few samples at a time; otherwise the fallback's."""
         jacobian = self._standardising()
         if norm_type != 2 or jacobian is None:
             return super().norms_by_parameter(batch, norm_type)
         (c,), ((g,),) = self.convolutions, self.grads
         (weight,) = self._weight_parameters(c)
         held = self._held_per_sample(batch)
-        if weight.numel() <= held:
+        if c.output is not None and c.output.value._version == c.output.version:
+            pixels = math.prod(c.input.shape[2:])
+            chunk = samples_per_chunk(held, c.groups * 2 * pixels * pixels + math.prod(g.shape[1:]),
+                                      at_least=self.chunk_at_least)
+            norms = {id(weight): torch.cat([self._ghost_norms(c, g, jacobian, slice(i, i + chunk))
+                                            for i in range(0, batch, chunk)])}
+        elif weight.numel() <= held:
             self.weight_grads = self._weight_grads(c, g, slice(None))
             norms = {id(weight): standardised_squared_norms(self.weight_grads, jacobian)}
         else:
@@ -349,6 +374,43 @@ class ComputedWeightConvLayer(FunctionalLayer):
                                                                        jacobian) for i in range(0, batch, chunk)])}
         if c.bias is not None:
             norms[id(c.bias)] = row_norms(bias_rows([g], channels_last=False), norm_type)
+        return norms
+
+    def _ghost_norms(self, c: Convolution, output_grads: torch.Tensor, jacobian: RowJacobian,
+                     samples: slice) -> torch.Tensor:
+        """The standardised form for a slice of the batch without G_i(w): sum_o r_o^2 |G_io|^2 is
+        the ghost norm of x and the output gradients scaled by r (from the pixel Gram,
+        :func:`~privleak.dpsgd.ghost_norm.conv_ghost_norms`), and each row's parts along 1 and u are
+        sums over positions, 1 . G_io = sum_t g_iot b_it with b = conv(x, ones) (one output channel a
+        group), u_o . G_io = sum_t g_iot conv(x, u_o)_it = (sum_t g_iot (y_iot - bias_o) - m_o 1 .
+        G_io) / l_o, from the call's output y, w_o = m_o + l_o u_o. Where a sample's part off 1 and u
+        is under 1% of sum_o r_o^2 |G_io|^2, its difference would lose digits: that sample's norm is
+        taken from its G_i(w) instead (:func:`standardised_squared_norms`)."""
+        x, g = _common(c.input[samples], output_grads[samples])
+        kernel, groups = list(c.weight.shape[2:]), c.groups
+        scale = jacobian.scale.to(g.dtype).view(1, -1, *[1] * (g.ndim - 2))
+        ghost = ghost_norm.conv_ghost_norms(x, g * scale, kernel, c.stride, c.padding, c.dilation, groups)
+        convolve = torch.conv1d if len(kernel) == 1 else torch.conv2d
+        box = convolve(x, x.new_ones(groups, x.shape[1] // groups, *kernel), None, c.stride, c.padding, c.dilation,
+                       groups).flatten(2)
+        g = g.flatten(2)  # (B, O, T)
+        along_ones = torch.einsum("bgpt,bgt->bgp", g.unflatten(1, (groups, -1)), box).flatten(1)
+        y = c.output.value[samples].flatten(2).to(g.dtype)
+        along_output = torch.einsum("bot,bot->bo", g, y)
+        if c.output.bias is not None:
+            along_output = along_output - c.output.bias.to(g.dtype) * g.sum(-1)
+        w = c.weight.detach().flatten(1).double()
+        mean = w.mean(1)
+        length = torch.linalg.vector_norm(w - mean[:, None], dim=1)
+        coefficients = torch.stack([along_ones.double() * w.shape[1] ** -0.5,
+                                    (along_output.double() - mean * along_ones.double()) / length], -1)  # (B, O, 2)
+        squares = coefficients.square()
+        perp = ghost - (jacobian.scale.square() * squares.sum(-1)).sum(-1)
+        norms = perp.clamp(min=0) + (jacobian.basis_scales.square() * squares).sum((-2, -1))
+        lost = (perp < 0.01 * ghost).nonzero()[:, 0]
+        if lost.numel():
+            start = samples.start or 0
+            norms[lost] = standardised_squared_norms(self._weight_grads(c, output_grads, lost + start), jacobian)
         return norms
 
     def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
