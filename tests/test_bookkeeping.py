@@ -985,7 +985,7 @@ def test_the_deprecated_hook_based_spectral_norm_is_refused():
 @pytest.mark.parametrize("case", ["linear-sequence", "conv1d", "conv2d", "embedding", "layernorm", "groupnorm",
                                   "rmsnorm", "transformers-conv1d", "multihead-attention", "fallback", "own-parameters",
                                   "shared-outputs", "relative-bias", "position-modules", "tied-embeddings",
-                                  "tied-autoencoder"])
+                                  "tied-autoencoder", "standardised-conv"])
 def test_autocast_to_bfloat16_gives_the_float32_update_to_bfloat16_precision(case):
     """Under autocast a layer's input and output gradient can have different dtypes, and the
     fallback recomputes under the autocast of its call: the update is float32 and within bfloat16

@@ -25,22 +25,29 @@ constant gain), J_phi^T maps each row's gradient z to
     J_o^T z = r_o z_perp + lambda1_o 1 (1 . z) / n + lambdau_o u_o (u_o . z),
 
 z_perp the part of z orthogonal to 1 and u_o, u_o the unit direction of w_o - mean(w_o), n a row's
-size (with eps = 0 and the population std: r = 1 / std, lambda1 = lambdau = 0, the scaled projection
-of Qiao et al.'s appendix). So the squared norm of J^T G_i(w) is
+size (with eps = 0 and the population std: r = 1 / std and lambda1 = lambdau = 0, a scaled
+projection; checked against torch's Jacobian in the tests). So the squared norm of J^T G_i(w) is
 
     sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2 (u_o . G_io)^2,
 
-three reductions of G_i(w) (:func:`standardised_squared_norms`), no batched vector-Jacobian
-product (WRN-16-4 weight-standardised, B 32, one thread: that product and its copies took ~0.7 s
-of a 2.4 s step). The rule does not take this form on trust: each step (not under a CUDA graph's
-capture, whose syncs it refuses) it reads r, lambda1 and lambdau from J^T applied to u, to 1 and to
-a random Gaussian row (one product of three rows, :func:`row_standardising_jacobian`) and takes
-the closed form only where J^T gives the form's value on all three to 128 float rounding errors:
-in float32 a standardisation misses it by about 1e-7 of its scale, a J off the form by a relative
-1e-3 (a weight mixing its output channels by 0.1%) misses it by about 1e-3, a weight norm,
-DropConnect or a standardisation plus a rank-one term by more than 1e-2. Where it does not hold
-(a gain or other parameter beside v, several calls, L1 norms, half-precision weights), the step
-takes the product above.
+with no batched vector-Jacobian product (WRN-16-4 weight-standardised, B 32, one thread: that
+product and its copies took ~0.7 s of a 2.4 s step). Where the convolution's ghost norm pays (the
+mixed rule's 2 T^2 < d p, and the pixel Gram's, as for an ``nn.Conv2d``), G_i(w) is not formed at all:
+sum_o r_o^2 |G_io|^2 is the ghost norm of the output gradients scaled by r, and the parts along 1
+and u_o are sums over positions of the output gradients times a convolution of x with ones and
+the call's own output (:meth:`ComputedWeightConvLayer._ghost_norms`). Elsewhere G_i(w) is formed,
+whole where no larger than the layer's inputs and output gradients (its clipped sum then one pass
+over it) or a few samples at a time, and reduced (:func:`standardised_squared_norms`).
+
+The rule does not take the form on trust: each step (not under a CUDA graph's capture, whose
+syncs it refuses) it reads r, lambda1 and lambdau from J^T applied to 1, to u and to a random
+Gaussian row (one product of three rows, :func:`row_standardising_jacobian`) and takes the closed
+form only where J^T gives the form's value on all three to 128 float rounding errors: in float32
+a standardisation misses it by about 1e-7 of its scale, a J off the form by a relative 1e-3 (a
+weight mixing its output channels by 0.1%) by about 1e-3, a weight norm, DropConnect or a
+standardisation plus a rank-one term by more than 1e-2. Where it does not hold (a gain or other
+parameter beside v, several calls, L1 norms, half-precision weights), the step takes the
+product above.
 
 A call that does not fit takes the fallback, the replay of
 :class:`~privleak.dpsgd.layers.FunctionalLayer`, as every call of that step: its forward makes no
@@ -238,7 +245,7 @@ class ComputedWeightConvLayer(FunctionalLayer):
         self.convolutions: list = []  # per call, its Convolution, or None where the call does not fit
         self.jacobian: Optional[RowJacobian] = None  # this step's, where the standardised form holds
         self.jacobian_checked = False
-        self.weight_grads: Optional[torch.Tensor] = None  # G_i(w) of the standardised form, where formed whole
+        self.formed: Optional[tuple] = None  # (G_i(w), the bias's rows or None) where the standardised form formed them
 
     def forward_mode(self) -> _Recorder:
         return _Recorder()
@@ -287,8 +294,11 @@ class ComputedWeightConvLayer(FunctionalLayer):
             return None
         groups = int(bound.get("groups", 1))
         positions, kernel = math.prod(y.shape[2:]), math.prod(w.shape[2:])
+        # The output kept for the standardised form's ghost norm; not in bfloat16 (autocast), which
+        # would lose the digits of the part along u.
         ghost = (use_ghost_norm(positions, math.prod(w.shape[1:]), w.shape[0] // groups)
-                 and ghost_norm.pixel_gram_pays(math.prod(x.shape[2:]), positions, kernel))
+                 and ghost_norm.pixel_gram_pays(math.prod(x.shape[2:]), positions, kernel)
+                 and y.dtype in (torch.float32, torch.float64))
         output = ConvOutput(y.detach(), version, None if bias is None else bias.detach()) if ghost else None
         return Convolution(self.keep(x), w, bias if bias is not None and bias.requires_grad else None,
                            _per_dim(bound.get("stride", 1), dims), padding, dilation, groups, output)
@@ -365,9 +375,16 @@ class ComputedWeightConvLayer(FunctionalLayer):
                                       at_least=self.chunk_at_least)
             norms = {id(weight): torch.cat([self._ghost_norms(c, g, jacobian, slice(i, i + chunk))
                                             for i in range(0, batch, chunk)])}
-        elif weight.numel() <= held:
-            self.weight_grads = self._weight_grads(c, g, slice(None))
-            norms = {id(weight): standardised_squared_norms(self.weight_grads, jacobian)}
+        elif weight.numel() <= held:  # formed whole in place of the call's input and output gradients
+            self.formed = (self._weight_grads(c, g, slice(None)),
+                           None if c.bias is None else bias_rows([g], channels_last=False))
+            self.convolutions[0] = c._replace(input=None, output=None)
+            self.calls[0] = ([None] * len(self.calls[0][0]), *self.calls[0][1:])
+            self.grads[0] = [None]
+            norms = {id(weight): standardised_squared_norms(self.formed[0], jacobian)}
+            if c.bias is not None:
+                norms[id(c.bias)] = row_norms(self.formed[1], norm_type)
+            return norms
         else:
             chunk = samples_per_chunk(held, 3 * weight.numel(), at_least=self.chunk_at_least)
             norms = {id(weight): torch.cat([standardised_squared_norms(self._weight_grads(c, g, slice(i, i + chunk)),
@@ -436,9 +453,12 @@ class ComputedWeightConvLayer(FunctionalLayer):
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
         """J^T of the convolution's weight gradient of x and f g per call: one of each per distinct
         tensor of factors (flat clipping gives every parameter the same one, per-layer clipping each
-        its own; told apart by identity, as the fallback's)."""
+        its own; told apart by identity, as the fallback's); where the standardised form formed
+        G_i(w), J^T of sum_i f_i G_i(w)."""
         if not self._fits():
             return super().sums_by_parameter(factors, keep)
+        if self.formed is not None:
+            return self._formed_sums(factors, keep)
         sums: dict = {}
         for c, (g,) in zip(self.convolutions, self.grads):
             x, g = _common(_zero_dropped(c.input, keep), _zero_dropped(g, keep))
@@ -446,21 +466,34 @@ class ComputedWeightConvLayer(FunctionalLayer):
             for p in self._weight_parameters(c):
                 groups.setdefault(id(factors[id(p)]), (factors[id(p)], []))[1].append(p)
             for f, params in groups.values():
-                if self.weight_grads is not None:
-                    weight_grad = torch.tensordot(f.to(g.dtype), _zero_dropped(self.weight_grads, keep), 1)
-                else:
-                    weight_grad = torch.ops.aten.convolution_backward(
-                        _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
-                        [0] * len(c.stride), c.groups, [False, True, False])[1]
-                pulled = torch.autograd.grad(c.weight, params, weight_grad.to(c.weight.dtype), retain_graph=True,
-                                             allow_unused=True)
-                for p, t in zip(params, pulled):
-                    t = torch.zeros_like(p) if t is None else t
-                    sums[id(p)] = t if id(p) not in sums else sums[id(p)] + t
+                weight_grad = torch.ops.aten.convolution_backward(
+                    _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
+                    [0] * len(c.stride), c.groups, [False, True, False])[1]
+                self._add_pulled(sums, c, params, weight_grad)
             if c.bias is not None:
                 term = bias_rows([_scaled(g, factors[id(c.bias)])], channels_last=False).sum(0)
                 sums[id(c.bias)] = term if id(c.bias) not in sums else sums[id(c.bias)] + term
         return sums
+
+    def _formed_sums(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        """J^T sum_i f_i G_i(w) and the bias's sum_i f_i rows_i, one pass over each formed tensor."""
+        (c,), (grads, bias) = self.convolutions, self.formed
+        params = self._weight_parameters(c)
+        sums: dict = {}
+        self._add_pulled(sums, c, params, torch.tensordot(factors[id(params[0])].to(grads.dtype),
+                                                          _zero_dropped(grads, keep), 1))
+        if bias is not None:
+            sums[id(c.bias)] = torch.tensordot(factors[id(c.bias)].to(bias.dtype), _zero_dropped(bias, keep), 1)
+        return sums
+
+    @staticmethod
+    def _add_pulled(sums: dict, c: Convolution, params: list, weight_grad: torch.Tensor) -> None:
+        """J^T of a gradient of the computed weight, added to ``sums`` per parameter."""
+        pulled = torch.autograd.grad(c.weight, params, weight_grad.to(c.weight.dtype), retain_graph=True,
+                                     allow_unused=True)
+        for p, t in zip(params, pulled):
+            t = torch.zeros_like(p) if t is None else t
+            sums[id(p)] = t if id(p) not in sums else sums[id(p)] + t
 
 
 ConvLayer.own_forward_rule = ComputedWeightConvLayer
