@@ -83,7 +83,8 @@ class BookKeeping:
             position embeddings) gets the Embedding rule. An nn.Conv1d/2d subclass whose forward
             convolves with a weight computed from its parameters (weight standardisation, a gain,
             DropConnect) gets the convolution rule on that weight, mapped back to the parameters
-            (:mod:`privleak.dpsgd.computed_weight`). Any other module that computes its weight as it
+            (:mod:`privleak.dpsgd.computed_weight`); a standardised one its norms in closed form,
+            by the ghost norm where the convolution's pays. Any other module that computes its weight as it
             runs (a parametrization such as weight_norm, spectral_norm or orthogonal) takes the
             fallback on its parametrization's originals. nn.LSTM, nn.GRU and nn.RNN get book-keeping over their
             steps run again after the backward pass, packed sequences included
@@ -367,6 +368,7 @@ class BookKeeping:
         shared = self._shared_outputs(batch, parents)
         for layer in self.layers:
             layer.check_inputs()
+            layer.may_sync = synced
         edges = [edge for layer in self.layers for edge in layer.edges]
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "

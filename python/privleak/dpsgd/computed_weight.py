@@ -314,15 +314,15 @@ class ComputedWeightConvLayer(FunctionalLayer):
     def _standardising(self) -> Optional[RowJacobian]:
         """This step's J^T where the weight's norms take the standardised form (the module
         docstring): one call, its weight made from one parameter of its shape in float32 or
-        float64, and J^T checked to take the form; None otherwise (checked once a step)."""
+        float64, and J^T checked to take the form (a host read: not in a step a CUDA graph
+        captures, on the CPU's graphed step too); None otherwise (checked once a step)."""
         if not self.jacobian_checked:
             self.jacobian_checked = True
             if self._fits() and len(self.convolutions) == 1:
                 c = self.convolutions[0]
                 (*params,) = self._weight_parameters(c)
-                if (len(params) == 1 and params[0].shape == c.weight.shape
-                        and c.weight.dtype in (torch.float32, torch.float64)
-                        and not (c.weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+                if (len(params) == 1 and params[0].shape == c.weight.shape and self.may_sync
+                        and c.weight.dtype in (torch.float32, torch.float64)):
                     self.jacobian = row_standardising_jacobian(c.weight, params[0])
         return self.jacobian
 

@@ -148,6 +148,9 @@ class Layer:
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
         self.parameters = self.parameters_of(module)
+        #: the layer's rule may read a tensor on the host this step: not in a step a CUDA graph
+        #: captures (BookKeeping sets it each step)
+        self.may_sync = True
         self.clear()
 
     def parameters_of(self, module: nn.Module) -> list:
