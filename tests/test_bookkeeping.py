@@ -704,17 +704,17 @@ def test_a_weight_masked_at_random_in_the_forward_is_differentiated_under_its_ma
 @pytest.mark.parametrize("mechanism", ["gaussian", "laplace"])
 @pytest.mark.parametrize("case, in_form, by_ghost_norm", [
     ("standardised-conv", 3, 1), ("standardised-conv1d", 2, 0), ("conv-padded-itself", 1, 0),
-    ("standardized-conv", 0, 0), ("standardized-conv-twice", 0, 0)])
+    ("standardized-conv", 2, 0), ("standardized-conv1d", 2, 0), ("standardized-conv-twice", 1, 0)])
 def test_the_standardised_form_gives_the_norms_where_it_holds(case, in_form, by_ghost_norm, mechanism, monkeypatch):
     # The form for each standardised convolution (a padded one's weight as it is: J = I is the form
-    # too), none with a gain beside the weight or a layer called twice; its L2 norms by the ghost
-    # norm for the last convolution of "standardised-conv" (8 channels at 2 x 3), from G_i(w) for
-    # the others; L1 norms (Laplace) from the per-sample gradients of the parameters. The update is
-    # checked in compare().
+    # too; a gain beside the weight too), not for the layer called twice (ConvTwice's inner); its
+    # L2 norms by the ghost norm for the last convolution of "standardised-conv" (8 channels at
+    # 2 x 3), from G_i(w) for the others; L1 norms (Laplace) from the per-sample gradients of the
+    # parameters. The update is checked in compare().
     found, ghost = [], []
     check, norms = computed_weight.row_standardising_jacobian, computed_weight.ComputedWeightConvLayer._ghost_norms
     monkeypatch.setattr(computed_weight, "row_standardising_jacobian",
-                        lambda w, p: found.append(check(w, p)) or found[-1])
+                        lambda *args: found.append(check(*args)) or found[-1])
     monkeypatch.setattr(computed_weight.ComputedWeightConvLayer, "_ghost_norms",
                         lambda self, *args: ghost.append(self) or norms(self, *args))
     compare(case, mechanism, per_layer=False)
@@ -740,7 +740,8 @@ def test_the_ghost_norm_of_the_standardised_form_takes_g_i_w_where_its_differenc
     book_kept(model, x, target, CONFIGS["gaussian"](1.0, False), 4.5, M.NoiseGenerator(7))
     weight = materialised_grads(copy.deepcopy(model).double(), x.double(), target.double())[0]
     # G_i(w) in float32 keeps 1e-7 |G_i| of the part off 1: ~1e-4 of these norms (without the guard: 2% off)
-    torch.testing.assert_close(torch.cat(found), weight.flatten(1).square().sum(1), rtol=1e-3, atol=0)
+    torch.testing.assert_close(torch.cat([norms[0] for norms in found]), weight.flatten(1).square().sum(1),
+                               rtol=1e-3, atol=0)
     assert lost == [3]
 
 
@@ -792,8 +793,28 @@ def test_standardised_norms_are_those_of_the_vector_jacobian_products(form):
     grads[0] += 1e3
     v64 = v.detach().double().requires_grad_()
     (want,) = torch.autograd.grad(phi(v64), v64, grads.double(), is_grads_batched=True)
-    torch.testing.assert_close(computed_weight.standardised_squared_norms(grads, jacobian),
-                               want.flatten(1).square().sum(1), rtol=1e-4, atol=0)
+    (got,) = computed_weight.standardised_squared_norms(grads, jacobian)
+    torch.testing.assert_close(got, want.flatten(1).square().sum(1), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("gain_shape", [(6, 1, 1, 1), (6,)])
+def test_a_gain_beside_the_standardised_weight_has_its_norms_from_the_parts_along_1_and_u(gain_shape):
+    # w = gain * standardised(v) (NF-Nets' form): |J^T G_i|^2 of v and of the gain against the
+    # float64 products of torch's autograd; a gain mixing two channels is refused.
+    v = torch.randn(6, 8, 3, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    gain = (torch.rand(gain_shape, generator=torch.Generator().manual_seed(1)) + 0.5).requires_grad_()
+
+    def phi(v, gain):
+        return gain.reshape(6, 1, 1, 1) * STANDARDISATIONS["std"](v)
+
+    jacobian = computed_weight.row_standardising_jacobian(phi(v, gain), v, (gain,))
+    grads = torch.randn(5, *v.shape, generator=torch.Generator().manual_seed(3))
+    v64, gain64 = v.detach().double().requires_grad_(), gain.detach().double().requires_grad_()
+    want = torch.autograd.grad(phi(v64, gain64), (v64, gain64), grads.double(), is_grads_batched=True)
+    for got, expected in zip(computed_weight.standardised_squared_norms(grads, jacobian), want, strict=True):
+        torch.testing.assert_close(got, expected.flatten(1).square().sum(1), rtol=1e-4, atol=0)
+    mixed = gain.reshape(6, 1, 1, 1) + 0.1 * gain.roll(1).reshape(6, 1, 1, 1)
+    assert computed_weight.row_standardising_jacobian(mixed * STANDARDISATIONS["std"](v), v, (gain,)) is None
 
 
 @requires_cuda

@@ -160,17 +160,22 @@ def _graph_nodes(root, inputs: frozenset) -> Optional[set]:
 
 
 class RowJacobian(NamedTuple):
-    """J_phi^T of a weight made from one parameter of its shape, row by row (output channel o, n
-    values a row): ``scale`` r_o on what is orthogonal to the two orthonormal rows of ``basis``
-    (1 / sqrt(n) and u_o, the module docstring; (O, 2, n)), ``basis_scales`` (lambda1_o, lambdau_o)
-    on those (O, 2); float64."""
+    """J_phi^T of a weight made from one parameter of its shape and gains (parameters of one value
+    an output channel), row by row (output channel o, n values a row): for the parameter,
+    ``scale`` r_o on what is orthogonal to the two orthonormal rows of ``basis`` (1 / sqrt(n) and
+    u_o, the module docstring; (O, 2, n)), ``basis_scales`` (lambda1_o, lambdau_o) on those (O, 2);
+    for gain k, its J^T of a row z, a_ok . z with a_ok on the basis, ``gains`` (O, K, 2); float64."""
 
     scale: torch.Tensor
     basis: torch.Tensor
     basis_scales: torch.Tensor
+    gains: torch.Tensor
 
 
-_PROBE_SEED = 0x5EED  # the random row of the check: fixed, so that a step is the same whenever it runs
+_PROBE_SEED = 0x5EED  # the random rows of the check: fixed, so that a step is the same whenever it runs
+# A gain's J^T is one number a row: a random row misses a part of it off the basis with odds
+# ~1e-5 / that part's size; four miss it together with odds ~1e-20 / size^4.
+_RANDOM_PROBES = 4
 _ROUNDING_ERRORS = 128  # what the check allows of J^T's distance from the form, in float rounding errors
 
 
@@ -184,11 +189,12 @@ def _split(z: torch.Tensor, basis: torch.Tensor) -> tuple:
     return coefficients, torch.baddbmm(z, coefficients, basis, alpha=-1)
 
 
-def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor) -> Optional[RowJacobian]:
-    """J^T of ``weight`` = phi(``parameter``) (its graph kept) in the standardising form of the
-    module docstring, or None where J^T does not take that form to 128 rounding errors of the
-    weight's dtype on the three rows it is checked on (1, u and a random Gaussian row), or a row of
-    the weight is constant (no direction u). One vector-Jacobian product of three rows."""
+def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor,
+                               gains: tuple = ()) -> Optional[RowJacobian]:
+    """J^T of ``weight`` = phi(``parameter``, ``gains``) (its graph kept) in the standardising form
+    of the module docstring, or None where J^T does not take that form to 128 rounding errors of
+    the weight's dtype on the rows it is checked on (1, u and four random Gaussian rows), or a row
+    of the weight is constant (no direction u). One vector-Jacobian product of six rows."""
     rows = weight.shape[0]
     w = weight.detach().reshape(rows, -1).double()
     centred = w - w.mean(-1, keepdim=True)
@@ -197,32 +203,62 @@ def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor) ->
         return None
     basis = torch.stack([torch.full_like(w, w.shape[1] ** -0.5), centred / length], 1)
     generator = torch.Generator(device=w.device).manual_seed(_PROBE_SEED)
-    probes = torch.cat([basis, torch.randn(rows, 1, w.shape[1], generator=generator, dtype=w.dtype, device=w.device)],
-                       1).to(weight.dtype)  # (O, 3, n)
-    (pulled,) = torch.autograd.grad(weight, parameter, probes.transpose(0, 1).reshape(3, *weight.shape),
-                                    retain_graph=True, is_grads_batched=True)
-    pulled, probes = pulled.reshape(3, rows, -1).transpose(0, 1).double(), probes.double()
-    basis_scales = (pulled[:, :2] * basis).sum(-1)
-    coefficients, rest = _split(probes[:, 2:].transpose(0, 1), basis)
-    scale = (rest[:, 0] * pulled[:, 2]).sum(-1) / rest[:, 0].square().sum(-1)
-    coefficients, rest = _split(probes.transpose(0, 1), basis)  # each probe in the form: (O, 3, 2) and (O, 3, n)
+    random = torch.randn(rows, _RANDOM_PROBES, w.shape[1], generator=generator, dtype=w.dtype, device=w.device)
+    probes = torch.cat([basis, random], 1).to(weight.dtype)  # (O, 6, n)
+    count = probes.shape[1]
+    pulled = torch.autograd.grad(weight, [parameter, *gains], probes.transpose(0, 1).reshape(count, *weight.shape),
+                                 retain_graph=True, allow_unused=True, is_grads_batched=True)
+    pulled = [torch.zeros(count, *p.shape, dtype=weight.dtype, device=w.device) if t is None else t
+              for p, t in zip([parameter, *gains], pulled)]
+    probes = probes.double()
+    eps = _ROUNDING_ERRORS * torch.finfo(weight.dtype).eps
+    coefficients, rest = _split(probes.transpose(0, 1), basis)  # each probe on the basis: (O, 6, 2) and (O, 6, n)
+    main = pulled[0].reshape(count, rows, -1).transpose(0, 1).double()  # (O, 6, n)
+    basis_scales = (main[:, :2] * basis).sum(-1)
+    scale = (rest[:, 2:] * main[:, 2:]).sum((1, 2)) / rest[:, 2:].square().sum((1, 2))
     formed = scale[:, None, None] * rest + torch.bmm(coefficients * basis_scales[:, None], basis)
     largest = torch.cat([scale.abs()[:, None], basis_scales.abs()], 1).amax(1, keepdim=True)
-    allowed = _ROUNDING_ERRORS * torch.finfo(weight.dtype).eps * largest * torch.linalg.vector_norm(probes, dim=-1)
-    if not bool((torch.linalg.vector_norm(pulled - formed, dim=-1) <= allowed).all()):
+    lengths = torch.linalg.vector_norm(probes, dim=-1)
+    if not bool((torch.linalg.vector_norm(main - formed, dim=-1) <= eps * largest * lengths).all()):
         return None
-    return RowJacobian(scale, basis, basis_scales)
+    found = torch.stack([t.reshape(count, rows).T.double() for t in pulled[1:]], 1) if gains else \
+        w.new_zeros(rows, 0, count)  # (O, K, 6): each gain's J^T of each probe
+    on_basis = found[..., :2]  # a_ok . (1 / sqrt(n)) and a_ok . u_o
+    predicted = torch.bmm(on_basis, coefficients.transpose(1, 2))
+    allowed = eps * on_basis.abs().amax(-1, keepdim=True) * lengths[:, None]
+    if not bool(((found - predicted).abs() <= allowed).all()):
+        return None
+    return RowJacobian(scale, basis, basis_scales, on_basis)
 
 
-def standardised_squared_norms(grads: torch.Tensor, jacobian: RowJacobian) -> torch.Tensor:
-    """(B,) float64 |J^T G_i|^2 of per-sample weight gradients ``grads`` (B, O, ...):
-    sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2 (u_o . G_io)^2, the
-    products in the gradients' dtype (as :func:`~privleak.dpsgd.layers.row_norms`), the sum in float64."""
+def _squared_norms(jacobian: RowJacobian, rest: torch.Tensor, coefficients: torch.Tensor) -> list:
+    """(B,) float64 squared norms of J^T G_i per parameter (the standardised one, then each gain),
+    from r_o^2 |G_io_perp|^2 per row ``rest`` (O, B), or their sum (1, B), and the coefficients on
+    the basis (O, B, 2)."""
+    coefficients = coefficients.double()
+    weight = rest.sum(0) + (jacobian.basis_scales.square()[:, None] * coefficients.square()).sum((0, 2))
+    gains = torch.einsum("okc,obc->kbo", jacobian.gains, coefficients).square().sum(-1)
+    return [weight, *gains]
+
+
+def standardised_squared_norms(grads: torch.Tensor, jacobian: RowJacobian) -> list:
+    """(B,) float64 |J^T G_i|^2 per parameter of per-sample weight gradients ``grads`` (B, O, ...):
+    for the standardised one, sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2
+    (u_o . G_io)^2; for gain k, sum_o (a_ok . G_io)^2; the products in the gradients' dtype (as
+    :func:`~privleak.dpsgd.layers.row_norms`), the sums in float64."""
     g = grads.reshape(*grads.shape[:2], -1)
     coefficients, rest = _split(g, jacobian.basis.to(g.dtype))
-    squares = (jacobian.scale.square()[:, None] * torch.linalg.vector_norm(rest, dim=-1).double().square()
-               + (jacobian.basis_scales.square()[:, None] * coefficients.double().square()).sum(-1))
-    return squares.sum(0)
+    return _squared_norms(jacobian, jacobian.scale.square()[:, None] * torch.linalg.vector_norm(rest, dim=-1).double()
+                          .square(), coefficients)
+
+
+def _by_factors(params: list, factors: dict) -> list:
+    """(factors, parameters) per distinct tensor of factors (flat clipping gives every parameter
+    the same one, per-layer clipping each its own), told apart by identity, as the fallback's."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(id(factors[id(p)]), (factors[id(p)], []))[1].append(p)
+    return list(groups.values())
 
 
 class ComputedWeightConvLayer(FunctionalLayer):
@@ -313,18 +349,25 @@ class ComputedWeightConvLayer(FunctionalLayer):
 
     def _standardising(self) -> Optional[RowJacobian]:
         """This step's J^T where the weight's norms take the standardised form (the module
-        docstring): one call, its weight made from one parameter of its shape in float32 or
-        float64, and J^T checked to take the form (a host read: not in a step a CUDA graph
-        captures, on the CPU's graphed step too); None otherwise (checked once a step)."""
+        docstring): one call, its weight in float32 or float64 made from one parameter of its
+        shape and gains of one value an output channel, and J^T checked to take the form (a host
+        read: not in a step a CUDA graph captures, on the CPU's graphed step too); None otherwise
+        (checked once a step)."""
         if not self.jacobian_checked:
             self.jacobian_checked = True
-            if self._fits() and len(self.convolutions) == 1:
+            if self._fits() and len(self.convolutions) == 1 and self.may_sync:
                 c = self.convolutions[0]
-                (*params,) = self._weight_parameters(c)
-                if (len(params) == 1 and params[0].shape == c.weight.shape and self.may_sync
-                        and c.weight.dtype in (torch.float32, torch.float64)):
-                    self.jacobian = row_standardising_jacobian(c.weight, params[0])
+                parameter, *gains = self._form_parameters(c)
+                rows = c.weight.shape[0]
+                if (parameter.shape == c.weight.shape and c.weight.dtype in (torch.float32, torch.float64)
+                        and all(p.numel() == rows and p.shape[0] == rows for p in gains)):
+                    self.jacobian = row_standardising_jacobian(c.weight, parameter, tuple(gains))
         return self.jacobian
+
+    def _form_parameters(self, c: Convolution) -> list:
+        """The computed weight's parameters, the one of its shape first (the standardised form's order)."""
+        params = self._weight_parameters(c)
+        return sorted(params, key=lambda p: p.shape != c.weight.shape)
 
     def _forming(self, batch: int) -> Forming:
         """Whole where no larger than the inputs and output gradients the layer holds, else a few
@@ -360,48 +403,45 @@ class ComputedWeightConvLayer(FunctionalLayer):
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         """Squared L2 norms in the standardised form (the module docstring): by the ghost norm where
         the call kept its output (:meth:`_ghost_norms`) and it is unchanged; else from G_i(w), formed
-        whole and kept for the clipped sum (sum_i f_i G_i(w), one pass over them, in place of a
-        weight-gradient convolution) where no larger than the inputs and output gradients the layer
-        holds, or a few samples at a time; otherwise the fallback's."""
+        whole in place of the call's input and output gradients, which go, and kept for the clipped
+        sum (sum_i f_i G_i(w), one pass over them, in place of a weight-gradient convolution) where
+        no larger than those, or a few samples at a time; otherwise the fallback's."""
         jacobian = self._standardising()
         if norm_type != 2 or jacobian is None:
             return super().norms_by_parameter(batch, norm_type)
         (c,), ((g,),) = self.convolutions, self.grads
-        (weight,) = self._weight_parameters(c)
-        held = self._held_per_sample(batch)
+        params = self._form_parameters(c)
+        held, size = self._held_per_sample(batch), params[0].numel()
+        bias = None if c.bias is None else bias_rows([g], channels_last=False)
         if c.output is not None and c.output.value._version == c.output.version:
             pixels = math.prod(c.input.shape[2:])
             chunk = samples_per_chunk(held, c.groups * 2 * pixels * pixels + math.prod(g.shape[1:]),
                                       at_least=self.chunk_at_least)
-            norms = {id(weight): torch.cat([self._ghost_norms(c, g, jacobian, slice(i, i + chunk))
-                                            for i in range(0, batch, chunk)])}
-        elif weight.numel() <= held:  # formed whole in place of the call's input and output gradients
-            self.formed = (self._weight_grads(c, g, slice(None)),
-                           None if c.bias is None else bias_rows([g], channels_last=False))
+            parts = [self._ghost_norms(c, g, jacobian, slice(i, i + chunk)) for i in range(0, batch, chunk)]
+        elif size <= held:
+            self.formed = (self._weight_grads(c, g, slice(None)), bias)
             self.convolutions[0] = c._replace(input=None, output=None)
             self.calls[0] = ([None] * len(self.calls[0][0]), *self.calls[0][1:])
             self.grads[0] = [None]
-            norms = {id(weight): standardised_squared_norms(self.formed[0], jacobian)}
-            if c.bias is not None:
-                norms[id(c.bias)] = row_norms(self.formed[1], norm_type)
-            return norms
+            parts = [standardised_squared_norms(self.formed[0], jacobian)]
         else:
-            chunk = samples_per_chunk(held, 3 * weight.numel(), at_least=self.chunk_at_least)
-            norms = {id(weight): torch.cat([standardised_squared_norms(self._weight_grads(c, g, slice(i, i + chunk)),
-                                                                       jacobian) for i in range(0, batch, chunk)])}
-        if c.bias is not None:
-            norms[id(c.bias)] = row_norms(bias_rows([g], channels_last=False), norm_type)
+            chunk = samples_per_chunk(held, 3 * size, at_least=self.chunk_at_least)
+            parts = [standardised_squared_norms(self._weight_grads(c, g, slice(i, i + chunk)), jacobian)
+                     for i in range(0, batch, chunk)]
+        norms = {id(p): torch.cat(column) for p, column in zip(params, zip(*parts))}
+        if bias is not None:
+            norms[id(c.bias)] = row_norms(bias, norm_type)
         return norms
 
     def _ghost_norms(self, c: Convolution, output_grads: torch.Tensor, jacobian: RowJacobian,
-                     samples: slice) -> torch.Tensor:
+                     samples: slice) -> list:
         """The standardised form for a slice of the batch without G_i(w): sum_o r_o^2 |G_io|^2 is
         the ghost norm of x and the output gradients scaled by r (from the pixel Gram,
         :func:`~privleak.dpsgd.ghost_norm.conv_ghost_norms`), and each row's parts along 1 and u are
         sums over positions, 1 . G_io = sum_t g_iot b_it with b = conv(x, ones) (one output channel a
         group), u_o . G_io = sum_t g_iot conv(x, u_o)_it = (sum_t g_iot (y_iot - bias_o) - m_o 1 .
         G_io) / l_o, from the call's output y, w_o = m_o + l_o u_o. Where a sample's part off 1 and u
-        is under 1% of sum_o r_o^2 |G_io|^2, its difference would lose digits: that sample's norm is
+        is under 1% of sum_o r_o^2 |G_io|^2, its difference would lose digits: that sample's norms are
         taken from its G_i(w) instead (:func:`standardised_squared_norms`)."""
         x, g = _common(c.input[samples], output_grads[samples])
         kernel, groups = list(c.weight.shape[2:]), c.groups
@@ -411,23 +451,23 @@ class ComputedWeightConvLayer(FunctionalLayer):
         box = convolve(x, x.new_ones(groups, x.shape[1] // groups, *kernel), None, c.stride, c.padding, c.dilation,
                        groups).flatten(2)
         g = g.flatten(2)  # (B, O, T)
-        along_ones = torch.einsum("bgpt,bgt->bgp", g.unflatten(1, (groups, -1)), box).flatten(1)
-        y = c.output.value[samples].flatten(2).to(g.dtype)
-        along_output = torch.einsum("bot,bot->bo", g, y)
+        along_ones = torch.einsum("bgpt,bgt->bgp", g.unflatten(1, (groups, -1)), box).flatten(1).double()
+        along_output = torch.einsum("bot,bot->bo", g, c.output.value[samples].flatten(2).to(g.dtype))
         if c.output.bias is not None:
             along_output = along_output - c.output.bias.to(g.dtype) * g.sum(-1)
         w = c.weight.detach().flatten(1).double()
         mean = w.mean(1)
         length = torch.linalg.vector_norm(w - mean[:, None], dim=1)
-        coefficients = torch.stack([along_ones.double() * w.shape[1] ** -0.5,
-                                    (along_output.double() - mean * along_ones.double()) / length], -1)  # (B, O, 2)
-        squares = coefficients.square()
-        perp = ghost - (jacobian.scale.square() * squares.sum(-1)).sum(-1)
-        norms = perp.clamp(min=0) + (jacobian.basis_scales.square() * squares).sum((-2, -1))
+        coefficients = torch.stack([along_ones * w.shape[1] ** -0.5, (along_output.double() - mean * along_ones)
+                                    / length], -1).transpose(0, 1)  # (O, B, 2)
+        perp = ghost - (jacobian.scale.square()[:, None] * coefficients.square().sum(-1)).sum(0)
+        norms = _squared_norms(jacobian, perp.clamp(min=0)[None], coefficients)
         lost = (perp < 0.01 * ghost).nonzero()[:, 0]
         if lost.numel():
-            start = samples.start or 0
-            norms[lost] = standardised_squared_norms(self._weight_grads(c, output_grads, lost + start), jacobian)
+            exact = standardised_squared_norms(self._weight_grads(c, output_grads, lost + (samples.start or 0)),
+                                               jacobian)
+            for column, values in zip(norms, exact):
+                column[lost] = values
         return norms
 
     def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
@@ -462,10 +502,7 @@ class ComputedWeightConvLayer(FunctionalLayer):
         sums: dict = {}
         for c, (g,) in zip(self.convolutions, self.grads):
             x, g = _common(_zero_dropped(c.input, keep), _zero_dropped(g, keep))
-            groups: dict = {}  # id of a factors tensor: (it, its parameters)
-            for p in self._weight_parameters(c):
-                groups.setdefault(id(factors[id(p)]), (factors[id(p)], []))[1].append(p)
-            for f, params in groups.values():
+            for f, params in _by_factors(self._weight_parameters(c), factors):
                 weight_grad = torch.ops.aten.convolution_backward(
                     _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
                     [0] * len(c.stride), c.groups, [False, True, False])[1]
@@ -476,12 +513,13 @@ class ComputedWeightConvLayer(FunctionalLayer):
         return sums
 
     def _formed_sums(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        """J^T sum_i f_i G_i(w) and the bias's sum_i f_i rows_i, one pass over each formed tensor."""
+        """J^T sum_i f_i G_i(w) per distinct tensor of factors and the bias's sum_i f_i rows_i, one
+        pass over the formed tensors for each."""
         (c,), (grads, bias) = self.convolutions, self.formed
-        params = self._weight_parameters(c)
+        grads = _zero_dropped(grads, keep)
         sums: dict = {}
-        self._add_pulled(sums, c, params, torch.tensordot(factors[id(params[0])].to(grads.dtype),
-                                                          _zero_dropped(grads, keep), 1))
+        for f, params in _by_factors(self._weight_parameters(c), factors):
+            self._add_pulled(sums, c, params, torch.tensordot(f.to(grads.dtype), grads, 1))
         if bias is not None:
             sums[id(c.bias)] = torch.tensordot(factors[id(c.bias)].to(bias.dtype), _zero_dropped(bias, keep), 1)
         return sums
