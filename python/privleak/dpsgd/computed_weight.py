@@ -16,38 +16,41 @@ the output gradients scaled by the clip factors, sum_i f_i J^T G_i(w) = J^T sum_
 The w the forward used is the one differentiated, so a mask drawn at random in the forward
 (DropConnect) is the call's own, where a replay could not redraw it.
 
-**Standardised weights.** Where w is made from one parameter v of its shape and phi acts on each
-output channel's row alone as a standardisation does, its per-sample norms need no product by J_phi
-at all. For w_o = (v_o - mean(v_o)) / (std(v_o) + eps), in any of its written forms (``w.std``, or
-``var`` and ``rsqrt``, or ``F.batch_norm`` of the weight as timm's StdConv2d; any eps, correction or
-constant gain), J_phi^T maps each row's gradient z to
+**Standardised weights.** Where w is made from one parameter v of its shape (and gains, below)
+and phi acts on each output channel's row alone as a standardisation does, its per-sample norms
+need no product by J_phi at all. For w_o = (v_o - mean(v_o)) / (std(v_o) + eps), in any of its
+written forms (``w.std``, or ``var`` and ``rsqrt``, or ``F.batch_norm`` of the weight as timm's
+StdConv2d; any eps, correction or constant factor), J_phi^T maps each row's gradient z to
 
     J_o^T z = r_o z_perp + lambda1_o 1 (1 . z) / n + lambdau_o u_o (u_o . z),
 
 z_perp the part of z orthogonal to 1 and u_o, u_o the unit direction of w_o - mean(w_o), n a row's
 size (with eps = 0 and the population std: r = 1 / std and lambda1 = lambdau = 0, a scaled
-projection; checked against torch's Jacobian in the tests). So the squared norm of J^T G_i(w) is
+projection; checked against torch's Jacobian in the tests). A gain of one value an output
+channel, w_o = gamma_o s_o (NF-Nets' form), has J^T z = s_o . z, a combination of 1 . z and
+u_o . z. So the squared norm of J^T G_i(w) is
 
-    sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2 (u_o . G_io)^2,
+    sum_o r_o^2 |G_io_perp|^2 + lambda1_o^2 (1 . G_io)^2 / n + lambdau_o^2 (u_o . G_io)^2
 
-with no batched vector-Jacobian product (WRN-16-4 weight-standardised, B 32, one thread: that
-product and its copies took ~0.7 s of a 2.4 s step). Where the convolution's ghost norm pays (the
-mixed rule's 2 T^2 < d p, and the pixel Gram's, as for an ``nn.Conv2d``), G_i(w) is not formed at all:
-sum_o r_o^2 |G_io|^2 is the ghost norm of the output gradients scaled by r, and the parts along 1
-and u_o are sums over positions of the output gradients times a convolution of x with ones and
-the call's own output (:meth:`ComputedWeightConvLayer._ghost_norms`). Elsewhere G_i(w) is formed,
-whole where no larger than the layer's inputs and output gradients (its clipped sum then one pass
-over it) or a few samples at a time, and reduced (:func:`standardised_squared_norms`).
+for v, and sum_o (a_o . G_io)^2 for a gain, a_o on 1 and u_o: no batched vector-Jacobian product
+(WRN-16-4 weight-standardised, B 32, one thread: that product and its copies took ~0.7 s of a
+2.4 s step). Where the convolution's ghost norm pays (the mixed rule's 2 T^2 < d p, and the pixel
+Gram's, as for an ``nn.Conv2d``), G_i(w) is not formed at all: sum_o r_o^2 |G_io|^2 is the ghost
+norm of the output gradients scaled by r, and the parts along 1 and u_o are sums over positions
+of the output gradients times a convolution of x with ones and the call's own output
+(:meth:`ComputedWeightConvLayer._ghost_norms`). Elsewhere G_i(w) is formed, whole in place of the
+layer's inputs and output gradients where no larger than those (its clipped sum then one pass
+over it), or a few samples at a time, and reduced (:func:`standardised_squared_norms`).
 
-The rule does not take the form on trust: each step (not under a CUDA graph's capture, whose
-syncs it refuses) it reads r, lambda1 and lambdau from J^T applied to 1, to u and to a random
-Gaussian row (one product of three rows, :func:`row_standardising_jacobian`) and takes the closed
-form only where J^T gives the form's value on all three to 128 float rounding errors: in float32
-a standardisation misses it by about 1e-7 of its scale, a J off the form by a relative 1e-3 (a
-weight mixing its output channels by 0.1%) by about 1e-3, a weight norm, DropConnect or a
-standardisation plus a rank-one term by more than 1e-2. Where it does not hold (a gain or other
-parameter beside v, several calls, L1 norms, half-precision weights), the step takes the
-product above.
+The rule does not take the form on trust: each step (not in a step a CUDA graph captures, whose
+syncs it refuses) it reads r, lambda1, lambdau and the gains' a_o from J^T applied to 1, to u and
+to four random Gaussian rows (one product of six rows, :func:`row_standardising_jacobian`) and
+takes the closed form only where J^T gives the form's value on all six to 128 float rounding
+errors: in float32 a standardisation misses it by about 1e-7 of its scale, a J off the form by a
+relative 1e-3 (a weight mixing its output channels by 0.1%) by about 1e-3, a weight norm,
+DropConnect or a standardisation plus a rank-one term by more than 1e-2. Where it does not hold
+(other parameters beside v and gains, several calls, L1 norms, half-precision weights), the step
+takes the product above.
 
 A call that does not fit takes the fallback, the replay of
 :class:`~privleak.dpsgd.layers.FunctionalLayer`, as every call of that step: its forward makes no
