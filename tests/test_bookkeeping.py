@@ -797,10 +797,14 @@ def test_standardised_norms_are_those_of_the_vector_jacobian_products(form):
     torch.testing.assert_close(got, want.flatten(1).square().sum(1), rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("rows_checked_at_a_time", [2, 6])
 @pytest.mark.parametrize("gain_shape", [(6, 1, 1, 1), (6,)])
-def test_a_gain_beside_the_standardised_weight_has_its_norms_from_the_parts_along_1_and_u(gain_shape):
+def test_a_gain_beside_the_standardised_weight_has_its_norms_from_the_parts_along_1_and_u(gain_shape,
+                                                                                           rows_checked_at_a_time,
+                                                                                           monkeypatch):
     # w = gain * standardised(v) (NF-Nets' form): |J^T G_i|^2 of v and of the gain against the
     # float64 products of torch's autograd; a gain mixing two channels is refused.
+    monkeypatch.setattr(computed_weight, "_CHECKED_VALUES", 72 * rows_checked_at_a_time)
     v = torch.randn(6, 8, 3, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
     gain = (torch.rand(gain_shape, generator=torch.Generator().manual_seed(1)) + 0.5).requires_grad_()
 

@@ -180,6 +180,7 @@ _PROBE_SEED = 0x5EED  # the random rows of the check: fixed, so that a step is t
 # ~1e-5 / that part's size; four miss it together with odds ~1e-20 / size^4.
 _RANDOM_PROBES = 4
 _ROUNDING_ERRORS = 128  # what the check allows of J^T's distance from the form, in float rounding errors
+_CHECKED_VALUES = 1 << 15  # values of a probe row the check takes at a time in float64 (below)
 
 
 def _split(z: torch.Tensor, basis: torch.Tensor) -> tuple:
@@ -197,7 +198,9 @@ def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor,
     """J^T of ``weight`` = phi(``parameter``, ``gains``) (its graph kept) in the standardising form
     of the module docstring, or None where J^T does not take that form to 128 rounding errors of
     the weight's dtype on the rows it is checked on (1, u and four random Gaussian rows), or a row
-    of the weight is constant (no direction u). One vector-Jacobian product of six rows."""
+    of the weight is constant (no direction u). One vector-Jacobian product of six rows, checked
+    in float64 a block of rows at a time (whole, the check's float64 copies of the six rows took
+    more than the rest of the step held: WRN-16-4's 590k-weight convolutions)."""
     rows = weight.shape[0]
     w = weight.detach().reshape(rows, -1).double()
     centred = w - w.mean(-1, keepdim=True)
@@ -206,17 +209,34 @@ def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor,
         return None
     basis = torch.stack([torch.full_like(w, w.shape[1] ** -0.5), centred / length], 1)
     generator = torch.Generator(device=w.device).manual_seed(_PROBE_SEED)
-    random = torch.randn(rows, _RANDOM_PROBES, w.shape[1], generator=generator, dtype=w.dtype, device=w.device)
-    probes = torch.cat([basis, random], 1).to(weight.dtype)  # (O, 6, n)
+    random = torch.randn(rows, _RANDOM_PROBES, w.shape[1], generator=generator, dtype=weight.dtype,
+                         device=w.device)
+    probes = torch.cat([basis.to(weight.dtype), random], 1)  # (O, 6, n), as the product takes them
     count = probes.shape[1]
     pulled = torch.autograd.grad(weight, [parameter, *gains], probes.transpose(0, 1).reshape(count, *weight.shape),
                                  retain_graph=True, allow_unused=True, is_grads_batched=True)
     pulled = [torch.zeros(count, *p.shape, dtype=weight.dtype, device=w.device) if t is None else t
               for p, t in zip([parameter, *gains], pulled)]
-    probes = probes.double()
+    main = pulled[0].reshape(count, rows, -1)
+    found = torch.stack([t.reshape(count, rows) for t in pulled[1:]], -1) if gains else w.new_zeros(count, rows, 0)
     eps = _ROUNDING_ERRORS * torch.finfo(weight.dtype).eps
-    coefficients, rest = _split(probes.transpose(0, 1), basis)  # each probe on the basis: (O, 6, 2) and (O, 6, n)
-    main = pulled[0].reshape(count, rows, -1).transpose(0, 1).double()  # (O, 6, n)
+    parts = []
+    for block in torch.arange(rows, device=w.device).split(max(1, _CHECKED_VALUES // w.shape[1])):
+        part = _checked_rows(basis[block], probes[block].double(), main[:, block].transpose(0, 1).double(),
+                             found[:, block].transpose(0, 1).double(), eps)
+        if part is None:
+            return None
+        parts.append(part)
+    scale, basis_scales, on_basis = (torch.cat(column) for column in zip(*parts))
+    return RowJacobian(scale, basis, basis_scales, on_basis)
+
+
+def _checked_rows(basis: torch.Tensor, probes: torch.Tensor, main: torch.Tensor, found: torch.Tensor,
+                  eps: float) -> Optional[tuple]:
+    """(scale, basis scales, gains on the basis) of a block of rows, each (rows, ...), from J^T of
+    the probes (rows, 6, n): ``main`` of the parameter, ``found`` (rows, 6, K) of the gains; None
+    where a probe's J^T is further from the form than ``eps`` times its scale."""
+    coefficients, rest = _split(probes.transpose(0, 1), basis)  # each probe on the basis: (rows, 6, 2), (rows, 6, n)
     basis_scales = (main[:, :2] * basis).sum(-1)
     scale = (rest[:, 2:] * main[:, 2:]).sum((1, 2)) / rest[:, 2:].square().sum((1, 2))
     formed = scale[:, None, None] * rest + torch.bmm(coefficients * basis_scales[:, None], basis)
@@ -224,14 +244,12 @@ def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor,
     lengths = torch.linalg.vector_norm(probes, dim=-1)
     if not bool((torch.linalg.vector_norm(main - formed, dim=-1) <= eps * largest * lengths).all()):
         return None
-    found = torch.stack([t.reshape(count, rows).T.double() for t in pulled[1:]], 1) if gains else \
-        w.new_zeros(rows, 0, count)  # (O, K, 6): each gain's J^T of each probe
-    on_basis = found[..., :2]  # a_ok . (1 / sqrt(n)) and a_ok . u_o
-    predicted = torch.bmm(on_basis, coefficients.transpose(1, 2))
+    on_basis = found[:, :2].transpose(1, 2)  # (rows, K, 2): a_ok . (1 / sqrt(n)) and a_ok . u_o
+    predicted = torch.bmm(on_basis, coefficients.transpose(1, 2))  # (rows, K, 6)
     allowed = eps * on_basis.abs().amax(-1, keepdim=True) * lengths[:, None]
-    if not bool(((found - predicted).abs() <= allowed).all()):
+    if not bool(((found.transpose(1, 2) - predicted).abs() <= allowed).all()):
         return None
-    return RowJacobian(scale, basis, basis_scales, on_basis)
+    return scale, basis_scales, on_basis
 
 
 def _squared_norms(jacobian: RowJacobian, rest: torch.Tensor, coefficients: torch.Tensor) -> list:
