@@ -770,8 +770,9 @@ def test_a_standardisation_s_jacobian_is_the_scaled_projection_of_qiao_et_al(sha
     (lambda w: w / torch.linalg.vector_norm(w, dim=(1, 2, 3), keepdim=True), False),  # weight norm
     (lambda w: w * (torch.arange(w.numel()).reshape(w.shape) % 3 > 0), False),  # a fixed DropConnect mask
     (lambda w: w.mean((1, 2, 3), keepdim=True).expand_as(w) + 0 * w, False)])  # constant rows: no direction u
-def test_the_standardised_form_is_taken_where_the_jacobian_has_it_and_only_there(phi, holds):
-    jacobian, v = _standardising_jacobian_of(phi)
+@pytest.mark.parametrize("shape", [(5, 4, 3, 3), (3, 512, 3, 3)])  # rows of 36 and 4608 (the check's sums)
+def test_the_standardised_form_is_taken_where_the_jacobian_has_it_and_only_there(phi, holds, shape):
+    jacobian, v = _standardising_jacobian_of(phi, shape)
     assert (jacobian is not None) == holds
     if holds:  # and where it holds, it is J^T: against torch's vector-Jacobian product of random rows
         z = torch.randn(2, *v.shape, generator=torch.Generator().manual_seed(9))

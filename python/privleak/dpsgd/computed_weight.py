@@ -44,8 +44,8 @@ over it), or a few samples at a time, and reduced (:func:`standardised_squared_n
 
 The rule does not take the form on trust: each step (not in a step a CUDA graph captures, whose
 syncs it refuses) it reads r, lambda1, lambdau and the gains' a_o from J^T applied to 1, to u and
-to four random Gaussian rows (one product of six rows, :func:`row_standardising_jacobian`) and
-takes the closed form only where J^T gives the form's value on all six to 128 float rounding
+to a random Gaussian row (one product of three rows, :func:`row_standardising_jacobian`) and
+takes the closed form only where J^T gives the form's value on all three to 128 float rounding
 errors: in float32 a standardisation misses it by about 1e-7 of its scale, a J off the form by a
 relative 1e-3 (a weight mixing its output channels by 0.1%) by about 1e-3, a weight norm,
 DropConnect or a standardisation plus a rank-one term by more than 1e-2. Where it does not hold
@@ -69,6 +69,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from privleak import mechanisms
 from privleak.dpsgd import conv_grads, ghost_norm, graph
 from privleak.dpsgd.layers import (
     ConvLayer,
@@ -176,11 +177,14 @@ class RowJacobian(NamedTuple):
 
 
 _PROBE_SEED = 0x5EED  # the random rows of the check: fixed, so that a step is the same whenever it runs
-# A gain's J^T is one number a row: a random row misses a part of it off the basis with odds
-# ~1e-5 / that part's size; four miss it together with odds ~1e-20 / size^4.
-_RANDOM_PROBES = 4
+# One random row: a J^T off the form on the parameter leaves it a miss in n - 1 directions but
+# along the row's own, which the scale r takes up. A gain's J^T is one number a row: the random
+# row misses a part of it off the basis with odds ~1e-5 / that part's size, a row at a time (a
+# gain off the form in every row of a layer, ~1e-5^O). Each random row more was 10-20% more of
+# the check (a row more of the vector-Jacobian product), which costs a 10th of WRN-16-4's step.
+_RANDOM_PROBES = 1
 _ROUNDING_ERRORS = 128  # what the check allows of J^T's distance from the form, in float rounding errors
-_CHECKED_VALUES = 1 << 15  # values of a probe row the check takes at a time in float64 (below)
+_CHECKED_VALUES = 1 << 17  # values of a probe row the check takes at a time in float64 (below)
 
 
 def _split(z: torch.Tensor, basis: torch.Tensor) -> tuple:
@@ -197,33 +201,42 @@ def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor,
                                gains: tuple = ()) -> Optional[RowJacobian]:
     """J^T of ``weight`` = phi(``parameter``, ``gains``) (its graph kept) in the standardising form
     of the module docstring, or None where J^T does not take that form to 128 rounding errors of
-    the weight's dtype on the rows it is checked on (1, u and four random Gaussian rows), or a row
-    of the weight is constant (no direction u). One vector-Jacobian product of six rows, checked
-    in float64 a block of rows at a time (whole, the check's float64 copies of the six rows took
-    more than the rest of the step held: WRN-16-4's 590k-weight convolutions)."""
+    the weight's dtype on the rows it is checked on (1, u and random Gaussian rows), or a row of
+    the weight is constant (no direction u). One vector-Jacobian product of those rows, checked in
+    float64 from their inner products (:func:`_checked_rows`), a block of rows at a time (whole,
+    the check's float64 copies took more than the rest of the step held: WRN-16-4's 590k-weight
+    convolutions)."""
     rows = weight.shape[0]
     w = weight.detach().reshape(rows, -1).double()
-    centred = w - w.mean(-1, keepdim=True)
+    basis = w.new_empty(rows, 2, w.shape[1])  # (O, 2, n): 1 / sqrt(n), u
+    basis[:, 0] = w.shape[1] ** -0.5
+    centred = torch.sub(w, w.mean(-1, keepdim=True), out=basis[:, 1])
     length = torch.linalg.vector_norm(centred, dim=-1, keepdim=True)
     if not bool((length > 0).all()):
         return None
-    basis = torch.stack([torch.full_like(w, w.shape[1] ** -0.5), centred / length], 1)
-    generator = torch.Generator(device=w.device).manual_seed(_PROBE_SEED)
-    random = torch.randn(rows, _RANDOM_PROBES, w.shape[1], generator=generator, dtype=weight.dtype,
-                         device=w.device)
-    probes = torch.cat([basis.to(weight.dtype), random], 1)  # (O, 6, n), as the product takes them
-    count = probes.shape[1]
-    pulled = torch.autograd.grad(weight, [parameter, *gains], probes.transpose(0, 1).reshape(count, *weight.shape),
+    centred /= length
+    # privleak's own Gaussian: torch's randn took more of the check than the product (WRN-16-4)
+    random = mechanisms.gaussian_noise((_RANDOM_PROBES, *w.shape), key=_PROBE_SEED, offset=0, dtype=weight.dtype,
+                                       device=w.device)
+    probes = torch.cat([basis.transpose(0, 1).to(weight.dtype), random])  # (2 + P, O, n), as the product takes them
+    pulled = torch.autograd.grad(weight, [parameter, *gains], probes.view(len(probes), *weight.shape),
                                  retain_graph=True, allow_unused=True, is_grads_batched=True)
-    pulled = [torch.zeros(count, *p.shape, dtype=weight.dtype, device=w.device) if t is None else t
+    pulled = [torch.zeros(len(probes), *p.shape, dtype=weight.dtype, device=w.device) if t is None else t
               for p, t in zip([parameter, *gains], pulled)]
-    main = pulled[0].reshape(count, rows, -1)
-    found = torch.stack([t.reshape(count, rows) for t in pulled[1:]], -1) if gains else w.new_zeros(count, rows, 0)
+    main = pulled[0].reshape(len(probes), rows, -1)
+    found = (torch.stack([t.reshape(len(probes), rows) for t in pulled[1:]], -1) if gains
+             else main.new_zeros(len(probes), rows, 0)).double()
     eps = _ROUNDING_ERRORS * torch.finfo(weight.dtype).eps
-    parts = []
-    for block in torch.arange(rows, device=w.device).split(max(1, _CHECKED_VALUES // w.shape[1])):
-        part = _checked_rows(basis[block], probes[block].double(), main[:, block].transpose(0, 1).double(),
-                             found[:, block].transpose(0, 1).double(), eps)
+    parts, step = [], max(1, _CHECKED_VALUES // w.shape[1])
+    # one float64 block for all (fresh ones cost their page faults: ~half the check, WRN-16-4)
+    stacked = w.new_empty(min(step, rows), 2 + len(probes) + _RANDOM_PROBES, w.shape[1])
+    for start in range(0, rows, step):
+        block = slice(start, start + step)
+        within = stacked[:min(step, rows - start)]
+        within[:, :2] = basis[block]
+        within[:, 2:2 + len(probes)] = main[:, block].transpose(0, 1)
+        within[:, 2 + len(probes):] = random[:, block].transpose(0, 1)
+        part = _checked_rows(within, found[:, block], len(probes), eps)
         if part is None:
             return None
         parts.append(part)
@@ -231,23 +244,41 @@ def row_standardising_jacobian(weight: torch.Tensor, parameter: torch.Tensor,
     return RowJacobian(scale, basis, basis_scales, on_basis)
 
 
-def _checked_rows(basis: torch.Tensor, probes: torch.Tensor, main: torch.Tensor, found: torch.Tensor,
-                  eps: float) -> Optional[tuple]:
-    """(scale, basis scales, gains on the basis) of a block of rows, each (rows, ...), from J^T of
-    the probes (rows, 6, n): ``main`` of the parameter, ``found`` (rows, 6, K) of the gains; None
-    where a probe's J^T is further from the form than ``eps`` times its scale."""
-    coefficients, rest = _split(probes.transpose(0, 1), basis)  # each probe on the basis: (rows, 6, 2), (rows, 6, n)
-    basis_scales = (main[:, :2] * basis).sum(-1)
-    scale = (rest[:, 2:] * main[:, 2:]).sum((1, 2)) / rest[:, 2:].square().sum((1, 2))
-    formed = scale[:, None, None] * rest + torch.bmm(coefficients * basis_scales[:, None], basis)
+def _checked_rows(stacked: torch.Tensor, found: torch.Tensor, count: int, eps: float) -> Optional[tuple]:
+    """(scale, basis scales, gains on the basis) of a block of R rows from J^T of the probes: in
+    ``stacked`` (R, 2 + count + P, n), float64, the basis b_k, J^T of the ``count`` probes (b_1,
+    b_2, then the random ones), and the P random probes z; ``found`` (count, R, K) the gains' J^T
+    of the probes. None where a probe's J^T is further from the form than ``eps`` times the
+    largest scale and the probe's length.
+
+    From the Gram matrix of those rows: the form has J^T b_k = lambda_k b_k, so |J^T b_k -
+    lambda_k b_k|^2 = |J^T b_k|^2 - lambda_k^2; z = c . b + z_perp and |J^T z - r z_perp - sum_k
+    lambda_k c_k b_k|^2 expands the same way. The expansions cancel where the form holds, but
+    float32 values' products are exact in float64 and the sums' rounding (~n 1e-16 of |J^T z|^2)
+    lies far below the threshold's square, (128 eps32)^2 ~ 2e-10. The basis rows went through J^T
+    rounded to the weight's dtype: their J^T differs from lambda_k b_k by half a rounding error,
+    inside the threshold."""
+    probes = stacked.shape[1] - 2 - count
+    gram = torch.bmm(stacked, stacked.transpose(1, 2))
+    squares = gram.diagonal(dim1=1, dim2=2)
+    of_main, of_random = slice(2, 2 + count), slice(2 + count, 2 + count + probes)
+    basis_scales = torch.diagonal(gram[:, of_main][:, :2, :2], dim1=1, dim2=2)  # lambda_k = b_k . J^T b_k
+    m, c = gram[:, of_main][:, 2:, :2], gram[:, of_random, :2]  # J^T z's and z's parts along the basis (R, P, 2)
+    main_dot = torch.diagonal(gram[:, of_main][:, 2:, of_random], dim1=1, dim2=2) - (m * c).sum(-1)  # J^T z . z_perp
+    perp = squares[:, of_random] - c.square().sum(-1)  # |z_perp|^2
+    scale = main_dot.sum(1) / perp.sum(1)
+    lambdas, r = basis_scales[:, None], scale[:, None]
+    misses = torch.cat([squares[:, 2:4] - basis_scales.square(),
+                        squares[:, 4:2 + count] - 2 * r * main_dot + r.square() * perp
+                        - 2 * (lambdas * c * m).sum(-1) + (lambdas * c).square().sum(-1)], 1)
     largest = torch.cat([scale.abs()[:, None], basis_scales.abs()], 1).amax(1, keepdim=True)
-    lengths = torch.linalg.vector_norm(probes, dim=-1)
-    if not bool((torch.linalg.vector_norm(main - formed, dim=-1) <= eps * largest * lengths).all()):
+    lengths = torch.cat([squares[:, :2], squares[:, of_random]], 1)  # |b_k|^2 = 1, |z|^2
+    if not bool((misses <= (eps * largest).square() * lengths).all()):
         return None
-    on_basis = found[:, :2].transpose(1, 2)  # (rows, K, 2): a_ok . (1 / sqrt(n)) and a_ok . u_o
-    predicted = torch.bmm(on_basis, coefficients.transpose(1, 2))  # (rows, K, 6)
-    allowed = eps * on_basis.abs().amax(-1, keepdim=True) * lengths[:, None]
-    if not bool(((found.transpose(1, 2) - predicted).abs() <= allowed).all()):
+    on_basis = found[:2].permute(1, 2, 0)  # (R, K, 2): a_ok . (1 / sqrt(n)) and a_ok . u_o
+    predicted = torch.einsum("rkj,rpj->prk", on_basis, c)  # (P, R, K)
+    allowed = eps * on_basis.abs().amax(-1)[None] * squares[:, of_random].T.sqrt()[..., None]
+    if not bool(((found[2:] - predicted).abs() <= allowed).all()):
         return None
     return scale, basis_scales, on_basis
 
