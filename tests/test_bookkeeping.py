@@ -601,11 +601,11 @@ LAYER_CASES = {
                             normal(6, 3, 11)),
     "standardized-conv-twice": (lambda: ConvTwice(StandardizedConv2d), normal(6, 3, 7, 6)),
     # J^T in the standardised form: G_i(w) formed whole (first), a few samples at a time (the 8-channel
-    # convolutions on 2 x 3 inputs), a Conv1d of two groups
+    # convolutions on 2 x 3 inputs; the last one of two groups, by the ghost norm), a Conv1d of two groups
     "standardised-conv": (lambda: nn.Sequential(
         standardised(nn.Conv2d, "std")(2, 4, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
         standardised(nn.Conv2d, "batch-norm")(4, 8, 3, stride=2, bias=False), nn.Tanh(),
-        standardised(nn.Conv2d, "rsqrt")(8, 8, 3, padding=1)), normal(6, 2, 6, 8)),
+        standardised(nn.Conv2d, "rsqrt")(8, 8, 3, padding=1, groups=2)), normal(6, 2, 6, 8)),
     "standardised-conv1d": (lambda: nn.Sequential(standardised(nn.Conv1d, "std")(4, 6, 3, padding=1, groups=2),
                                                   nn.Tanh(), standardised(nn.Conv1d, "rsqrt")(6, 2, 2)),
                             normal(6, 4, 7)),
