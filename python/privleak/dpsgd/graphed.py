@@ -28,7 +28,6 @@ import warnings
 from typing import Callable, Optional
 
 import torch
-from scipy import stats
 
 from privleak import validation
 from privleak.dpsgd import graph as graph_walk
@@ -178,6 +177,8 @@ def _warn_of_eager_steps(max_batch: int, dp) -> None:
     Poisson(L = N q) used here (N is not known)."""
     if dp.sampling != "poisson":
         return
+    from scipy import stats  # here: scipy.stats took 0.9 s of every `import privleak.dpsgd`
+
     expected = dp.expected_batch_size
     larger = float(stats.poisson.sf(max_batch, expected))
     if larger > 0.01:
