@@ -3,7 +3,7 @@ materialised path and Opacus, in one run.
 
     python bench/bench_training_step.py [--quick] [--models paper-cnn cifar-cnn transformer large]
                                         [--skip-large] [--device cpu|cuda] [--threads 1] [--max-gb 16]
-                                        [--batches 64 256] [--physical 16] [--profile]
+                                        [--batches 64 256] [--physical 16] [--profile] [--memory-in-process]
 
 A step is forward, backward, clipping, noise and the optimizer step (SGD) on one batch, clip norm
 1, noise multiplier 1, flat clipping. Sides: "non-private" is plain torch (mean loss, backward,
@@ -44,7 +44,11 @@ malloc mapping every block of 128 KiB or more on its own (FIXED_MALLOC), on a GP
 torch.cuda.max_memory_allocated over what was allocated before the steps. "after step 1": the
 ratio of the peaks of the later steps over the memory in use after the first, the parameters'
 .grad freed, which leaves out what the first step makes for good on every side alike (caches,
-workspaces). A side whose
+workspaces). On a GPU, --memory-in-process measures each side in this process instead, one after
+another, each on a model of its own built afresh, after the timing (max_memory_allocated counts
+the tensors alive, whatever the process did before, so the fresh process, seconds of CUDA's start
+for each side, buys nothing there; the workspaces the timing made are then in the base, as
+"after step 1" leaves them out). A side whose
 per-sample gradients (B x P floats, materialised and Opacus hooks) would pass --max-gb is not
 run. --quick runs the smallest settings with few repeats, as a smoke test. --physical N takes
 each batch in physical batches of N samples, as a logical batch too large for memory is taken:
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -513,13 +518,13 @@ def peak_since_start(device: str) -> int:
     return status_bytes("VmHWM")
 
 
-def child(side: str, name: str, batch: int, device: str, steps: int, physical: int) -> None:
-    """Peak memory of ``steps`` steps of one side, in this fresh process (printed as JSON), over
-    the memory in use with the model built ("peak", the issue's measure) and over the memory in use
-    after the first step ("later": what a step adds once the first has made what stays for good,
-    such as library caches or cuBLAS's workspace, which are the same on every side). The
-    parameters' .grad go before that base: torch's optimizers keep them between steps where
-    book-keeping frees its update, and in the base they would leave P floats out of one side only."""
+def measure_peak(side: str, name: str, batch: int, device: str, steps: int, physical: int) -> dict:
+    """Peak memory of ``steps`` steps of one side on a model built afresh, over the memory in use
+    with the model built ("peak", the issue's measure) and over the memory in use after the first
+    step ("later": what a step adds once the first has made what stays for good, such as library
+    caches or cuBLAS's workspace, which are the same on every side). The parameters' .grad go
+    before that base: torch's optimizers keep them between steps where book-keeping frees its
+    update, and in the base they would leave P floats out of one side only."""
     model, x, y, criterion_class = setting(name, batch, device)
     if side in GRAPHED:  # the capture allocates the step's memory (the graph's pool): from before it
         base = start_peak(device)
@@ -535,7 +540,12 @@ def child(side: str, name: str, batch: int, device: str, steps: int, physical: i
     for _ in range(steps - 1):
         step(x, y)
     later = peak_since_start(device)
-    print(json.dumps({"peak": max(first, later - base), "later": later - after_first}))
+    return {"peak": max(first, later - base), "later": later - after_first}
+
+
+def child(side: str, name: str, batch: int, device: str, steps: int, physical: int) -> None:
+    """:func:`measure_peak` in this fresh process, printed as JSON."""
+    print(json.dumps(measure_peak(side, name, batch, device, steps, physical)))
 
 
 # glibc's malloc serves a large block from the heap once a block that size was freed (its mmap
@@ -548,7 +558,13 @@ FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 def peak_memory(side: str, name: str, batch: int, args) -> dict:
     """:func:`child`'s peaks, each the median over --memory-repeats fresh processes (allocator and
-    thread-pool state still move peak RSS by a little from run to run)."""
+    thread-pool state still move peak RSS by a little from run to run); with --memory-in-process,
+    :func:`measure_peak` once in this process, what the sides before it left freed first."""
+    if args.memory_in_process:
+        gc.collect()  # Opacus's hooks keep their module in reference cycles
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        return measure_peak(side, name, batch, args.device, args.memory_steps, args.physical)
     command = [sys.executable, __file__, "--child", side, name, str(batch), "--device", args.device,
                "--threads", str(args.threads), "--memory-steps", str(args.memory_steps), "--physical",
                str(args.physical)]
@@ -571,6 +587,9 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=4)
     parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per side; their median")
     parser.add_argument("--no-memory", action="store_true", help="time only")
+    parser.add_argument("--memory-in-process", action="store_true",
+                        help="on a GPU: each side's peak measured in this process, not a fresh one per side "
+                             "(on a CPU peak RSS would keep what the allocator kept from the sides before)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of timing, the sides in turns")
     parser.add_argument("--physical", type=int, default=0,
                         help="take each batch in physical batches of this many samples (non-private and "
@@ -580,6 +599,9 @@ def main() -> None:
                         help="also each side's ATen ops a step and, on a GPU, its kernel launches and GPU busy time")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_in_process and args.device != "cuda":
+        parser.error("--memory-in-process is for --device cuda: on a CPU, peak RSS keeps what the allocator kept "
+                     "from the sides before")
     torch.set_num_threads(args.threads)
     privleak.set_num_threads(args.threads)  # privleak's kernels (ghost norms, noise) get the same cores
     # Opacus's hooks fire with no input requiring grad (the first layer's): torch says so every step.
