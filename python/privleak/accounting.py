@@ -26,16 +26,16 @@ where the closed form takes milliseconds and agrees with it.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from dp_accounting import dp_event, privacy_accountant, rdp
-from dp_accounting.pld import common as pld_common
-from dp_accounting.pld import privacy_loss_distribution
 from scipy.optimize import brentq
 from scipy.special import gammaln, log_ndtr, logsumexp
 
 from privleak import validation
+
+if TYPE_CHECKING:
+    from dp_accounting.pld import privacy_loss_distribution
 
 #: dp-accounting's PLD accountant composes T steps by one FFT whose length its Chernoff tail bound
 #: fixes. A composition that would need more points than this (about 0.5 GiB per complex array) is
@@ -53,6 +53,8 @@ def _composed_pld_points(loss: "privacy_loss_distribution.PrivacyLossDistributio
     """Length of the FFT that ``loss.self_compose(steps)`` would allocate, by dp-accounting's own
     Chernoff bound on the truncated support; without access to the probabilities, the untruncated
     length (an upper bound)."""
+    from dp_accounting.pld import common as pld_common
+
     points = 0
     for pmf in (loss._pmf_remove, loss._pmf_add):  # pylint: disable=protected-access
         probs = getattr(pmf, "_probs", None)
@@ -93,6 +95,11 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
     q = validation.probability(sampling_rate, "sampling_rate", open_low=True)
     accountant = validation.choice(accountant, "accountant", ("pld", "rdp"))
     sampling = validation.choice(sampling, "sampling", ("poisson", "fixed"))
+    # dp-accounting here, not at the module's top: its import (scipy.signal, scipy.stats) took 1.4 s of
+    # every start of privleak's CLI, `privleak --help` included
+    from dp_accounting import dp_event, privacy_accountant, rdp
+    from dp_accounting.pld import privacy_loss_distribution
+
     step = dp_event.GaussianDpEvent(sigma)
     if sampling == "poisson":
         if accountant == "rdp":
