@@ -1673,6 +1673,23 @@ def test_reentrant_activation_checkpointing_is_refused():
         bk.step(out.pow(2).flatten(1).sum(1))
 
 
+@pytest.mark.parametrize("case, where", [
+    ("multihead-attention", "the output of module '_orig_mod.attention' (MultiheadAttention)"),
+    ("linear", "per_sample_losses"),
+    ("position-modules", "the output of module '_orig_mod.shared' (LearnedPositions)")])
+def test_a_forward_compiled_by_torch_compile_is_refused(case, where):
+    """torch.compile (AOTAutograd, as its default backend inductor; "aot_eager" here needs no
+    compiler) puts a compiled forward's ops in one autograd node: without the check an
+    nn.MultiheadAttention's projections got the noise alone, silently (the in-place check, a
+    position embedding's rule and the shared-output walk raised misleading errors on others). The
+    same update uncompiled is test_every_layer_matches_the_materialised_update's."""
+    torch._dynamo.reset()
+    model, x, target = setting(case)
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(ValueError, match=rf"the graph of {re.escape(where)} has code compiled by torch.compile"):
+        book_kept(compiled, x, target, CONFIGS["gaussian"](1.0, False), 4.5, M.NoiseGenerator(7))
+
+
 class InPlaceResidual(nn.Module):
     """x += layer(x): the layer's recorded input changes after its forward call."""
 

@@ -444,7 +444,8 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
 
     Raises on reentrant activation checkpointing in the graph (named ``graph`` in the message): its
     node hides the parameters it uses (they are no edges of the graph) and its forward runs without
-    grad, so the hooks record nothing, and the parameters would get the noise alone."""
+    grad, so the hooks record nothing, and the parameters would get the noise alone. Raises on code
+    compiled by torch.compile too (:func:`refuse_compiled`)."""
     wanted = {id(p): i for i, p in enumerate(parameters)}
     counts = [0] * len(parameters)
     seen, stack = set(stop), [n for n in roots if n is not None]
@@ -460,6 +461,7 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
             raise ValueError(f"the graph of {graph} has reentrant activation checkpointing (torch.utils.checkpoint "
                              "with use_reentrant=True), whose forward runs without grad, out of the book-keeping "
                              "hooks' sight: its parameters would get no clipped gradient; use use_reentrant=False")
+        refuse_compiled(node, graph)
         for position, (child, _) in enumerate(node.next_functions):
             if child is None:
                 continue
@@ -476,6 +478,24 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
             if child not in seen:
                 stack.append(child)
     return counts
+
+
+def refuse_compiled(node: Any, graph: str) -> None:
+    """Raise if the autograd node ``node`` (in the graph of ``graph``, for the message) is
+    AOTAutograd's: torch.compile's backends but "eager" (inductor, the default, and "aot_eager")
+    put the ops of a compiled region in one such node. Under it, shared-output and flattened-batch
+    uses were misread (loud errors) and, silently, nn.MultiheadAttention's projections and T5's
+    relative position buckets' table went unrecorded or wrongly recorded (their clipped sums off by
+    20-100%): the compiled ops never run as the torch functions that the layer rules intercept, nor
+    show in the graph as the nodes that the walks read."""
+    forward = getattr(node, "_forward_cls", None)
+    if (forward is not None and getattr(forward, "__name__", "") == "CompiledFunction"
+            and getattr(forward, "__module__", "").startswith("torch._functorch")):
+        raise ValueError(f"the graph of {graph} has code compiled by torch.compile (its autograd node "
+                         f"{type(node).__name__}), which hides from book-keeping the ops and parameter uses it reads "
+                         "in the graph and in each layer's forward call (a compiled nn.MultiheadAttention's "
+                         "projections went unseen, their update the noise alone): run that forward uncompiled (on a "
+                         "GPU, BookKeeping.graphed replays the step's host work from a CUDA graph)")
 
 
 def fed_outputs(outputs: list, stop: frozenset) -> list[int]:

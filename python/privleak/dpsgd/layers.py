@@ -842,6 +842,7 @@ class LookupEmbeddingLayer(EmbeddingLayer):
     refused, naming the module."""
 
     def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        graph.refuse_compiled(output.grad_fn, f"the output of {self.describe()}")
         weight, ids = graph.embedding_lookup(output)
         if weight is not self.module.weight:
             raise ValueError(f"{self.describe()} is an nn.Embedding with a forward of its own that returns something "
