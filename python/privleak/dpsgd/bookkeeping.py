@@ -107,7 +107,8 @@ class BookKeeping:
     forward runs without grad, out of the hooks' sight); a layer input changed in place after the
     layer's call (``h += layer(h)``); torch's nn.TransformerEncoderLayer and
     nn.TransformerDecoderLayer with ``batch_first=False`` (their Linear layers would read the
-    positions as samples).
+    positions as samples); a forward compiled by ``torch.compile`` (its ops hidden in one autograd
+    node); a model wrapped in DistributedDataParallel (each process would train alone).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -126,6 +127,10 @@ class BookKeeping:
                  generator=None, sampling: str = "poisson"):
         if not isinstance(model, nn.Module):
             raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError("model is a DistributedDataParallel, whose all-reduce runs on the .grad of a backward "
+                             "pass, which book-keeping does not make: each process would clip, noise and step on its "
+                             "own batch alone, its model drifting from the others'; pass model.module in one process")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("model has no trainable parameters (none with requires_grad): there is nothing to train")
