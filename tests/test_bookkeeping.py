@@ -1341,6 +1341,16 @@ def test_a_model_without_trainable_parameters_is_refused():
                           expected_batch_size=2)
 
 
+@pytest.mark.parametrize("to_script", [torch.jit.script, lambda m: torch.jit.trace(m, torch.randn(2, 4))],
+                         ids=["script", "trace"])
+def test_a_torchscript_module_is_refused(to_script):
+    """No hook runs in a TorchScript forward: a traced model's step raised that its parameters were
+    used outside their modules, a scripted one torch's own error at the hooks' registration."""
+    model = to_script(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match=r"model is a TorchScript module .*pass the Python module"):
+        dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0), expected_batch_size=2)
+
+
 def test_a_distributed_data_parallel_model_is_refused(tmp_path):
     """DDP all-reduces the .grad of a backward pass, which book-keeping does not make: each process
     clipped, noised and stepped on its own batch alone (one process here, gloo, as two would)."""

@@ -108,7 +108,8 @@ class BookKeeping:
     layer's call (``h += layer(h)``); torch's nn.TransformerEncoderLayer and
     nn.TransformerDecoderLayer with ``batch_first=False`` (their Linear layers would read the
     positions as samples); a forward compiled by ``torch.compile`` (its ops hidden in one autograd
-    node); a model wrapped in DistributedDataParallel (each process would train alone).
+    node); a model wrapped in DistributedDataParallel (each process would train alone); a
+    TorchScript module (``torch.jit.script`` or ``trace``: no hooks run in its forward).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -131,6 +132,10 @@ class BookKeeping:
             raise ValueError("model is a DistributedDataParallel, whose all-reduce runs on the .grad of a backward "
                              "pass, which book-keeping does not make: each process would clip, noise and step on its "
                              "own batch alone, its model drifting from the others'; pass model.module in one process")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise ValueError(f"model is a TorchScript module ({type(model).__name__}, from torch.jit.script or trace), "
+                             "whose forward runs as TorchScript, out of the book-keeping hooks' sight: pass the Python "
+                             "module")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("model has no trainable parameters (none with requires_grad): there is nothing to train")
