@@ -457,11 +457,13 @@ def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), gra
         if node in seen:
             continue
         seen.add(node)
-        if getattr(node, "_forward_cls", None) is CheckpointFunction:
+        forward = getattr(node, "_forward_cls", None)  # an autograd.Function's node (few: the others skip both checks)
+        if forward is CheckpointFunction:
             raise ValueError(f"the graph of {graph} has reentrant activation checkpointing (torch.utils.checkpoint "
                              "with use_reentrant=True), whose forward runs without grad, out of the book-keeping "
                              "hooks' sight: its parameters would get no clipped gradient; use use_reentrant=False")
-        refuse_compiled(node, graph)
+        if forward is not None:
+            refuse_compiled(node, graph)
         for position, (child, _) in enumerate(node.next_functions):
             if child is None:
                 continue
