@@ -1351,21 +1351,6 @@ def test_a_torchscript_module_is_refused(to_script):
         dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0), expected_batch_size=2)
 
 
-def test_a_distributed_data_parallel_model_is_refused(tmp_path):
-    """DDP all-reduces the .grad of a backward pass, which book-keeping does not make: each process
-    clipped, noised and stepped on its own batch alone (one process here, gloo, as two would)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
-        with pytest.raises(ValueError, match="model is a DistributedDataParallel.*pass model.module"):
-            dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
-                              expected_batch_size=2)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_an_optimizer_of_all_parameters_trains_the_unfrozen_ones():
     """SGD(model.parameters()) with some frozen, as LoRA users build it: the update of an optimizer
     of the trainable ones, the frozen weight left as it was."""

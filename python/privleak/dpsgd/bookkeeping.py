@@ -45,6 +45,7 @@ from torch import nn
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, experts, recurrent, tied  # noqa: F401 (all but tied: register their rules)
 from privleak.dpsgd.clip import GRAD_DTYPES
+from privleak.dpsgd.distributed import Replicas
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
 from privleak.dpsgd.layers import Layer, layer_for, total
@@ -128,10 +129,6 @@ class BookKeeping:
                  generator=None, sampling: str = "poisson"):
         if not isinstance(model, nn.Module):
             raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError("model is a DistributedDataParallel, whose all-reduce runs on the .grad of a backward "
-                             "pass, which book-keeping does not make: each process would clip, noise and step on its "
-                             "own batch alone, its model drifting from the others'; pass model.module in one process")
         if isinstance(model, torch.jit.ScriptModule):
             raise ValueError(f"model is a TorchScript module ({type(model).__name__}, from torch.jit.script or trace), "
                              "whose forward runs as TorchScript, out of the book-keeping hooks' sight: pass the Python "
@@ -146,7 +143,8 @@ class BookKeeping:
                              f"with requires_grad), each once; it holds {len(params)} trainable tensors, not the same "
                              "ones")
         self.model = model
-        self.layers, self._tied = _layers_of(model)
+        replicated = isinstance(model, nn.parallel.DistributedDataParallel)
+        self.layers, self._tied = _layers_of(model.module if replicated else model)
         if self._tied and self.config.mechanism.clip_norm_type != 2:
             names = {id(p): name for name, p in model.named_parameters()}
             raise ValueError(f"config: the {type(self.config.mechanism).__name__} mechanism clips L1 norms, which do "
@@ -159,6 +157,8 @@ class BookKeeping:
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
+        self._replicas = Replicas(model) if replicated else None
+        self._failure = None  # across processes: this process's non-finite batch, raised by all at the step
 
     # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.
     @property
@@ -203,7 +203,9 @@ class BookKeeping:
             hook.remove()
         self._hooks = []
         self._clear()
-        self._accumulated = None
+        self._accumulated = self._failure = None
+        if self._replicas is not None:
+            self._replicas.detach()
 
     def _hooks_of(self, layer: Layer) -> list:
         module = layer.module
@@ -339,27 +341,40 @@ class BookKeeping:
 
     def _check_finite(self, norm_sums: torch.Tensor, batch: int) -> None:
         """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
-        non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used."""
+        non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used.
+        Across processes the error waits for the step, where every process raises it together."""
         if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums[:batch])) is not None:
-            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are "
-                             "not finite; pass non_finite='drop' to leave such samples out")
+            failure = (f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are not finite; "
+                       "pass non_finite='drop' to leave such samples out")
+            if self._replicas is None:
+                raise ValueError(failure)
+            self._failure = self._failure or failure
 
     def _release(self, sums: list, averaged: bool) -> list:
         """Noise the clipped sums (divided by L if ``averaged``), make them the parameters'
         gradients and step the optimizer: the step's privacy, always run eagerly."""
-        config = self.config
-        clipping = config.clipping(len(self.params))
-        mechanism = config.mechanism
-        batch_size = self._dp.expected_batch_size
-        update = mechanism.noise(sums, clipping, batch_size if averaged else 1.0, self._dp.generator, inplace=True)
-        if not averaged and not mechanism.releases_direction:
-            torch._foreach_mul_(update, 1.0 / batch_size)
+        if self._replicas is None:
+            update = self._privatised(sums, averaged)
+        else:
+            failure, self._failure = self._failure, None
+            self._replicas.check_all_finite(failure, sums[0].device)
+            update = self._replicas.release(sums, functools.partial(self._privatised, averaged=averaged))
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()
         self._dp.steps += 1
         for p in self.params:  # as zero_grad(set_to_none=True): the update is as large as the model
             p.grad = None
+        return update
+
+    def _privatised(self, sums: list, averaged: bool) -> list:
+        """The mechanism's release of the clipped sums (divided by L if ``averaged``), divided by L."""
+        clipping = self.config.clipping(len(self.params))
+        mechanism = self.config.mechanism
+        batch_size = self._dp.expected_batch_size
+        update = mechanism.noise(sums, clipping, batch_size if averaged else 1.0, self._dp.generator, inplace=True)
+        if not averaged and not mechanism.releases_direction:
+            torch._foreach_mul_(update, 1.0 / batch_size)
         return update
 
     def _clipped_sums(self, losses: torch.Tensor, scale: float, *, synced: bool = True) -> Optional[tuple]:

@@ -49,6 +49,9 @@ class GraphedStep:
                  warmup: int = 2):
         if not callable(loss_fn):
             raise validation.ArgumentTypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if bookkeeping._replicas is not None:
+            raise ValueError("graphed(): the model is a DistributedDataParallel, whose forward has not been checked "
+                             "under CUDA graph capture; take its steps with step()")
         if not example_inputs:
             raise ValueError("example_inputs: give at least one input tensor of loss_fn (the batch in dim 0)")
         batch = _batch_size(example_inputs, "example_inputs")
