@@ -163,12 +163,19 @@ def test_processes_release_what_one_process_releases_on_the_whole_batch(replicas
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
 
 
-def test_a_distributed_model_has_no_graphed_step(tmp_path):
-    """DDP's forward was never checked under CUDA graph capture: graphed() refuses it (one process)."""
+def test_what_a_distributed_model_cannot_take_is_refused(tmp_path):
+    """One process: a DDP with static_graph=True (its first backward runs DDP's delayed all-reduce,
+    where torch failed an internal assert); graphed() (DDP's forward was never checked under CUDA
+    graph capture). DDP's own all-reduce is off while the book-keeping is in place."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
+        static = nn.parallel.DistributedDataParallel(nn.Linear(2, 2), static_graph=True)
+        with pytest.raises(ValueError, match="model is a DistributedDataParallel built with static_graph=True"):
+            dpsgd.BookKeeping(static, torch.optim.SGD(static.parameters()), dpsgd.DPSGDConfig(1.0),
+                              expected_batch_size=2)
+        assert static.require_backward_grad_sync
         model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
         bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
                                expected_batch_size=2)

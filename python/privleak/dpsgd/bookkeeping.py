@@ -109,8 +109,8 @@ class BookKeeping:
     layer's call (``h += layer(h)``); torch's nn.TransformerEncoderLayer and
     nn.TransformerDecoderLayer with ``batch_first=False`` (their Linear layers would read the
     positions as samples); a forward compiled by ``torch.compile`` (its ops hidden in one autograd
-    node); a model wrapped in DistributedDataParallel (each process would train alone); a
-    TorchScript module (``torch.jit.script`` or ``trace``: no hooks run in its forward).
+    node); a DistributedDataParallel built with ``static_graph=True``; a TorchScript module
+    (``torch.jit.script`` or ``trace``: no hooks run in its forward).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -123,6 +123,15 @@ class BookKeeping:
 
     Every forward pass with grad since the previous step() or accumulate() belongs to the
     per-sample losses given next.
+
+    Across processes, pass the model wrapped in ``nn.parallel.DistributedDataParallel`` and
+    ``expected_batch_size`` of the logical batch of all the processes together; each process
+    takes its share (with Poisson sampling, its shard of the dataset at the same rate:
+    ``sample_batch(len(shard), expected_batch_size / world_size)``). The processes' clipped sums
+    are reduced to the group's first process, which adds the noise once with its generator and
+    broadcasts the update (:mod:`privleak.dpsgd.distributed`): the update of one process taking
+    the whole logical batch, the same on every process. A non-finite sample (``non_finite=
+    "raise"``) raises at step() on every process, and the step is taken on none.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, *, expected_batch_size: float,
@@ -144,9 +153,10 @@ class BookKeeping:
                              "ones")
         self.model = model
         replicated = isinstance(model, nn.parallel.DistributedDataParallel)
-        self.layers, self._tied = _layers_of(model.module if replicated else model)
+        self._module = model.module if replicated else model  # whose names errors quote
+        self.layers, self._tied = _layers_of(self._module)
         if self._tied and self.config.mechanism.clip_norm_type != 2:
-            names = {id(p): name for name, p in model.named_parameters()}
+            names = {id(p): name for name, p in self._module.named_parameters()}
             raise ValueError(f"config: the {type(self.config.mechanism).__name__} mechanism clips L1 norms, which do "
                              "not split over the layers sharing a tied parameter "
                              f"({', '.join(names[key] for key in self._tied)}); untie it or use an L2 mechanism")
@@ -156,8 +166,8 @@ class BookKeeping:
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
+        self._replicas = Replicas(model) if replicated else None  # last of the checks: it turns DDP's all-reduce off
         self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
-        self._replicas = Replicas(model) if replicated else None
         self._failure = None  # across processes: this process's non-finite batch, raised by all at the step
 
     # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.
@@ -368,7 +378,8 @@ class BookKeeping:
         return update
 
     def _privatised(self, sums: list, averaged: bool) -> list:
-        """The mechanism's release of the clipped sums (divided by L if ``averaged``), divided by L."""
+        """The update: the mechanism's release of the clipped sums (consumed), which come divided by L
+        if ``averaged`` and are otherwise divided after the noise (a direction is not divided)."""
         clipping = self.config.clipping(len(self.params))
         mechanism = self.config.mechanism
         batch_size = self._dp.expected_batch_size
@@ -579,7 +590,7 @@ class BookKeeping:
 
     def _owner(self, slot: int) -> str:
         """The name of the parameter in ``slot``, for messages."""
-        return next(name for name, p in self.model.named_parameters() if p is self.params[slot])
+        return next(name for name, p in self._module.named_parameters() if p is self.params[slot])
 
 
 def lowest(edges: list, parents: dict) -> list:

@@ -35,6 +35,10 @@ class Replicas:
     on a failure, then reduce the clipped sums, release once, broadcast."""
 
     def __init__(self, model: nn.parallel.DistributedDataParallel):
+        if model.static_graph:
+            raise ValueError("model is a DistributedDataParallel built with static_graph=True, whose first backward "
+                             "pass runs DDP's delayed all-reduce of the .grad that book-keeping's backward does not "
+                             "make (torch fails inside it): build it without static_graph")
         self.model = model
         self.group = model.process_group
         self.rank = dist.get_rank(self.group)
