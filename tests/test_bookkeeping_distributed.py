@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
 from torch import nn
@@ -161,6 +162,31 @@ def test_processes_release_what_one_process_releases_on_the_whole_batch(replicas
     for a, b, w in zip(first["parameters"], second["parameters"], want_parameters):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("name", ["gaussian-flat", "vmf-per-layer"])
+def test_one_process_releases_the_bits_it_releases_without_ddp(tmp_path, device, name):
+    """A group of one (gloo on the CPU, NCCL on a GPU): the reduce and the broadcast change no bit,
+    so the DDP model's updates are those of the same model unwrapped, step for step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp_path / 'rendezvous'}",
+                            rank=0, world_size=1)
+    try:
+        updates = []
+        for wrap in (False, True):
+            model = network().to(device)
+            forward = nn.parallel.DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None) \
+                if wrap else model
+            bk = dpsgd.BookKeeping(forward, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), CONFIGS[name](),
+                                   expected_batch_size=EXPECTED_BATCH, generator=M.NoiseGenerator(SEED))
+            updates.append([[u.clone() for u in bk.step(losses(forward, x.to(device), y.to(device)))]
+                            for x, y in (logical_batch(step) for step in (0, 1, 4))])
+        for plain, replicated in zip(*updates):
+            assert all(torch.equal(a, b) for a, b in zip(plain, replicated))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_what_a_distributed_model_cannot_take_is_refused(tmp_path):

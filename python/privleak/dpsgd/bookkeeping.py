@@ -367,8 +367,7 @@ class BookKeeping:
             update = self._privatised(sums, averaged)
         else:
             failure, self._failure = self._failure, None
-            self._replicas.check_all_finite(failure, sums[0].device)
-            update = self._replicas.release(sums, functools.partial(self._privatised, averaged=averaged))
+            update = self._replicas.release(sums, functools.partial(self._privatised, averaged=averaged), failure)
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()

@@ -31,8 +31,8 @@ BUCKET_ELEMENTS = 1 << 23  # 32 MiB of float32 a collective: small tensors trave
 
 
 class Replicas:
-    """The processes of a DistributedDataParallel model, as book-keeping's step meets them: agree
-    on a failure, then reduce the clipped sums, release once, broadcast."""
+    """The processes of a DistributedDataParallel model, as book-keeping's step meets them: the
+    clipped sums reduced, released once, broadcast."""
 
     def __init__(self, model: nn.parallel.DistributedDataParallel):
         if model.static_graph:
@@ -51,29 +51,28 @@ class Replicas:
         """Give DDP its all-reduce back (:meth:`BookKeeping.remove`)."""
         self.model.require_backward_grad_sync = self._synced
 
-    def check_all_finite(self, failure: Optional[str], device: torch.device) -> None:
-        """Raise on every process if any process's batch had a non-finite sample (``failure``, its
-        message, on that process): each raises together, so none waits in the reduce for the
-        others, and the step changes nothing anywhere."""
-        failed = torch.zeros(self.world_size, dtype=torch.int32, device=device)
-        failed[self.rank] = failure is not None
-        dist.all_reduce(failed, group=self.group)
-        if failed.any():
-            ranks = failed.nonzero().flatten().tolist()
-            raise ValueError(f"process {self.rank} of the group: {failure}; the step is taken on no process"
-                             if failure is not None else
-                             f"per-sample gradients are not finite on process(es) {ranks} of the group; the step is "
-                             "taken on no process (pass non_finite='drop' to leave such samples out)")
-
-    def release(self, sums: list, privatise: Callable[[list], list]) -> list:
+    def release(self, sums: list, privatise: Callable[[list], list], failure: Optional[str]) -> list:
         """The update ``privatise`` makes of the processes' summed ``sums`` (float32, one per
-        parameter, consumed), computed on the group's first process and broadcast to all."""
-        for bucket in _buckets(sums):
+        parameter, consumed), made on the group's first process and broadcast to all.
+
+        ``failure``: this process's message if its batch had a non-finite sample. Each process's
+        flag travels with the sums, so the first process learns of any, and its verdict with the
+        update: then every process raises together (none waits in a collective for the others),
+        nothing is privatised, and the step changes nothing anywhere."""
+        flags = torch.zeros(self.world_size, dtype=torch.float32, device=sums[0].device)
+        flags[self.rank] = failure is not None
+        for bucket in _buckets([flags, *sums]):
             _collective(bucket, lambda t: dist.reduce(t, self.root, group=self.group))
-        if self.rank == 0:
+        if self.rank == 0 and not flags.any():
             sums = [u.to(torch.float32).contiguous() for u in privatise(sums)]
-        for bucket in _buckets(sums):
+        for bucket in _buckets([flags, *sums]):
             _collective(bucket, lambda t: dist.broadcast(t, self.root, group=self.group))
+        if failure is not None:
+            raise ValueError(f"process {self.rank} of the group: {failure}; the step is taken on no process")
+        if flags.any():
+            raise ValueError(f"per-sample gradients are not finite on process(es) {flags.nonzero().flatten().tolist()}"
+                             " of the group; the step is taken on no process (pass non_finite='drop' to leave such "
+                             "samples out)")
         return sums
 
 
