@@ -126,8 +126,9 @@ class BookKeeping:
 
     Across processes, pass the model wrapped in ``nn.parallel.DistributedDataParallel`` and
     ``expected_batch_size`` of the logical batch of all the processes together; each process
-    takes its share (with Poisson sampling, its shard of the dataset at the same rate:
-    ``sample_batch(len(shard), expected_batch_size / world_size)``). The processes' clipped sums
+    takes its share (with Poisson sampling, its shard of the dataset at the same rate: with W
+    equal shards, ``sample_batch(len(shard), expected_batch_size // W)`` where W divides both).
+    The processes' clipped sums
     are reduced to the group's first process, which adds the noise once with its generator and
     broadcasts the update (:mod:`privleak.dpsgd.distributed`): the update of one process taking
     the whole logical batch, the same on every process. A non-finite sample (``non_finite=
