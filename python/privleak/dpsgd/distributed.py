@@ -89,8 +89,9 @@ def _buckets(tensors: list) -> list:
 
 
 def _collective(bucket: list, run: Callable[[torch.Tensor], object]) -> None:
-    """``run`` on the bucket's tensor, or on one flat copy of its tensors, copied back after."""
-    if len(bucket) == 1:
+    """``run`` on the bucket's tensor, or on one flat copy of its tensors (or of a tensor that is not
+    contiguous, which a collective refuses), copied back after."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
         run(bucket[0])
         return
     flat = torch.cat([t.reshape(-1) for t in bucket])
