@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
+from privleak.dpsgd import distributed
 from torch import nn
 
 WORLD, SEED, EXPECTED_BATCH, LEARNING_RATE, TIMEOUT = 2, 11, 6.0, 0.5, 120
@@ -70,9 +71,13 @@ def worker(rank: int, folder: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=TIMEOUT))
+    default_bucket = distributed.BUCKET_ELEMENTS
     try:
         results = {}
         for name, config in CONFIGS.items():
+            # VMF's run sends its sums in three collectives each way: [flags, conv weight, conv bias],
+            # [linear weight] and [linear bias]; the others' in one
+            distributed.BUCKET_ELEMENTS = 60 if name == "vmf-per-layer" else default_bucket
             model = network()
             if rank == 1:  # DDP starts every replica from the first process's parameters
                 with torch.no_grad():
@@ -162,6 +167,16 @@ def test_processes_release_what_one_process_releases_on_the_whole_batch(replicas
     for a, b, w in zip(first["parameters"], second["parameters"], want_parameters):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
+def test_small_tensors_travel_together(monkeypatch):
+    """The collectives' buckets: consecutive tensors up to the limit, a larger one alone (the VMF
+    run's three above: the flags and the network's four sums, at 60 elements)."""
+    monkeypatch.setattr(distributed, "BUCKET_ELEMENTS", 60)
+    sums = [torch.zeros(2)] + [torch.zeros(p.shape) for p in network().parameters()]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[2, 54, 3], [192], [4]]
+    monkeypatch.setattr(distributed, "BUCKET_ELEMENTS", 1)
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[2], [54], [3], [192], [4]]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
