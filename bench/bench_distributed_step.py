@@ -35,7 +35,7 @@ import privleak
 import torch
 import torch.distributed as dist
 from _measure import cpu_name, table
-from bench_training_step import CLIP, LR, MODELS, SIGMA, setting
+from bench_training_step import CLIP, LR, MODELS, SIGMA, opacus_step, setting
 from privleak import dpsgd
 from torch import nn
 
@@ -61,28 +61,11 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, world: i
                                dpsgd.DPSGDConfig(CLIP, noise_multiplier=SIGMA), expected_batch_size=batch)
         per_sample = criterion_class(reduction="none")
         return lambda x, y: bk.step(per_sample(replicated(x), y))
-    from opacus import PrivacyEngine
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 
     replicated = DifferentiallyPrivateDistributedDataParallel(model)
-    optimizer = torch.optim.SGD(replicated.parameters(), lr=LR)
-    share = batch // world
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1].expand(4 * share, *x.shape[1:])),
-                                         batch_size=share)
-    mode = side.split()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus warns about secure RNG and the accountant
-        made = PrivacyEngine().make_private(module=replicated, optimizer=optimizer, criterion=criterion,
-                                            data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                            poisson_sampling=False, grad_sample_mode=mode)
-    wrapped, dp_optimizer = made[0], made[1]
-    loss_fn = made[2] if mode == "ghost" else criterion
-
-    def step(x, y):
-        dp_optimizer.zero_grad(set_to_none=True)
-        loss_fn(wrapped(x), y).backward()
-        dp_optimizer.step()
-    return step
+    return opacus_step(side, replicated, torch.optim.SGD(replicated.parameters(), lr=LR), criterion, x,
+                       batch // world)
 
 
 def timed_rounds(steps: dict, x, y, rounds: int, count: int) -> dict:

@@ -390,12 +390,19 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
                 bk.accumulate(per_sample(model(xs), ys))
             return bk.step()
         return step
-    from opacus import PrivacyEngine
     from opacus.validators import ModuleValidator
 
     if not ModuleValidator.is_valid(model):  # an nn.LSTM: Opacus trains its DPLSTM instead
         model = ModuleValidator.fix(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return opacus_step(side, model, optimizer, criterion, x, batch)
+
+
+def opacus_step(side: str, model: nn.Module, optimizer, criterion, x: torch.Tensor, batch: int):
+    """One step of Opacus's make_private (grad_sample_mode the side's second word) on ``model``
+    (for several processes, wrapped in its DPDDP), for batches of ``batch`` samples like ``x``."""
+    from opacus import PrivacyEngine
+
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1].expand(4 * batch, *x.shape[1:])),
                                          batch_size=batch)
     mode = side.split()[1]
