@@ -12,7 +12,8 @@ Layout:
 - :mod:`~privleak.dpsgd.bookkeeping`: :class:`BookKeeping`, the same step without per-sample
   gradients (ghost norms and book-keeping), its per-layer rules in :mod:`~privleak.dpsgd.layers`;
   :mod:`~privleak.dpsgd.graphed`: :class:`GraphedStep`, that step replayed from a CUDA graph
-  (:meth:`BookKeeping.graphed`).
+  (:meth:`BookKeeping.graphed`); :mod:`~privleak.dpsgd.distributed`: that step across the
+  processes of a DistributedDataParallel model.
 """
 from privleak.dpsgd import mechanism
 from privleak.dpsgd.bookkeeping import BookKeeping

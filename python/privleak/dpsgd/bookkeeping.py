@@ -68,10 +68,11 @@ class BookKeeping:
             update = bk.step(losses)               # what the server sees; the optimizer has stepped
 
     Args:
-        model: the module whose forward computes the losses. Its trainable parameters must be the
-            optimizer's. Each supported layer (nn.Linear, nn.Conv1d/2d, nn.ConvTranspose1d/2d,
-            nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, transformers' Conv1D,
-            nn.MultiheadAttention's projections, :mod:`privleak.dpsgd.attention`) gets book-keeping;
+        model: the module whose forward computes the losses (or it wrapped in
+            DistributedDataParallel, below). Its trainable parameters must be the optimizer's.
+            Each supported layer (nn.Linear, nn.Conv1d/2d, nn.ConvTranspose1d/2d, nn.Embedding,
+            nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, transformers' Conv1D, nn.MultiheadAttention's
+            projections, :mod:`privleak.dpsgd.attention`) gets book-keeping;
             any other module with trainable parameters of its own gets per-sample gradients of that
             module alone (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for
             parameters only added to, multiplied into or expanded over the batch (a ViT's class token
@@ -128,11 +129,11 @@ class BookKeeping:
     ``expected_batch_size`` of the logical batch of all the processes together; each process
     takes its share (with Poisson sampling, its shard of the dataset at the same rate: with W
     equal shards, ``sample_batch(len(shard), expected_batch_size // W)`` where W divides both).
-    The processes' clipped sums
-    are reduced to the group's first process, which adds the noise once with its generator and
-    broadcasts the update (:mod:`privleak.dpsgd.distributed`): the update of one process taking
-    the whole logical batch, the same on every process. A non-finite sample (``non_finite=
-    "raise"``) raises at step() on every process, and the step is taken on none.
+    The processes' clipped sums are reduced to the group's first process, which adds the noise
+    once with its generator and broadcasts the update (:mod:`privleak.dpsgd.distributed`): the
+    update of one process taking the whole logical batch, the same on every process. A
+    non-finite sample (``non_finite="raise"``) raises at step() on every process, and the step
+    is taken on none.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, *, expected_batch_size: float,
@@ -167,9 +168,9 @@ class BookKeeping:
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
+        self._failure = None  # across processes: this process's non-finite batch, raised by all at the step
         self._replicas = Replicas(model) if replicated else None  # last of the checks: it turns DDP's all-reduce off
         self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
-        self._failure = None  # across processes: this process's non-finite batch, raised by all at the step
 
     # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.
     @property
