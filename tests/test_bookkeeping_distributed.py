@@ -204,6 +204,30 @@ def test_one_process_releases_the_bits_it_releases_without_ddp(tmp_path, device,
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_a_model_sharded_over_processes_is_refused(tmp_path, device):
+    """FSDP's fully_shard (its parameters DTensors: the step failed inside torch, on a DTensor added
+    to a tensor) and, on a GPU, FullyShardedDataParallel (its FlatParameter, which no layer rule
+    reads) are refused naming the sharding; the model's hooks are left as they were."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp_path / 'rendezvous'}",
+                            rank=0, world_size=1)
+    try:
+        models = {"held as DTensors": fully_shard(network().to(device))}
+        if device == "cuda":
+            models["wrapped in FullyShardedDataParallel"] = FullyShardedDataParallel(network().to(device))
+        for sharding, model in models.items():
+            hooks = [len(m._forward_hooks) for m in model.modules()]  # FSDP's own
+            with pytest.raises(ValueError, match=f"model's parameters are {sharding}.*DistributedDataParallel"):
+                dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
+                                  expected_batch_size=2)
+            assert [len(m._forward_hooks) for m in model.modules()] == hooks
+    finally:
+        dist.destroy_process_group()
+
+
 def test_what_a_distributed_model_cannot_take_is_refused(tmp_path):
     """One process: a DDP with static_graph=True (its first backward runs DDP's delayed all-reduce,
     where torch failed an internal assert); graphed() (DDP's forward was never checked under CUDA

@@ -43,9 +43,8 @@ import torch
 from torch import nn
 
 from privleak import validation
-from privleak.dpsgd import attention, computed_weight, experts, recurrent, tied  # noqa: F401 (all but tied: register their rules)
+from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
 from privleak.dpsgd.clip import GRAD_DTYPES
-from privleak.dpsgd.distributed import Replicas
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
 from privleak.dpsgd.layers import Layer, layer_for, total
@@ -110,8 +109,9 @@ class BookKeeping:
     layer's call (``h += layer(h)``); torch's nn.TransformerEncoderLayer and
     nn.TransformerDecoderLayer with ``batch_first=False`` (their Linear layers would read the
     positions as samples); a forward compiled by ``torch.compile`` (its ops hidden in one autograd
-    node); a DistributedDataParallel built with ``static_graph=True``; a TorchScript module
-    (``torch.jit.script`` or ``trace``: no hooks run in its forward).
+    node); a DistributedDataParallel built with ``static_graph=True``; parameters sharded over
+    processes (FSDP, DTensors); a TorchScript module (``torch.jit.script`` or ``trace``: no hooks
+    run in its forward).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -144,6 +144,7 @@ class BookKeeping:
             raise ValueError(f"model is a TorchScript module ({type(model).__name__}, from torch.jit.script or trace), "
                              "whose forward runs as TorchScript, out of the book-keeping hooks' sight: pass the Python "
                              "module")
+        distributed.refuse_sharded(model)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("model has no trainable parameters (none with requires_grad): there is nothing to train")
@@ -169,7 +170,8 @@ class BookKeeping:
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._failure = None  # across processes: this process's non-finite batch, raised by all at the step
-        self._replicas = Replicas(model) if replicated else None  # last of the checks: it turns DDP's all-reduce off
+        # the last of the checks, as it turns DDP's all-reduce off
+        self._replicas = distributed.Replicas(model) if replicated else None
         self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
 
     # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.

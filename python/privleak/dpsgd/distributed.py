@@ -21,6 +21,7 @@ backward makes none, so it is switched off (``require_backward_grad_sync``, as D
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +29,21 @@ import torch.distributed as dist
 from torch import nn
 
 BUCKET_ELEMENTS = 1 << 23  # 32 MiB of float32 a collective: small tensors travel together, big ones as they are
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """Refuse a model whose parameters are sharded over processes (FSDP, tensor parallelism):
+    book-keeping's layer rules need each layer's whole weight and batch in one process. (The
+    modules are looked up only if the program imported them, which it has if it sharded.)"""
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules()):
+        sharded = "wrapped in FullyShardedDataParallel"
+    elif tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters()):
+        sharded = "held as DTensors (FSDP's fully_shard, or tensor parallelism)"
+    else:
+        return
+    raise ValueError(f"model's parameters are {sharded}, sharded over processes: book-keeping needs each layer's "
+                     "whole weight in every process; replicate the model with DistributedDataParallel instead")
 
 
 class Replicas:
