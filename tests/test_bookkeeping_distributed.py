@@ -29,15 +29,32 @@ CONFIGS = {
     "laplace-flat": lambda: dpsgd.DPSGDConfig(1.5, "laplace", noise_multiplier=0.5),
 }
 # Each step's physical batches on process 0 and on process 1 (sample counts), in the order the
-# logical batch is split: an empty share, accumulation on one side only, a step whose process 1
-# has a non-finite sample (every process raises, none steps), then a step as usual.
-STEPS = [((3,), (2,)), ((0,), (4,)), ((2, 1), (2,)), ((2,), (2,)), ((1,), (3,))]
-NON_FINITE_STEP = 3
+# logical batch is split. Process 0's first share is empty and it runs no forward pass (DDP would
+# broadcast the buffers at process 1's first one); process 1's second is an empty batch run
+# through the model; then accumulation on one side only, and three steps that fail on one
+# process, every process raising and none stepping: a non-finite sample on process 1, losses of
+# the wrong shape on process 0, and the first process failing to privatise (out of memory, say).
+STEPS = [((0,), (3,)), ((2,), (0,)), ((2, 1), (2,)), ((2,), (2,)), ((1,), (3,)), ((2,), (1,)), ((1,), (2,)),
+         ((2,), (2,))]
+NON_FINITE_STEP, BAD_LOSSES_STEP, PRIVATISE_FAILS_STEP = 3, 5, 6
+FAILING = {NON_FINITE_STEP: 1, BAD_LOSSES_STEP: 0, PRIVATISE_FAILS_STEP: 0}  # step: the process whose error it is
+
+
+class Shift(nn.Module):
+    """Adds a buffer: a model with buffers, which DDP broadcasts at a forward pass while its
+    all-reduce is on."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, width))
+
+    def forward(self, x):
+        return x + self.shift
 
 
 def network() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4))
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4), Shift(4))
 
 
 def logical_batch(step: int) -> tuple:
@@ -65,6 +82,35 @@ def losses(model, x, y) -> torch.Tensor:
     return F.cross_entropy(model(x), y, reduction="none")
 
 
+class PrivatiseFails(RuntimeError):
+    pass
+
+
+def run_steps(bk: dpsgd.BookKeeping, replicated: nn.Module, rank: int) -> list:
+    """Each step's update, or its error's type and message."""
+    steps = []
+    for step in range(len(STEPS)):
+        batches = share(step, rank)
+        if step == PRIVATISE_FAILS_STEP and rank == 0:
+            def fail(*_, **__):
+                raise PrivatiseFails("out of memory (simulated)")
+            bk._privatised = fail
+        try:
+            for x, y in batches[:-1]:
+                bk.accumulate(losses(replicated, x, y))
+            if step == 0 and rank == 0:
+                steps.append(bk.step())  # its share is empty: no forward pass
+            elif step == BAD_LOSSES_STEP and rank == 0:
+                steps.append(bk.step(losses(replicated, *batches[-1]).unsqueeze(1)))
+            else:
+                steps.append(bk.step(losses(replicated, *batches[-1])))
+        except (ValueError, PrivatiseFails) as error:
+            steps.append((type(error).__name__, str(error)))
+        finally:
+            bk.__dict__.pop("_privatised", None)
+    return steps
+
+
 def worker(rank: int, folder: Path) -> None:
     import torch.distributed as dist
 
@@ -74,6 +120,14 @@ def worker(rank: int, folder: Path) -> None:
     default_bucket = distributed.BUCKET_ELEMENTS
     try:
         results = {}
+        model = network()
+        replicated = nn.parallel.DistributedDataParallel(model)
+        try:  # process 1 expects another batch size: refused on both
+            dpsgd.BookKeeping(replicated, torch.optim.SGD(model.parameters()), CONFIGS["gaussian-flat"](),
+                              expected_batch_size=EXPECTED_BATCH + rank)
+        except ValueError as error:
+            results["settings differ"] = (str(error), replicated.require_backward_grad_sync,
+                                          sum(len(m._forward_hooks) for m in model.modules()))
         for name, config in CONFIGS.items():
             # VMF's run sends its sums in three collectives each way: [flags, conv weight, conv bias],
             # [linear weight] and [linear bias]; the others' in one
@@ -86,15 +140,7 @@ def worker(rank: int, folder: Path) -> None:
             replicated = nn.parallel.DistributedDataParallel(model)
             bk = dpsgd.BookKeeping(replicated, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), config(),
                                    expected_batch_size=EXPECTED_BATCH, generator=M.NoiseGenerator(SEED + rank))
-            steps = []
-            for step in range(len(STEPS)):
-                batches = share(step, rank)
-                try:
-                    for x, y in batches[:-1]:
-                        bk.accumulate(losses(replicated, x, y))
-                    steps.append(bk.step(losses(replicated, *batches[-1])))
-                except ValueError as error:
-                    steps.append(str(error))
+            steps = run_steps(bk, replicated, rank)
             results[name] = {"steps": steps, "parameters": [p.detach().clone() for p in model.parameters()],
                              "taken": bk.steps}
             bk.remove()
@@ -109,29 +155,32 @@ def replicas(tmp_path_factory):
     """What each of the two processes saved."""
     folder = tmp_path_factory.mktemp("ddp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    processes = [subprocess.Popen([sys.executable, __file__, str(rank), str(folder)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(WORLD)]
-    outputs = []
+    logs = [folder / f"rank{rank}.log" for rank in range(WORLD)]
+    processes = []
+    for rank, log in enumerate(logs):
+        with open(log, "wb") as out:  # a file each: a pipe read after the other process's could fill and block
+            processes.append(subprocess.Popen([sys.executable, __file__, str(rank), str(folder)], env=env,
+                                              stdout=out, stderr=subprocess.STDOUT))
     try:
         for process in processes:
-            outputs.append(process.communicate(timeout=TIMEOUT + 60)[0].decode(errors="replace"))
+            process.wait(timeout=TIMEOUT + 60)
     finally:
         for process in processes:
             process.kill()
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log.read_text(errors="replace")[-6000:]
     return [torch.load(folder / f"rank{rank}.pt") for rank in range(WORLD)]
 
 
 def materialised_run(config: dpsgd.DPSGDConfig) -> tuple:
-    """One process, the whole logical batches: each step's update (None for the step that
+    """One process, the whole logical batches: each step's update (None for a step that
     raises), and the parameters at the end."""
     model = network()
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     generator = M.NoiseGenerator(SEED)
     updates = []
     for step in range(len(STEPS)):
-        if step == NON_FINITE_STEP:
+        if step in FAILING:
             updates.append(None)
             continue
         x, y = logical_batch(step)
@@ -144,39 +193,64 @@ def materialised_run(config: dpsgd.DPSGDConfig) -> tuple:
     return updates, [p.detach() for p in model.parameters()]
 
 
+#: a failing step's error on the process whose error it is, and on the other
+OWN_ERRORS = {NON_FINITE_STEP: ("ValueError", r"per-sample gradients of samples \[0\] are not finite; .*"),
+              BAD_LOSSES_STEP: ("ValueError", r"per_sample_losses must be a 1-D tensor .*"),
+              PRIVATISE_FAILS_STEP: ("PrivatiseFails", r"out of memory \(simulated\)")}
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_processes_release_what_one_process_releases_on_the_whole_batch(replicas, name):
     """Both processes get the same update bits each step, the update of one process clipping the
-    whole logical batch with the first process's noise (float32 rounding of the sums' order aside);
-    the step with a non-finite sample on process 1 raises on both and is taken on neither; both
-    replicas end equal, and equal to the one-process run."""
-    first, second = (r[name] for r in replicas)
+    whole logical batch with the first process's noise (float32 rounding of the sums' order aside),
+    whether a share is empty (with or without a forward pass) or accumulated. A step that fails on
+    one process (a non-finite sample, bad losses, the noise itself) raises on both, the error's own
+    on its process, and is taken on neither; the next steps pair up as before. Both replicas end
+    equal, and equal to the one-process run."""
+    runs = [r[name] for r in replicas]
     want, want_parameters = materialised_run(CONFIGS[name]())
     scale = max(float(u.abs().max()) for update in want if update is not None for u in update)
-    for step, (got, other, expected) in enumerate(zip(first["steps"], second["steps"], want)):
+    for step, expected in enumerate(want):
+        got = [run["steps"][step] for run in runs]
         if expected is None:
-            assert re.fullmatch(r"per-sample gradients are not finite on process\(es\) \[1\] .*taken on no process.*",
-                                got), got
-            assert re.fullmatch(r"process 1 of the group: per-sample gradients of samples \[0\] are not finite; .*"
-                                "the step is taken on no process", other), other
+            failing = FAILING[step]
+            kind, message = OWN_ERRORS[step]
+            assert got[failing][0] == kind and re.fullmatch(message, got[failing][1]), got[failing]
+            other = got[1 - failing]
+            cause = "privatising the sums" if step == PRIVATISE_FAILS_STEP else "its batch"
+            assert other[0] == "ValueError" and other[1] == (
+                f"the step failed on process(es) [{failing}] of the group, each raising its own error ({cause}); "
+                "the step is taken on no process"), other
             continue
-        assert all(torch.equal(a, b) for a, b in zip(got, other)), f"step {step}: the processes' updates differ"
-        for g, w in zip(got, expected):
+        assert all(torch.equal(a, b) for a, b in zip(*got)), f"step {step}: the processes' updates differ"
+        for g, w in zip(got[0], expected):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-6 * scale)
-    assert first["taken"] == second["taken"] == len(STEPS) - 1
-    for a, b, w in zip(first["parameters"], second["parameters"], want_parameters):
+    assert runs[0]["taken"] == runs[1]["taken"] == len(STEPS) - len(FAILING)
+    for a, b, w in zip(runs[0]["parameters"], runs[1]["parameters"], want_parameters):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
+def test_processes_with_different_settings_are_refused(replicas):
+    """Process 1 built its book-keeping for another expected batch size (the first process would
+    calibrate the noise to its own): both refuse, naming it and each process's value, before
+    turning DDP's all-reduce off or hooking a layer."""
+    for rank, result in enumerate(r["settings differ"] for r in replicas):
+        message, synced, hooks = result
+        assert message == ("the processes' book-keeping differs in expected_batch_size (process 0: 6.0; process 1: "
+                           "7.0): every process must build it with the same settings, for the first process's noise "
+                           "to fit every process's sums"), (rank, message)
+        assert synced and hooks == 0
 
 
 def test_small_tensors_travel_together(monkeypatch):
     """The collectives' buckets: consecutive tensors up to the limit, a larger one alone (the VMF
     run's three above: the flags and the network's four sums, at 60 elements)."""
     monkeypatch.setattr(distributed, "BUCKET_ELEMENTS", 60)
-    sums = [torch.zeros(2)] + [torch.zeros(p.shape) for p in network().parameters()]
-    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[2, 54, 3], [192], [4]]
+    sums = [torch.zeros(WORLD + 1)] + [torch.zeros(p.shape) for p in network().parameters()]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[3, 54, 3], [192], [4]]
     monkeypatch.setattr(distributed, "BUCKET_ELEMENTS", 1)
-    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[2], [54], [3], [192], [4]]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[3], [54], [3], [192], [4]]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])

@@ -35,6 +35,7 @@ same config and the same noise stream, up to float32 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import TYPE_CHECKING, Optional
@@ -127,13 +128,17 @@ class BookKeeping:
 
     Across processes, pass the model wrapped in ``nn.parallel.DistributedDataParallel`` and
     ``expected_batch_size`` of the logical batch of all the processes together; each process
-    takes its share (with Poisson sampling, its shard of the dataset at the same rate: with W
-    equal shards, ``sample_batch(len(shard), expected_batch_size // W)`` where W divides both).
-    The processes' clipped sums are reduced to the group's first process, which adds the noise
-    once with its generator and broadcasts the update (:mod:`privleak.dpsgd.distributed`): the
-    update of one process taking the whole logical batch, the same on every process. A
-    non-finite sample (``non_finite="raise"``) raises at step() on every process, and the step
-    is taken on none.
+    takes its share of one Poisson sample of the whole dataset, drawn alike on every process::
+
+        batch = sample_batch(N, L, generator=shared)   # a generator seeded alike on every process
+        batch = batch[batch % world_size == rank]
+
+    The processes' settings are compared when it is built (a difference is refused on every
+    process). The processes' clipped sums are reduced to the group's first process, which adds
+    the noise once with its generator and broadcasts the update
+    (:mod:`privleak.dpsgd.distributed`): the update of one process taking the whole logical
+    batch, the same on every process. Every process calls step() once a step; an error of any
+    process's batch raises at step() on every process, and the step is taken on none.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, *, expected_batch_size: float,
@@ -169,10 +174,20 @@ class BookKeeping:
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         self._accumulated = None  # the clipped sums of the physical batches since the last step
-        self._failure = None  # across processes: this process's non-finite batch, raised by all at the step
+        self._failure = None  # across processes: the error of this process's batch, raised at the step
         # the last of the checks, as it turns DDP's all-reduce off
-        self._replicas = distributed.Replicas(model) if replicated else None
+        self._replicas = distributed.Replicas(model, self._agreed()) if replicated else None
         self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
+
+    def _agreed(self) -> dict:
+        """What every process's step must share for the first process's noise to be calibrated to
+        every process's clipped sums (:class:`distributed.Replicas` compares them)."""
+        config = self.config
+        return {"config.mechanism": config.mechanism, "config.clip_norm": config.clip_norm,
+                "config.per_layer": config.per_layer, "config.non_finite": config.non_finite,
+                "expected_batch_size": self._dp.expected_batch_size, "sampling": self._dp.sampling,
+                "a secure noise generator": isinstance(self._dp.generator, SecureNoiseGenerator),
+                "the trainable parameters' shapes": [tuple(p.shape) for p in self.params]}
 
     # The DP-SGD state lives in the DPOptimizer this wraps: one place for its checks and report.
     @property
@@ -271,7 +286,12 @@ class BookKeeping:
         (a Poisson sample of the dataset) is so taken a few samples at a time, as Opacus's
         BatchMemoryManager does: each sample's clip factor needs only its own gradient, so the
         update is the one of the whole batch at once (float32 rounding aside), and the privacy
-        accounting is the logical batch's. Holds one float32 sum per parameter between calls."""
+        accounting is the logical batch's. Holds one float32 sum per parameter between calls.
+        Across processes, an error here waits for the step (:meth:`step`)."""
+        with self._failure_deferred():
+            self._accumulate(per_sample_losses)
+
+    def _accumulate(self, per_sample_losses: torch.Tensor) -> None:
         losses = check_losses(per_sample_losses)
         averaged = self._accumulated[1] if self._accumulated is not None else self._averages_in_clip()
         clipped = self._clipped_batch(losses, averaged)
@@ -313,14 +333,21 @@ class BookKeeping:
 
         The batch is the one whose per-sample losses (B,) are given, with the physical batches
         given to :meth:`accumulate` since the last step; without losses, those alone (none: an
-        empty batch, the update is the noise alone)."""
-        if per_sample_losses is not None:
-            self.accumulate(per_sample_losses)
-        elif any(layer.calls for layer in self.layers):
-            self._clear()
-            raise ValueError("step() got no per_sample_losses, but the model ran a forward pass with grad since the "
-                             "last step or accumulate(): pass that batch's per-sample losses (run an evaluation "
-                             "under torch.no_grad())")
+        empty batch, the update is the noise alone).
+
+        Across processes, every process calls step() once a step, whatever its share (an empty
+        one: step() with no forward pass, or the losses of an empty batch). An error of any
+        process's batch (a non-finite sample, bad losses, a failure of its backward pass) raises
+        at step() on every process, its own error on that process: the step is taken on none, and
+        the next step pairs up as before."""
+        with self._failure_deferred():
+            if per_sample_losses is not None:
+                self._accumulate(per_sample_losses)
+            elif any(layer.calls for layer in self.layers):
+                self._clear()
+                raise ValueError("step() got no per_sample_losses, but the model ran a forward pass with grad since "
+                                 "the last step or accumulate(): pass that batch's per-sample losses (run an "
+                                 "evaluation under torch.no_grad())")
         accumulated, self._accumulated = self._accumulated, None
         if accumulated is None:  # an empty batch
             accumulated = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params], \
@@ -355,14 +382,24 @@ class BookKeeping:
 
     def _check_finite(self, norm_sums: torch.Tensor, batch: int) -> None:
         """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
-        non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used.
-        Across processes the error waits for the step, where every process raises it together."""
+        non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used."""
         if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums[:batch])) is not None:
-            failure = (f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are not finite; "
-                       "pass non_finite='drop' to leave such samples out")
-            if self._replicas is None:
-                raise ValueError(failure)
-            self._failure = self._failure or failure
+            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are "
+                             "not finite; pass non_finite='drop' to leave such samples out")
+
+    @contextlib.contextmanager
+    def _failure_deferred(self):
+        """In one process, errors raise where they happen. Across processes, an error of this
+        process's batch is kept for the step, where the processes learn of it with the sums and
+        all raise together (:meth:`distributed.Replicas.release`): raised here, it would leave the
+        others waiting in the step's collectives, or pair their next step with this one's."""
+        if self._replicas is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as error:
+            self._failure = self._failure or error
 
     def _release(self, sums: list, averaged: bool) -> list:
         """Noise the clipped sums (divided by L if ``averaged``), make them the parameters'

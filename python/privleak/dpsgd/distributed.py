@@ -50,7 +50,7 @@ class Replicas:
     """The processes of a DistributedDataParallel model, as book-keeping's step meets them: the
     clipped sums reduced, released once, broadcast."""
 
-    def __init__(self, model: nn.parallel.DistributedDataParallel):
+    def __init__(self, model: nn.parallel.DistributedDataParallel, agreed: dict):
         if model.static_graph:
             raise ValueError("model is a DistributedDataParallel built with static_graph=True, whose first backward "
                              "pass runs DDP's delayed all-reduce of the .grad that book-keeping's backward does not "
@@ -60,36 +60,67 @@ class Replicas:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.root = dist.get_global_rank(self.group, 0)  # collectives name their root by its global rank
-        self._synced = model.require_backward_grad_sync
-        model.require_backward_grad_sync = False
+        _check_agreed(agreed, self.group, self.world_size)
+        self._synced = model.require_backward_grad_sync, model.require_forward_param_sync
+        self._attach()
+
+    def _attach(self) -> None:
+        """DDP's all-reduce off, and its broadcast of the buffers at a forward pass, which DDP
+        makes while its all-reduce is on and at the first forward pass after it was: a collective
+        there would meet the step's reduce on a process whose share is empty and runs no forward
+        pass (DDP's constructor broadcast them already). Set again at each step, as a wrapper's
+        own gradient accumulation may set DDP's flag back."""
+        self.model.require_backward_grad_sync = self.model.require_forward_param_sync = False
 
     def detach(self) -> None:
         """Give DDP its all-reduce back (:meth:`BookKeeping.remove`)."""
-        self.model.require_backward_grad_sync = self._synced
+        self.model.require_backward_grad_sync, self.model.require_forward_param_sync = self._synced
 
-    def release(self, sums: list, privatise: Callable[[list], list], failure: Optional[str]) -> list:
+    def release(self, sums: list, privatise: Callable[[list], list], failure: Optional[BaseException]) -> list:
         """The update ``privatise`` makes of the processes' summed ``sums`` (float32, one per
         parameter, consumed), made on the group's first process and broadcast to all.
 
-        ``failure``: this process's message if its batch had a non-finite sample. Each process's
-        flag travels with the sums, so the first process learns of any, and its verdict with the
-        update: then every process raises together (none waits in a collective for the others),
-        nothing is privatised, and the step changes nothing anywhere."""
-        flags = torch.zeros(self.world_size, dtype=torch.float32, device=sums[0].device)
+        ``failure``: the error of this process's batch, if any. Each process's flag travels with
+        the sums, so the first process learns of any, and its verdict (with a flag of its own if
+        privatising failed) with the update: then every process raises together, its own error
+        on a process that had one (none waits in a collective for the others, and the next step
+        pairs up as before), nothing is released, and the step changes nothing anywhere."""
+        self._attach()
+        flags = torch.zeros(self.world_size + 1, dtype=torch.float32, device=sums[0].device)
         flags[self.rank] = failure is not None
         for bucket in _buckets([flags, *sums]):
             _collective(bucket, lambda t: dist.reduce(t, self.root, group=self.group))
-        if self.rank == 0 and not flags.any():
-            sums = [u.to(torch.float32).contiguous() for u in privatise(sums)]
+        if self.rank == 0:
+            if not flags.any():
+                try:
+                    sums = [u.to(torch.float32).contiguous() for u in privatise(sums)]
+                except Exception as error:  # an out-of-memory error, say: the others would wait in the broadcast
+                    failure, flags[self.world_size] = error, 1
+            if flags.any():  # the sum without its noise stays here
+                sums = [torch.zeros_like(s) for s in sums]
         for bucket in _buckets([flags, *sums]):
             _collective(bucket, lambda t: dist.broadcast(t, self.root, group=self.group))
         if failure is not None:
-            raise ValueError(f"process {self.rank} of the group: {failure}; the step is taken on no process")
+            raise failure
         if flags.any():
-            raise ValueError(f"per-sample gradients are not finite on process(es) {flags.nonzero().flatten().tolist()}"
-                             " of the group; the step is taken on no process (pass non_finite='drop' to leave such "
-                             "samples out)")
+            ranks = flags[:self.world_size].nonzero().flatten().tolist()
+            raise ValueError(f"the step failed on process(es) {ranks or [0]} of the group, each raising its own error "
+                             f"({'its batch' if ranks else 'privatising the sums'}); the step is taken on no process")
         return sums
+
+
+def _check_agreed(agreed: dict, group, world_size: int) -> None:
+    """Refuse, on every process, settings that differ between the processes: the first process
+    calibrates the noise to its own, which would not bound another's clipped sums."""
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {key: repr(value) for key, value in agreed.items()}, group=group)
+    differing = [key for key in agreed if len({settings[key] for settings in gathered}) > 1]
+    if differing:
+        values = "; ".join(f"process {rank}: " + ", ".join(settings[key] for key in differing)
+                           for rank, settings in enumerate(gathered))
+        raise ValueError(f"the processes' book-keeping differs in {', '.join(differing)} ({values}): every process "
+                         "must build it with the same settings, for the first process's noise to fit every "
+                         "process's sums")
 
 
 def _buckets(tensors: list) -> list:
