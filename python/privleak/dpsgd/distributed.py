@@ -1,9 +1,9 @@
 """Book-keeping across processes: a model wrapped in DistributedDataParallel.
 
-Each process takes its own share of the logical batch (with Poisson sampling, each process
-samples its shard of the dataset at the same rate q, which is Poisson sampling of the whole
-dataset at q) and clips and sums its samples as one process would: a sample's clip factor
-depends on its own gradient alone. The processes' clipped sums are then reduced to the group's
+Each process takes its own share of the logical batch (with Poisson sampling, its share of one
+Poisson sample of the whole dataset, drawn alike on every process from a generator seeded alike)
+and clips and sums its samples as one process would: a sample's clip factor depends on its own
+gradient alone. The processes' clipped sums are then reduced to the group's
 first process, which privatises the whole batch's sum once, with its own noise generator, and
 broadcasts the update; every process steps with that update, so the replicas stay equal. The
 update is therefore the one a single process would release on the whole logical batch, float32
@@ -17,7 +17,12 @@ noise on the sum's grid are not additive over the processes' sums.
 
 DDP's own all-reduce runs on the ``.grad`` an ordinary backward pass accumulates; book-keeping's
 backward makes none, so it is switched off (``require_backward_grad_sync``, as DDP's
-``no_sync`` does) while the book-keeping is in place.
+``no_sync`` does) while the book-keeping is in place, with DDP's broadcast of the buffers at a
+forward pass (:meth:`Replicas._attach`).
+
+Every collective of a step is in :meth:`Replicas.release`, which every process calls once a step
+whatever befell its batch: an error of one process's batch travels as a flag with the sums, and
+all processes raise together.
 """
 from __future__ import annotations
 
