@@ -27,7 +27,11 @@ CONFIGS = {
     "gaussian-flat": lambda: dpsgd.DPSGDConfig(0.4, noise_multiplier=0.7),
     "vmf-per-layer": lambda: dpsgd.DPSGDConfig([0.3, 0.1, 0.2, 0.05], "vmf", per_layer=True, kappa=500.0),
     "laplace-flat": lambda: dpsgd.DPSGDConfig(1.5, "laplace", noise_multiplier=0.5),
+    # secure noise is added to the undivided sum, which is divided after it: that path, without the
+    # noise (which no seed reproduces)
+    "secure-noiseless": lambda: dpsgd.DPSGDConfig(0.4, noise_multiplier=0.0),
 }
+SECURE = ("secure-noiseless",)
 # Each step's physical batches on process 0 and on process 1 (sample counts), in the order the
 # logical batch is split. Process 0's first share is empty and it runs no forward pass (DDP would
 # broadcast the buffers at process 1's first one); process 1's second is an empty batch run
@@ -138,8 +142,9 @@ def worker(rank: int, folder: Path) -> None:
                     for p in model.parameters():
                         p.add_(1.0)
             replicated = nn.parallel.DistributedDataParallel(model)
+            generator = M.SecureNoiseGenerator() if name in SECURE else M.NoiseGenerator(SEED + rank)
             bk = dpsgd.BookKeeping(replicated, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), config(),
-                                   expected_batch_size=EXPECTED_BATCH, generator=M.NoiseGenerator(SEED + rank))
+                                   expected_batch_size=EXPECTED_BATCH, generator=generator)
             steps = run_steps(bk, replicated, rank)
             results[name] = {"steps": steps, "parameters": [p.detach().clone() for p in model.parameters()],
                              "taken": bk.steps}
@@ -202,11 +207,12 @@ OWN_ERRORS = {NON_FINITE_STEP: ("ValueError", r"per-sample gradients of samples 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_processes_release_what_one_process_releases_on_the_whole_batch(replicas, name):
     """Both processes get the same update bits each step, the update of one process clipping the
-    whole logical batch with the first process's noise (float32 rounding of the sums' order aside),
-    whether a share is empty (with or without a forward pass) or accumulated. A step that fails on
-    one process (a non-finite sample, bad losses, the noise itself) raises on both, the error's own
-    on its process, and is taken on neither; the next steps pair up as before. Both replicas end
-    equal, and equal to the one-process run."""
+    whole logical batch with the first process's noise (float32 rounding of the sums' order aside;
+    the secure path's sums, which are divided after the noise, without the noise), whether a share
+    is empty (with or without a forward pass) or accumulated. A step that fails on one process (a
+    non-finite sample, bad losses, the noise itself) raises on both, the error's own on its
+    process, and is taken on neither; the next steps pair up as before. Both replicas end equal,
+    and equal to the one-process run."""
     runs = [r[name] for r in replicas]
     want, want_parameters = materialised_run(CONFIGS[name]())
     scale = max(float(u.abs().max()) for update in want if update is not None for u in update)
