@@ -398,7 +398,8 @@ def test_opacus_secure_mode_gets_secure_noise_and_an_empty_batch_gets_noise_alon
                                   max_clipbound=2.0, min_clipbound=0.1, unclipped_num_std=1.0)
     with pytest.raises(TypeError, match="optimizer must be an Opacus DPOptimizer, DPPerLayerOptimizer"):
         PrivleakDPOptimizer.from_opacus(adaptive)
-    with pytest.raises(TypeError, match="optimizer must be an Opacus DPPerLayerOptimizer, got DPOptimizer"):
+    with pytest.raises(TypeError, match="optimizer must be an Opacus DPPerLayerOptimizer, "
+                                        "SimpleDistributedPerLayerOptimizer, got DPOptimizer"):
         PrivleakPerLayerDPOptimizer.from_opacus(secure)
     with pytest.raises(ValueError, match="max_grad_norm must be a list of 4 clip norms"):
         PrivleakPerLayerDPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, max_grad_norm=[1.0] * 3,

@@ -7,8 +7,8 @@ Opacus users switch in two lines, after ``PrivacyEngine.make_private``:
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism="vmf", kappa=k)  # VMF, Alg. 2
     optimizer = PrivleakDPOptimizer.from_opacus(optimizer, mechanism="laplace")       # L1 clip, Laplace
 
-``from_opacus`` takes the optimizer of each of Opacus's three single-process engines and returns
-privleak's counterpart, which keeps the engine's clipping rule:
+``from_opacus`` takes the optimizer of each of Opacus's three engines, single-process or
+distributed, and returns privleak's counterpart, which keeps the engine's clipping rule:
 
 * ``DPOptimizer`` (``grad_sample_mode="hooks"`` or ``"functorch"``, flat clipping) becomes
   :class:`PrivleakDPOptimizer`;
@@ -17,7 +17,15 @@ privleak's counterpart, which keeps the engine's clipping rule:
 * ``DPOptimizerFastGradientClipping`` (``grad_sample_mode="ghost"``: Opacus's ghost clipping, whose
   loss wrapper clips in a second backward pass and leaves the clipped sum in ``p.grad``) becomes
   :class:`PrivleakGhostClippingDPOptimizer`. Ghost clipping clips in L2 only, so an L1 mechanism
-  (Laplace) is refused there.
+  (Laplace) is refused there;
+* their distributed forms, which ``make_private`` gives for a model wrapped in Opacus's
+  ``DifferentiallyPrivateDistributedDataParallel`` (``DistributedDPOptimizer``,
+  ``SimpleDistributedPerLayerOptimizer``, ``DistributedDPOptimizerFastGradientClipping``), become
+  :class:`PrivleakDistributedDPOptimizer`, :class:`PrivleakDistributedPerLayerDPOptimizer` and
+  :class:`PrivleakDistributedGhostClippingDPOptimizer`: each process clips its share, and the
+  processes' clipped sums are privatised once, on the first process, whose update every process
+  steps with (:class:`_AcrossProcesses`; every mechanism, VMF and secure noise included). Every
+  process calls ``from_opacus`` with the same arguments, which it checks.
 
 Each keeps Opacus's interface and hooks (gradient accumulation, skipped steps, empty Poisson
 batches, the accountant's step hook for the Gaussian mechanism) and its secure mode; it replaces two
@@ -40,8 +48,9 @@ hook is left off, so that it records no Gaussian steps that never happened; acco
 with the mechanism's ``epsilon`` (or :func:`privleak.dpsgd.privacy_report`). An engine made with
 ``secure_mode=True`` gets privleak's secure noise (a
 :class:`~privleak.mechanisms.SecureNoiseGenerator` unless one is given); a mechanism without a
-secure mode (VMF) is refused. Opacus's adaptive-clipping and distributed optimizers do other work
-in the replaced steps and are refused.
+secure mode (VMF) is refused. Opacus's adaptive-clipping optimizer, its FSDP optimizer and its
+``DistributedPerLayerOptimizer`` (which clips and noises in backward hooks; ``make_private`` gives
+the simple one) do other work in the replaced steps and are refused.
 """
 from __future__ import annotations
 
@@ -49,11 +58,19 @@ import dataclasses
 from typing import Optional, Union
 
 import torch
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping, DPPerLayerOptimizer
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+    DPPerLayerOptimizer,
+    SimpleDistributedPerLayerOptimizer,
+)
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from privleak import dpsgd, validation
 from privleak import mechanisms as _mechanisms
+from privleak.dpsgd import distributed
 
 
 class PrivleakDPOptimizer(DPOptimizer):
@@ -140,12 +157,15 @@ class PrivleakDPOptimizer(DPOptimizer):
     def add_noise(self) -> None:
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-        # the summed gradients are the "average" of batch size 1: Opacus scales them in scale_grad
-        updates = self.mechanism.noise([p.summed_grad for p in self.params], self._clipping(), 1.0,
-                                       self.noise_generator)
+        updates = self._released([p.summed_grad for p in self.params])
         for p, update in zip(self.params, updates):
             p.grad = update.to(p.dtype).view_as(p)
             _mark_as_processed(p.summed_grad)
+
+    def _released(self, sums: list) -> list:
+        """The mechanism's release of the clipped sums, as the "average" of a batch of 1 (Opacus
+        divides by its batch size in scale_grad)."""
+        return self.mechanism.noise(sums, self._clipping(), 1.0, self.noise_generator)
 
     def scale_grad(self) -> None:
         if not self.mechanism.releases_direction:
@@ -187,9 +207,55 @@ class PrivleakGhostClippingDPOptimizer(PrivleakDPOptimizer, DPOptimizerFastGradi
     clip_and_accumulate = DPOptimizerFastGradientClipping.clip_and_accumulate
 
 
+class _AcrossProcesses:
+    """The clipped sums of Opacus's processes (``DifferentiallyPrivateDistributedDataParallel``,
+    each with its share of the batch) privatised once: reduced to the first process, which
+    releases their sum with its noise generator, and broadcast
+    (:func:`privleak.dpsgd.distributed.release_across`). Opacus's own distributed optimizers add
+    noise to the first process's sum before an all-reduce, which suits additive noise only, not
+    VMF's release of the normalised direction nor secure noise on the sum's grid. The update is
+    the one a single process would release on the whole batch; with ``loss_reduction="mean"``
+    (Opacus's ``expected_batch_size`` is each process's share) it is divided by the number of
+    processes, as Opacus's is. The processes' settings are compared when they build it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        agreed = {"mechanism": self.mechanism, "max_grad_norm": self._clipping(),
+                  "expected_batch_size": self.expected_batch_size, "loss_reduction": self.loss_reduction,
+                  "secure_mode": self.secure_mode, "the parameters' shapes": [tuple(p.shape) for p in self.params]}
+        distributed.check_agreed(agreed, None, "optimizer")
+
+    def _released(self, sums: list) -> list:
+        return distributed.release_across(None, [s.contiguous() for s in sums], super()._released, None)
+
+    def reduce_gradients(self) -> None:
+        if self.loss_reduction == "mean" and not self.mechanism.releases_direction:
+            torch._foreach_div_([p.grad for p in self.params], self.world_size)
+
+
+class PrivleakDistributedDPOptimizer(_AcrossProcesses, PrivleakDPOptimizer, DistributedDPOptimizer):
+    """Opacus's ``DistributedDPOptimizer`` with privleak's clipping and noise, the processes' sums
+    privatised once (:class:`_AcrossProcesses`)."""
+
+
+class PrivleakDistributedPerLayerDPOptimizer(_AcrossProcesses, PrivleakPerLayerDPOptimizer,
+                                             SimpleDistributedPerLayerOptimizer):
+    """Opacus's ``SimpleDistributedPerLayerOptimizer`` with privleak's per-layer clipping and noise,
+    the processes' sums privatised once (:class:`_AcrossProcesses`)."""
+
+
+class PrivleakDistributedGhostClippingDPOptimizer(_AcrossProcesses, PrivleakGhostClippingDPOptimizer,
+                                                  DistributedDPOptimizerFastGradientClipping):
+    """Opacus's ``DistributedDPOptimizerFastGradientClipping`` with privleak's noise, the processes'
+    sums privatised once (:class:`_AcrossProcesses`)."""
+
+
 #: Opacus's optimizer -> privleak's counterpart (``from_opacus``)
 _COUNTERPARTS = {
     DPOptimizer: PrivleakDPOptimizer,
     DPPerLayerOptimizer: PrivleakPerLayerDPOptimizer,
     DPOptimizerFastGradientClipping: PrivleakGhostClippingDPOptimizer,
+    DistributedDPOptimizer: PrivleakDistributedDPOptimizer,
+    SimpleDistributedPerLayerOptimizer: PrivleakDistributedPerLayerDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping: PrivleakDistributedGhostClippingDPOptimizer,
 }

@@ -62,10 +62,7 @@ class Replicas:
                              "make (torch fails inside it): build it without static_graph")
         self.model = model
         self.group = model.process_group
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.root = dist.get_global_rank(self.group, 0)  # collectives name their root by its global rank
-        _check_agreed(agreed, self.group, self.world_size)
+        check_agreed(agreed, self.group, "book-keeping")
         self._synced = model.require_backward_grad_sync, model.require_forward_param_sync
         self._attach()
 
@@ -82,48 +79,58 @@ class Replicas:
         self.model.require_backward_grad_sync, self.model.require_forward_param_sync = self._synced
 
     def release(self, sums: list, privatise: Callable[[list], list], failure: Optional[BaseException]) -> list:
-        """The update ``privatise`` makes of the processes' summed ``sums`` (float32, one per
-        parameter, consumed), made on the group's first process and broadcast to all.
-
-        ``failure``: the error of this process's batch, if any. Each process's flag travels with
-        the sums, so the first process learns of any, and its verdict (with a flag of its own if
-        privatising failed) with the update: then every process raises together, its own error
-        on a process that had one (none waits in a collective for the others, and the next step
-        pairs up as before), nothing is released, and the step changes nothing anywhere."""
+        """:func:`release_across` the replicas' processes."""
         self._attach()
-        flags = torch.zeros(self.world_size + 1, dtype=torch.float32, device=sums[0].device)
-        flags[self.rank] = failure is not None
-        for bucket in _buckets([flags, *sums]):
-            _collective(bucket, lambda t: dist.reduce(t, self.root, group=self.group))
-        if self.rank == 0:
-            if not flags.any():
-                try:
-                    sums = [u.to(torch.float32).contiguous() for u in privatise(sums)]
-                except Exception as error:  # an out-of-memory error, say: the others would wait in the broadcast
-                    failure, flags[self.world_size] = error, 1
-            if flags.any():  # the sum without its noise stays here
-                sums = [torch.zeros_like(s) for s in sums]
-        for bucket in _buckets([flags, *sums]):
-            _collective(bucket, lambda t: dist.broadcast(t, self.root, group=self.group))
-        if failure is not None:
-            raise failure
-        if flags.any():
-            ranks = flags[:self.world_size].nonzero().flatten().tolist()
-            raise ValueError(f"the step failed on process(es) {ranks or [0]} of the group, each raising its own error "
-                             f"({'its batch' if ranks else 'privatising the sums'}); the step is taken on no process")
-        return sums
+        return release_across(self.group, sums, privatise, failure)
 
 
-def _check_agreed(agreed: dict, group, world_size: int) -> None:
-    """Refuse, on every process, settings that differ between the processes: the first process
-    calibrates the noise to its own, which would not bound another's clipped sums."""
-    gathered = [None] * world_size
+def release_across(group, sums: list, privatise: Callable[[list], list], failure: Optional[BaseException]) -> list:
+    """The update ``privatise`` makes of the processes' summed ``sums`` (one per parameter, the
+    same shapes and dtypes on every process, consumed), made on the group's first process and
+    broadcast to all. Every process of ``group`` (None: the default group) calls it once a step.
+
+    ``failure``: the error of this process's batch, if any. Each process's flag travels with
+    the sums, so the first process learns of any, and its verdict (with a flag of its own if
+    privatising failed) with the update: then every process raises together, its own error
+    on a process that had one (none waits in a collective for the others, and the next step
+    pairs up as before), nothing is released, and the step changes nothing anywhere."""
+    group = group or dist.group.WORLD
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    root = dist.get_global_rank(group, 0)  # collectives name their root by its global rank
+    flags = torch.zeros(world_size + 1, dtype=sums[0].dtype, device=sums[0].device)
+    flags[rank] = failure is not None
+    for bucket in _buckets([flags, *sums]):
+        _collective(bucket, lambda t: dist.reduce(t, root, group=group))
+    if rank == 0:
+        if not flags.any():
+            try:
+                sums = [u.to(s.dtype).contiguous() for u, s in zip(privatise(sums), sums)]
+            except Exception as error:  # an out-of-memory error, say: the others would wait in the broadcast
+                failure, flags[world_size] = error, 1
+        if flags.any():  # the sum without its noise stays here
+            sums = [torch.zeros_like(s) for s in sums]
+    for bucket in _buckets([flags, *sums]):
+        _collective(bucket, lambda t: dist.broadcast(t, root, group=group))
+    if failure is not None:
+        raise failure
+    if flags.any():
+        ranks = flags[:world_size].nonzero().flatten().tolist()
+        raise ValueError(f"the step failed on process(es) {ranks or [0]} of the group, each raising its own error "
+                         f"({'its batch' if ranks else 'privatising the sums'}); the step is taken on no process")
+    return sums
+
+
+def check_agreed(agreed: dict, group, what: str) -> None:
+    """Refuse, on every process of ``group`` (None: the default group), settings of ``what`` that
+    differ between the processes: the first process calibrates the noise to its own, which would
+    not bound another's clipped sums."""
+    gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, {key: repr(value) for key, value in agreed.items()}, group=group)
     differing = [key for key in agreed if len({settings[key] for settings in gathered}) > 1]
     if differing:
         values = "; ".join(f"process {rank}: " + ", ".join(settings[key] for key in differing)
                            for rank, settings in enumerate(gathered))
-        raise ValueError(f"the processes' book-keeping differs in {', '.join(differing)} ({values}): every process "
+        raise ValueError(f"the processes' {what} differs in {', '.join(differing)} ({values}): every process "
                          "must build it with the same settings, for the first process's noise to fit every "
                          "process's sums")
 
