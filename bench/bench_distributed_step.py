@@ -12,7 +12,10 @@ privleak.dpsgd.BookKeeping on the DDP model (each process clips its share, the c
 reduced to the first process, noised there once and broadcast); "opacus hooks" and "opacus
 ghost" are Opacus's make_private on its DifferentiallyPrivateDistributedDataParallel, grad_sample_mode
 "hooks" and "ghost" (its distributed optimizers: noise on the first process, an all-reduce of
-the noisy gradients). Clip norm 1, noise multiplier 1, flat clipping.
+the noisy gradients); "+ privleak" is the same engine with privleak's optimizer swapped in
+(opacus_interop.PrivleakDPOptimizer.from_opacus: privleak's clipping for hooks, and the clipped
+sums reduced to the first process, noised there once and broadcast). Clip norm 1, noise
+multiplier 1, flat clipping.
 
 Every process runs the same steps in the same order (each step holds collectives, so they keep in
 step); the sides run in turns, --rounds rounds of --steps steps each, in reverse order every other
@@ -39,7 +42,8 @@ from bench_training_step import CLIP, LR, MODELS, SIGMA, opacus_step, setting
 from privleak import dpsgd
 from torch import nn
 
-SIDES = ("non-private", "book-keeping", "opacus hooks", "opacus ghost")
+SIDES = ("non-private", "book-keeping", "opacus hooks", "opacus ghost", "opacus hooks + privleak",
+         "opacus ghost + privleak")
 
 
 def make_side(side: str, model: nn.Module, criterion_class, batch: int, world: int, x: torch.Tensor):

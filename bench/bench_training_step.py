@@ -400,7 +400,8 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
 
 def opacus_step(side: str, model: nn.Module, optimizer, criterion, x: torch.Tensor, batch: int):
     """One step of Opacus's make_private (grad_sample_mode the side's second word) on ``model``
-    (for several processes, wrapped in its DPDDP), for batches of ``batch`` samples like ``x``."""
+    (for several processes, wrapped in its DPDDP), for batches of ``batch`` samples like ``x``; a
+    side ending in "+ privleak" swaps in privleak's optimizer (``from_opacus``, Gaussian noise)."""
     from opacus import PrivacyEngine
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1].expand(4 * batch, *x.shape[1:])),
@@ -412,6 +413,10 @@ def opacus_step(side: str, model: nn.Module, optimizer, criterion, x: torch.Tens
                                             noise_multiplier=SIGMA, max_grad_norm=CLIP, poisson_sampling=False,
                                             grad_sample_mode=mode)
     wrapped, dp_optimizer = made[0], made[1]
+    if side.endswith("+ privleak"):
+        from privleak.opacus_interop import PrivleakDPOptimizer
+
+        dp_optimizer = PrivleakDPOptimizer.from_opacus(dp_optimizer)
     loss_fn = made[2] if mode == "ghost" else criterion
 
     def step(x, y):

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import privleak
 import pytest
 
@@ -19,3 +23,25 @@ def threads():
     before = privleak.num_threads()
     yield privleak.set_num_threads
     privleak.set_num_threads(before)
+
+
+def run_processes(worker_file: str, folder, world: int, timeout: float) -> list:
+    """Run ``python worker_file RANK folder`` for each of ``world`` ranks at once (a test file that
+    is also its processes' worker) and return what each saved as ``folder/rank{RANK}.pt``; a
+    process that fails fails the test with the end of its log."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    logs = [folder / f"rank{rank}.log" for rank in range(world)]
+    processes = []
+    for rank, log in enumerate(logs):
+        with open(log, "wb") as out:  # a file each: a pipe read after the other process's could fill and block
+            processes.append(subprocess.Popen([sys.executable, worker_file, str(rank), str(folder)], env=env,
+                                              stdout=out, stderr=subprocess.STDOUT))
+    try:
+        for process in processes:
+            process.wait(timeout=timeout)
+    finally:
+        for process in processes:
+            process.kill()
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log.read_text(errors="replace")[-6000:]
+    return [torch.load(folder / f"rank{rank}.pt") for rank in range(world)]

@@ -6,9 +6,7 @@ process's noise stream.
 This file is also the worker: ``python test_bookkeeping_distributed.py RANK FOLDER`` joins the
 group by a file in FOLDER, runs every config's steps and saves what each step returned or raised.
 """
-import os
 import re
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import requires_cuda
+from conftest import requires_cuda, run_processes
 from privleak import dpsgd
 from privleak import mechanisms as M
 from privleak.dpsgd import distributed
@@ -158,23 +156,7 @@ def worker(rank: int, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     """What each of the two processes saved."""
-    folder = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    logs = [folder / f"rank{rank}.log" for rank in range(WORLD)]
-    processes = []
-    for rank, log in enumerate(logs):
-        with open(log, "wb") as out:  # a file each: a pipe read after the other process's could fill and block
-            processes.append(subprocess.Popen([sys.executable, __file__, str(rank), str(folder)], env=env,
-                                              stdout=out, stderr=subprocess.STDOUT))
-    try:
-        for process in processes:
-            process.wait(timeout=TIMEOUT + 60)
-    finally:
-        for process in processes:
-            process.kill()
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log.read_text(errors="replace")[-6000:]
-    return [torch.load(folder / f"rank{rank}.pt") for rank in range(WORLD)]
+    return run_processes(__file__, tmp_path_factory.mktemp("ddp"), WORLD, TIMEOUT + 60)
 
 
 def materialised_run(config: dpsgd.DPSGDConfig) -> tuple:

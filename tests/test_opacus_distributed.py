@@ -7,8 +7,6 @@ against Opacus's own distributed step without noise.
 This file is also the worker: ``python test_opacus_distributed.py RANK FOLDER`` joins the group by
 a file in FOLDER, trains each engine's steps and saves each step's update.
 """
-import os
-import subprocess
 import sys
 import warnings
 from datetime import timedelta
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_processes
 from privleak import dpsgd
 from privleak import mechanisms as M
 from torch import nn
@@ -124,23 +123,7 @@ def worker(rank: int, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def processes(tmp_path_factory):
     """What each of the two processes saved."""
-    folder = tmp_path_factory.mktemp("opacus_ddp")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    logs = [folder / f"rank{rank}.log" for rank in range(WORLD)]
-    running = []
-    for rank, log in enumerate(logs):
-        with open(log, "wb") as out:  # a file each: a pipe read after the other process's could fill and block
-            running.append(subprocess.Popen([sys.executable, __file__, str(rank), str(folder)], env=env,
-                                            stdout=out, stderr=subprocess.STDOUT))
-    try:
-        for process in running:
-            process.wait(timeout=TIMEOUT + 60)
-    finally:
-        for process in running:
-            process.kill()
-    for process, log in zip(running, logs):
-        assert process.returncode == 0, log.read_text(errors="replace")[-6000:]
-    return [torch.load(folder / f"rank{rank}.pt") for rank in range(WORLD)]
+    return run_processes(__file__, tmp_path_factory.mktemp("opacus_ddp"), WORLD, TIMEOUT + 60)
 
 
 def materialised_run(config: dpsgd.DPSGDConfig) -> tuple:
