@@ -271,6 +271,21 @@ class FlattenedBatch(nn.Module):
         return self.head((flat * side).view(h.shape))
 
 
+class FlattenedAfterAttention(nn.Module):
+    """A batch-first nn.MultiheadAttention's output, the transpose of its sequence-first result,
+    flattened to (B T, d) for a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attention, self.mix = nn.Linear(3, 4), nn.MultiheadAttention(4, 2, batch_first=True), \
+            nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.attention(h, h, h, need_weights=False)[0]
+        return self.mix(h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
+
+
 class LowRankEmbedding(nn.Module):
     """peft's LoRA embedding: a frozen table plus the lookup of A^T times B^T, A and B in a
     ParameterDict of the module that uses them, and a dropout it holds but does not run."""
@@ -579,6 +594,7 @@ LAYER_CASES = {
     "shared-outputs": (SharedOutputs, normal(6, 5, 4)),
     "relative-bias": (RelativeBias, normal(6, 6, 4)),
     "flattened-batch": (FlattenedBatch, normal(6, 5, 3)),
+    "flattened-after-attention": (FlattenedAfterAttention, normal(6, 5, 3)),
     "position-modules": (PositionModules, normal(6, 5, 3)),
     "tied-embeddings": (TiedEmbeddings, ids((6, 7))),
     "tied-autoencoder": (TiedAutoencoder, normal(6, 4, 5)),
@@ -1489,6 +1505,18 @@ def test_an_unbatched_input_the_size_of_the_batch_is_told_apart_by_its_output():
                                          r"its output is broadcast over the batch"):
         bk.step(model(x).pow(2).sum((1, 2)))
     assert len(bk.step(model(x, batched=True).pow(2).sum((1, 2)))) == 4
+
+
+def test_a_batch_first_tensor_made_by_a_transpose_and_flattened_is_refused_where_t_is_b():
+    """At T = B the transpose behind a batch-first attention's output (B, T, d) may as well have
+    turned a batch-first tensor sequence-first: its flattened rows are refused (at T != B they are
+    the batch, the "flattened-after-attention" case)."""
+    torch.manual_seed(0)
+    model = FlattenedAfterAttention()
+    bk = make(model)
+    with pytest.raises(ValueError, match=r"per_sample_losses has 4 samples, but module 'mix' \(Linear\) saw a batch "
+                                         r"of 16.*16 = 4 x 4.*positions"):
+        bk.step(model(torch.randn(4, 4, 3)).pow(2).sum((1, 2)))
 
 
 @pytest.mark.parametrize("length", [5, 4], ids=["T-not-B", "T-is-B"])

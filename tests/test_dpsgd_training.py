@@ -41,6 +41,37 @@ def test_per_sample_gradients_match_one_backward_per_example():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+class Aliased(torch.nn.Module):
+    """The small model with its first layer registered under a second name too."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = small_model()
+        self.first = torch.nn.ModuleList([self.layers[0]])
+
+    def forward(self, x):
+        return self.layers[2](self.layers[1](self.first[0](x)))
+
+
+def test_per_sample_gradients_leave_a_module_registered_twice_as_it_was():
+    """torch's functional_call left the first layer (also ``first[0]``) holding a plain tensor in
+    place of its weight (pytorch/pytorch#164759), which an optimizer built before no longer trained:
+    the gradients are the loop's, the parameters the model's own, and a step trains them."""
+    model, (x, y) = Aliased(), data()
+    before = list(model.named_parameters())
+    for got, want in zip(dpsgd.per_sample_gradients(model, cross_entropy, x, y),
+                         loop_per_sample_gradients(model, x, y)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert [(name, id(p)) for name, p in model.named_parameters()] == [(name, id(p)) for name, p in before]
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weight = model.first[0].weight.detach().clone()
+    model.zero_grad()
+    cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert not torch.equal(model.first[0].weight, weight)
+
+
 def test_gaussian_step_matches_a_hand_written_dp_sgd_step():
     model, (x, y) = small_model(), data()
     c, sigma, lr, expected = 0.5, 1.2, 0.1, 30.0

@@ -52,7 +52,9 @@ def per_example_losses(model, loss_fn, inputs, targets):
     """``loss_fn(model(x_b[None]), y_b[None])`` for every example b, as a float64 numpy vector
     (``torch.func.vmap`` over a ``functional_call``, no gradients)."""
     import torch
-    from torch.func import functional_call, vmap
+    from torch.func import vmap
+
+    from privleak.dpsgd.stateless import functional_call
 
     params = {name: p.detach() for name, p in model.named_parameters()}
     buffers = {name: b.detach() for name, b in model.named_buffers()}

@@ -384,8 +384,9 @@ class BookKeeping:
         """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
         non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used."""
         if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums[:batch])) is not None:
-            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} are "
-                             "not finite; pass non_finite='drop' to leave such samples out")
+            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} (of the {batch} "
+                             "whose losses were given) are not finite; pass non_finite='drop' to leave such samples "
+                             "out")
 
     @contextlib.contextmanager
     def _failure_deferred(self):
@@ -589,11 +590,18 @@ class BookKeeping:
                       and flattened_batch(layer.sources[call], size, batch)):
                     layer.unflatten(call, batch)
                 elif size != batch:
+                    flattened = ""
+                    if layer.flattened_batch_calls and batch and size % batch == 0:
+                        flattened = (f"; its dim 0, {size} = {batch} x {size // batch}, is not the batch flattened "
+                                     "with its positions as far as its autograd graph shows: a reshape of a "
+                                     "batch-first tensor, then elementwise ops, LayerNorms or Linears (not a "
+                                     "sequence-first tensor's, at T = B not one made batch-first by a transpose, "
+                                     "and not a model input's, which has no graph)")
                     raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
                                      f"{size} in a forward pass since the last step, and its output is not one shared "
                                      "by the batch (only added to, multiplied into or expanded over it) (every layer "
                                      "input must have the batch in dim 0, and step() takes every forward pass since "
-                                     "the last step)")
+                                     f"the last step){flattened}")
                 elif any(uses is not None for uses in found):
                     raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, the batch's size, but its "
                                      "output is broadcast over the batch (added to, multiplied into or expanded over "

@@ -329,17 +329,21 @@ def _along_later_dims(node) -> bool:
     return all((dim if dim < 2**63 else dim - 2**64) % max(ndim, 1) != 0 for dim in dims)  # -1 comes unsigned
 
 
-def _moves_dim_0(node) -> bool:
-    """Whether ``node`` (past a copy: ``.contiguous()``, a reshape's) moved another dim into dim 0."""
+def _moved_from_dim_0(node) -> Optional[int]:
+    """The size of the dim that ``node`` (past a copy: ``.contiguous()``, a reshape's) moved out
+    of dim 0 when it moved another dim in (a transpose or permute), else None."""
     if type(node) is _CLONE:
         node = node.next_functions[0][0]
-    if type(node) in (_TRANSPOSE_DIMS, _PERMUTE):
-        dims = len(node._input_metadata[0].shape)
-        if type(node) is _PERMUTE:
-            return node._saved_dims[0] % dims != 0
-        swapped = {node._saved_dim0 % dims, node._saved_dim1 % dims}
-        return 0 in swapped and len(swapped) == 2
-    return type(node) is _TRANSPOSE
+    if type(node) not in (_TRANSPOSE, _TRANSPOSE_DIMS, _PERMUTE):
+        return None
+    out = node._input_metadata[0].shape
+    if type(node) is _TRANSPOSE:
+        return out[1]
+    if type(node) is _PERMUTE:
+        order = [d % len(out) for d in node._saved_dims]
+        return out[order.index(0)] if order[0] != 0 else None
+    swapped = {node._saved_dim0 % len(out), node._saved_dim1 % len(out)}
+    return out[(swapped - {0}).pop()] if 0 in swapped and len(swapped) == 2 else None
 
 
 def _forward_shape(child, output_nr: int) -> tuple:
@@ -369,7 +373,10 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
             sizes, out = tuple(node._saved_self_sym_sizes), tuple(node._input_metadata[0].shape)
             merged = len(sizes) - len(out) + 1  # the leading dims merged into dim 0
             if merged > 1 and sizes[0] == batch and sizes[merged:] == out[1:] and math.prod(sizes[:merged]) == rows:
-                if _moves_dim_0(children[0][0]):  # a sequence-first tensor whose length is the batch's
+                # A transpose into batch-first (a batch-first nn.MultiheadAttention's output) is
+                # the batch, unless the dim it moved out had the batch's size too: then it may as
+                # well have turned a batch-first tensor sequence-first, at T = B.
+                if _moved_from_dim_0(children[0][0]) == batch:
                     return False
                 continue  # the batch flattened with its positions
             if sizes[0] != rows:

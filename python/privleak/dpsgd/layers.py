@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privleak.dpsgd import conv_grads, ghost_norm, graph
+from privleak.dpsgd.stateless import functional_call
 from privleak.dpsgd.tied import Factors
 
 
@@ -1248,8 +1249,6 @@ class FunctionalLayer(Layer):
     def _outputs(self, params: dict, values: list, spec) -> list[torch.Tensor]:
         """The tensor outputs of the module's forward on the call arguments ``values`` (flattened
         by ``spec``) with ``params`` in place of its parameters."""
-        from torch.func import functional_call
-
         args, kwargs = tree_unflatten(values, spec)
         return [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
                 if isinstance(x, torch.Tensor)]

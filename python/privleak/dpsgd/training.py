@@ -24,7 +24,9 @@ def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, 
     forward draws a mask per sample. Returns one (B, *p.shape) tensor per parameter with
     ``requires_grad``, in ``model.parameters()`` order.
     """
-    from torch.func import functional_call, grad, vmap
+    from torch.func import grad, vmap
+
+    from privleak.dpsgd.stateless import functional_call
 
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
