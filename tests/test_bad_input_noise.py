@@ -159,6 +159,14 @@ CASES = [
     ("noise nan", lambda: clip(noise_std=NAN), ValueError, "noise_std must be finite"),
     ("noise -1", lambda: clip(noise_std=-1.0), ValueError, "noise_std must be >= 0"),
     ("noise huge", lambda: clip(noise_std=1e38, batch_size=1.0), ValueError, "noise_std = .* overflow float32"),
+    # the noise is added to the float32 sum before it is divided: there it would pass float32's range
+    # (inf in the release) though the divided release would not
+    ("noise huge over batch", lambda: clip(noise_std=1e38, batch_size=1e3), ValueError,
+     "noise_std = .* overflow float32"),
+    ("noise huge empty batch", lambda: clip(grads=[torch.empty(0, 3)], noise_std=1e38, batch_size=1e3), ValueError,
+     "noise_std = .* overflow float32"),
+    ("l1 sum huge", lambda: clip(grads=[torch.full((2, 2), 3e38)], clip_norm=3.3e38, batch_size=10.0, norm_type=1),
+     ValueError, "overflow float32"),
     ("noise subnormal", lambda: clip(noise_std=1e-40), ValueError, "noise_std must be 0 or >="),
     ("secure noise huge", lambda: clip(noise_std=2e37, batch_size=1e6, generator=M.SecureNoiseGenerator()),
      ValueError, "noise_std = .* overflow float32"),
@@ -251,6 +259,17 @@ CASES = [
     ("vmf_release empty", lambda: dpsgd.vmf_release([], 1.0), TypeError, "average must be a non-empty"),
     ("vmf_release generator", lambda: dpsgd.vmf_release([torch.ones(3)], 1.0, generator=3), TypeError,
      "generator must be"),
+    # refused whatever the data: a zero average (which takes the uniform draw) as a non-zero one
+    ("vmf_release one element", lambda: dpsgd.vmf_release([torch.ones(1)], 1.0), ValueError,
+     "average must have 2 or more elements"),
+    ("vmf_release one zero element", lambda: dpsgd.vmf_release([torch.zeros(1)], 1.0), ValueError,
+     "average must have 2 or more elements"),
+    ("vmf_release secure zero", lambda: dpsgd.vmf_release([torch.zeros(3)], 1.0, generator=M.SecureNoiseGenerator()),
+     ValueError, "no secure mode"),
+    ("vmf_release secure", lambda: dpsgd.vmf_release([torch.ones(3)], 1.0, generator=M.SecureNoiseGenerator()),
+     ValueError, "no secure mode"),
+    ("clip_factors negative", lambda: dpsgd.clip_factors(torch.tensor([[4.0, -1.0]], dtype=torch.float64), 1.0,
+                                                         per_layer=True), ValueError, "norm_sums must be >= 0"),
 ]
 
 
@@ -294,6 +313,16 @@ def test_edge_values_that_are_valid_still_work():
     x = torch.zeros(4, 6)[:, ::2]  # non-contiguous
     assert torch.equal(M.add_gaussian_noise_(x, 1.0, key=2), M.gaussian_noise((4, 3), key=2))
     assert math.isfinite(float(M.gaussian_noise(1000, 5e37, key=1).abs().max()))
+    with pytest.raises(ValueError, match="std must be <= ") as refused:  # the limit it quotes is taken
+        M.gaussian_noise(3, 9685.0, key=1, dtype=torch.float16)
+    limit = float(str(refused.value).rsplit("<= ", 1)[1])
+    assert torch.isfinite(M.gaussian_noise(10**5, limit, key=1, dtype=torch.float16)).all()
+    # a half-precision average's direction is that of the same numbers in float32
+    for half in (torch.float16, torch.bfloat16):
+        got = dpsgd.vmf_release([torch.ones(3, dtype=half), torch.full((2,), -2.0, dtype=half)], 50.0,
+                                M.NoiseGenerator(3))
+        want = dpsgd.vmf_release([torch.ones(3), torch.full((2,), -2.0)], 50.0, M.NoiseGenerator(3))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
     r = report(expected_batch_size=2.5, steps=0)
     assert r.epsilon == 0.0 and math.isfinite(r.capacity_bits)
     # a fractional expected batch size (Poisson) gives the capacity of sigma / L

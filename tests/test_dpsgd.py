@@ -457,3 +457,38 @@ def test_per_sample_gradients_draw_each_samples_dropout_mask():
     fraction = 1 - kept.double().mean().item()  # binomial(2048, 0.5): sd 0.011
     assert abs(fraction - p) < 0.06
     assert len({tuple(row.tolist()) for row in kept}) > batch // 2
+
+
+def _raw_clip(grads=None, clip_norms=None, per_layer=False, noise_std=0.0, key=(0, 0), scale=1.0, norm_type=2,
+              other_sums=None):
+    grads = [torch.randn(4, 3), torch.randn(4, 5)] if grads is None else grads
+    clip_norms = torch.ones(1, dtype=torch.float64) if clip_norms is None else clip_norms
+    return torch.ops.privleak.clip_accumulate(grads, clip_norms, per_layer, noise_std, list(key), 0, scale, norm_type,
+                                              other_sums)
+
+
+@pytest.mark.parametrize("kwargs", [
+    # the kernel read past the end of the smaller tensor: the process died (SIGSEGV)
+    dict(grads=[torch.randn(4096, 64), torch.randn(1, 64)]),
+    dict(grads=[]),
+    dict(grads=[torch.tensor(1.0)]),
+    dict(grads=[torch.randn(5, 4).t()]),  # non-contiguous: the kernel read the storage, not the view
+    dict(grads=[torch.randn(4, 3), torch.randn(4, 3, dtype=torch.bfloat16)]),  # read as float32: inf
+    dict(grads=[torch.randn(4, 3, dtype=torch.float64)]),
+    dict(clip_norms=torch.ones(1)),  # float32 norms: every factor 0
+    dict(clip_norms=torch.ones(1, dtype=torch.float64), per_layer=True),  # one norm for two tensors: read past it
+    dict(clip_norms=torch.ones(3, dtype=torch.float64)),
+    dict(key=(1,)),
+    dict(noise_std=float("nan")),
+    dict(noise_std=-1.0),
+    dict(scale=float("inf")),
+    dict(other_sums=torch.ones(3, 1, dtype=torch.float64)),
+    dict(other_sums=torch.ones(4, 1)),
+], ids=lambda kwargs: ",".join(kwargs))
+def test_the_raw_clip_op_refuses_what_its_kernel_cannot_read(kwargs):
+    """torch.ops.privleak.clip_accumulate itself (book-keeping calls it directly) refuses input its
+    kernel would read out of bounds or as other numbers: a clear error, never a crash or a silent
+    result."""
+    with pytest.raises(ValueError, match="privleak::clip_accumulate takes a non-empty list of contiguous"):
+        _raw_clip(**kwargs)
+    assert len(_raw_clip()) == 4  # the same call with good input runs

@@ -247,6 +247,14 @@ def _generation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+
+def _rounded_down(x: float, digits: int = 6) -> float:
+    """x > 0 rounded down to ``digits`` significant digits: a limit quoted in a message that the
+    quoted number itself meets."""
+    step = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    shown = float(f"{x:.{digits}g}")
+    return shown if shown <= x else shown - step
+
 def _check_noise_range(distribution: str, scale: float, name: str, dtype: torch.dtype, secure: bool) -> None:
     """Refuse a scale whose noise cannot be represented in ``dtype``: its largest value beyond the
     dtype's max (it would be inf), or a positive scale below the generation precision's smallest
@@ -268,7 +276,7 @@ def _check_noise_range(distribution: str, scale: float, name: str, dtype: torch.
     if scale * unit_max > largest:
         raise ValueError(f"{name} = {scale!r} is too large for {str(dtype).removeprefix('torch.')} noise: "
                          f"{distribution} noise reaches {unit_max:.3g} x {name}, beyond the dtype's max {largest:.4g}; "
-                         f"{name} must be <= {largest / unit_max:.4g}")
+                         f"{name} must be <= {_rounded_down(largest / unit_max):.6g}")
 
 
 def generator_in_use(generator):

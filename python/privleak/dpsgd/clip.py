@@ -21,9 +21,12 @@ Non-finite per-sample gradients never reach the update. By default they raise a 
 naming the samples (a NaN or inf gradient is a bug upstream, and silently dropping data changes
 what is being trained on); ``non_finite="drop"`` instead gives those samples weight 0, i.e.
 treats them as absent from the batch. Squares (absolute values for L1) are summed in float32
-lanes (then in float64), so a sample also counts as non-finite when one of its elements exceeds
-about 1.8e19 in magnitude and its square overflows (L1: when a lane's sum of absolute values
-passes float32's 3.4e38): a gradient that has diverged.
+lanes (then in float64), so a sample also counts as non-finite when a lane's sum overflows
+float32's 3.4e38: for L2 always past a norm of 2^64 (1.8e19; up to about 4 times that where its
+elements are spread evenly over the lanes), for L1 past an L1 norm of 3.4e38 likewise: a gradient
+that has diverged. At the other end a square below float32's smallest numbers (elements below
+about 1e-22) is lost: such a sample's norm comes out too small, by 1% at 1e-22, and a clip norm
+below about 1e-20 does not clip it.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from privleak import _arrays, _backend, _ops, validation
 from privleak import mechanisms as _mechanisms
 
 GRAD_DTYPES = ("float32", "bfloat16", "float16")
+_GRAD_TORCH_DTYPES = tuple(getattr(torch, name) for name in GRAD_DTYPES)
 
 
 @_ops.operator("clip_accumulate")
@@ -48,6 +52,22 @@ def _clip_accumulate_op(grads: Sequence[torch.Tensor], clip_norms: torch.Tensor,
     (squared L2 norms for norm_type 2, L1 norms for 1) per column: the T tensors', then the
     columns of ``other_sums`` (B, C - T), norm sums of tensors the kernel does not read that count
     in the clip factors (book-keeping's ghost norms); factors (B, C) float32 the clip factors."""
+    if (not grads or grads[0].ndim < 1 or grads[0].dtype not in _GRAD_TORCH_DTYPES
+            or any(g.ndim < 1 or g.shape[0] != grads[0].shape[0] or g.dtype != grads[0].dtype or not g.is_contiguous()
+                   for g in grads)
+            or clip_norms.dtype != torch.float64 or not clip_norms.is_contiguous() or len(key) != 2
+            or not 0 <= noise_std < math.inf or not math.isfinite(scale)
+            or (other_sums is not None and (other_sums.ndim != 2 or other_sums.shape[0] != grads[0].shape[0]
+                                            or other_sums.dtype != torch.float64))
+            or clip_norms.numel() != ((len(grads) + (0 if other_sums is None else other_sums.shape[1]))
+                                      if per_layer else 1)):
+        # The kernel reads the tensors by address, as laid out here: anything else would read
+        # past their ends or read other numbers.
+        raise ValueError("privleak::clip_accumulate takes a non-empty list of contiguous (B, ...) grads of one "
+                         f"dtype of {GRAD_DTYPES} and one B, contiguous float64 clip norms (one per column with "
+                         "per_layer, else 1), a key of two words, a finite noise_std >= 0 and scale, and "
+                         "other_sums (B, C) float64 (the kernel checks norm_type); clip_and_accumulate checks any "
+                         "other input")
     batch, device = grads[0].shape[0], grads[0].device
     if any(g.device != device for g in grads) or clip_norms.device != device:
         # The kernel reads them all by address on one device: another's would be a memory fault.
@@ -180,8 +200,8 @@ def _check_release_range(batch: int, clip_norms: list[float], noise_std: float, 
     unit_max = _mechanisms._SECURE_UNIT_MAX["gaussian"] if secure else \
         _mechanisms._UNIT_MAX[("gaussian", torch.float32)]
     noisy_sum = batch * min(max(clip_norms), _MAX_GRAD_ELEMENT[norm_type]) + unit_max * noise_std
-    # Secure noise is added to the float32 sum before the scaling, so the sum must fit as well.
-    largest = max(noisy_sum / scale_by, noisy_sum if secure else 0.0)
+    # The noise is added to the float32 sum before the scaling, so the sum must fit as well.
+    largest = max(noisy_sum / scale_by, noisy_sum)
     if largest > _FLOAT32.max:
         raise ValueError(f"noise_std = {noise_std!r} and batch_size = {scale_by!r} overflow float32: the release "
                          f"(clipped sum + noise) / batch_size can reach {largest:.3g}, beyond {_FLOAT32.max:.4g}")
@@ -242,6 +262,8 @@ def clip_factors(norm_sums: torch.Tensor, clip_norm: Union[float, Sequence[float
     view = validation.tensor(norm_sums, "norm_sums", dtypes=("float64",))
     if norm_sums.ndim != 2 or norm_sums.shape[1] < 1:
         raise ValueError(f"norm_sums must be (B, T) with T >= 1 tensors, got shape {tuple(norm_sums.shape)}")
+    if bool((norm_sums < 0).any()):  # the kernel would read sqrt(-s) as NaN, which compares as no clipping
+        raise ValueError(f"norm_sums must be >= 0 (squared or L1 norms), got {float(norm_sums.min())!r}")
     if view.is_cuda:
         _mechanisms._check_cuda(norm_sums.device, "norm_sums' device")
     per_layer = _check_bool(per_layer, "per_layer")
@@ -319,7 +341,7 @@ def clip_and_accumulate(
                                                             stream_offset, kernel_scale, norm_type)
     bad = ~torch.isfinite(sums).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
-        beyond = "beyond 1.8e19" if norm_type == 2 else "their L1 norm beyond 3.4e38"
+        beyond = "their norm beyond 1.8e19" if norm_type == 2 else "their L1 norm beyond 3.4e38"
         raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite "
                          f"(or {beyond}); pass non_finite='drop' to leave such samples out")
     norms = sums if per_layer else _sum_columns_in_order(sums)

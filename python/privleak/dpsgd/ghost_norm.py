@@ -25,16 +25,21 @@ products w_ts and every sum over positions are float64, in a fixed order. So the
 depend on the thread count, the CPU's instruction set or the device: CPU and CUDA give the same
 bits. Its error against exact arithmetic on the same inputs is at most, to first order,
 
-    (min(d, 128) + min(p, 128)) 2^-24 (sum_t |a_t| |g_t|)^2
+    ((min(d, 128) + min(p, 128)) u + (T + T / 64 + 67) 2^-53) (sum_t |a_t| |g_t|)^2
 
-(2^-53 for float64 inputs): the float32 chains' ``n u`` bound with n capped by the chunk, times
-Cauchy-Schwarz; (sum_t |a_t| |g_t|)^2 >= |G|_F^2, with equality at T = 1. A result whose exact
+with u = 2^-24 (2^-53 for float64 inputs): the float32 chains' ``n u`` bound with n capped by the
+chunk, times Cauchy-Schwarz; (sum_t |a_t| |g_t|)^2 >= |G|_F^2, with equality at T = 1. The second
+term is the float64 sums over the T^2 products (a tile of 64 columns, the tiles, the rows in
+turn), which counts only for float64 inputs (at T = 16000 their error was 26 x 2^-53 of the
+result, against the first term's 2 x 2^-53 at d = p = 1). A result whose exact
 value is 0 can come out slightly negative by rounding: it is clamped to 0. The Embedding kernel
 sums each id's gradients in float64 (its error is that of float64).
 
 Non-finite values: a sample with a NaN input gives NaN; one with an infinite input, or whose
 float32 Gram entries overflow (a row with squared norm past 3.4e38, i.e. elements near 1.8e19),
-gives +inf; finite inputs never give NaN. The caller treats a non-finite norm as a bad sample.
+gives +inf (the Embedding form gives NaN where +inf and -inf gradients meet under one id, whose
+sum has no value); finite inputs never give NaN. The caller treats a non-finite norm as a bad
+sample.
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def vmf_release(average: Sequence[torch.Tensor], kappa: float, generator=None) -
     A zero average (an empty batch, or every sample's gradient zero or dropped) has no direction;
     it releases a uniform draw on the sphere instead, a normalised standard Gaussian vector. The
     uniform law is the average of VMF(mu, kappa) over all mu, so the step stays 2 kappa-DP, and
-    the data never decide whether the step raises.
+    the data never decide whether the step raises. A float16 or bfloat16 average gives a float32
+    direction.
     """
     if isinstance(average, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(average, Iterable):
         raise validation.ArgumentTypeError(f"average must be a sequence of tensors, got {type(average).__name__}")
@@ -72,12 +73,17 @@ def vmf_release(average: Sequence[torch.Tensor], kappa: float, generator=None) -
     if not average or not all(isinstance(a, torch.Tensor) for a in average):
         raise validation.ArgumentTypeError("average must be a non-empty sequence of torch tensors")
     _noise._check_generator(generator)
+    if isinstance(generator, _noise.SecureNoiseGenerator):
+        raise ValueError("vmf_release has no secure mode yet: pass a NoiseGenerator")
+    if sum(a.numel() for a in average) < 2:
+        raise ValueError("average must have 2 or more elements in all: VMF draws a direction on the sphere S^(p-1), "
+                         "p >= 2")
     flat = average[0].reshape(-1) if len(average) == 1 else torch.cat([a.reshape(-1) for a in average])
+    if flat.dtype in (torch.float16, torch.bfloat16):  # the sampler works in float32 or float64
+        flat = flat.float()
     if bool(flat.any()):
         direction = _noise.vmf_sample(flat, kappa, 1, generator=generator)[0]
     else:
-        if isinstance(generator, _noise.SecureNoiseGenerator):
-            raise ValueError("vmf_release has no secure mode yet: pass a NoiseGenerator")
         gaussian = _noise.gaussian_noise(flat.numel(), generator=generator, dtype=flat.dtype, device=flat.device)
         direction = gaussian / torch.linalg.vector_norm(gaussian)
     return [part.reshape(a.shape) for part, a in zip(direction.split([a.numel() for a in average]), average)]
