@@ -20,9 +20,10 @@ backward makes none, so it is switched off (``require_backward_grad_sync``, as D
 ``no_sync`` does) while the book-keeping is in place, with DDP's broadcast of the buffers at a
 forward pass (:meth:`Replicas._attach`).
 
-Every collective of a step is in :meth:`Replicas.release`, which every process calls once a step
+Every collective of a step is in :func:`release_across`, which every process calls once a step
 whatever befell its batch: an error of one process's batch travels as a flag with the sums, and
-all processes raise together.
+all processes raise together. privleak's optimizers inside Opacus's distributed engines
+(:mod:`privleak.opacus_interop`) release their processes' clipped sums through it too.
 """
 from __future__ import annotations
 
