@@ -199,3 +199,29 @@ def test_bad_arguments_are_rejected_with_the_argument_named(mechanism, inputs, k
 def test_bad_noise_parameters_are_rejected(make, name):
     with pytest.raises(ValueError, match=name):
         make()
+
+
+def test_inputs_whose_noise_barely_overlaps_need_the_bernstein_interval():
+    """Two points 1.24 apart, noise std 0.133: their densities overlap where 4000 draws rarely
+    land, so the weights are all 2 to rounding. The delta method's 99% interval then misses the
+    exact log C = log(2 Phi(d / 2 s)) in most seeds; the empirical Bernstein one never does here,
+    and it is refused with a proposal other than the inputs (unbounded weights)."""
+    from scipy.stats import norm
+
+    sigma, distance = 0.13299657909531676, 1.242717389838876
+    exact = math.log(2 * norm.cdf(distance / (2 * sigma)))
+    points = np.array([[0.0], [distance]])
+    delta_misses = bernstein_misses = 0
+    for seed in range(20):
+        for method in ("delta", "bernstein"):
+            low, high = cap.estimate(cap.GaussianNoise(sigma), points, 4000, seed=seed, confidence=CONFIDENCE,
+                                     interval=method).log_interval
+            missed = not low <= exact <= high
+            delta_misses += missed and method == "delta"
+            bernstein_misses += missed and method == "bernstein"
+            assert method == "delta" or 0.0 <= low <= high <= math.log(2)  # clipped to [log 1, log N]
+    assert delta_misses >= 10 and bernstein_misses == 0  # 93 of 100 seeds missed with the delta method
+    with pytest.raises(ValueError, match="interval='bernstein' needs the default proposal"):
+        cap.estimate(cap.GaussianNoise(sigma), points, 100, proposal=points[:1], interval="bernstein")
+    with pytest.raises(ValueError, match="interval must be one of"):
+        cap.estimate(cap.GaussianNoise(sigma), points, 100, interval="wald")
