@@ -291,3 +291,12 @@ def test_vmf_without_subsampling_composes_at_large_kappa(kappa):
         expected = float(steps * eps + mpmath.log(1 - delta / p**steps))
     got = accounting.vmf_privacy(kappa, steps, delta).epsilon
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_pld_accountant_takes_a_delta_below_its_default_tail_mass():
+    """The composition's truncated tail counts as infinite loss: at dp-accounting's default tail
+    of 1e-15, every delta <= 1e-15 gave epsilon = inf. Now finite, rising as delta falls, and
+    within RDP's bound where the discretisation is fine (10 steps, q = 0.01, sigma = 1)."""
+    eps = [accounting.gaussian_epsilon(1.0, 10, delta, sampling_rate=0.01) for delta in (1e-13, 1e-15, 1e-16)]
+    assert all(math.isfinite(e) for e in eps) and eps[0] < eps[1] < eps[2]
+    assert eps[1] <= accounting.gaussian_epsilon(1.0, 10, 1e-15, sampling_rate=0.01, accountant="rdp")

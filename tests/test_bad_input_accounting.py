@@ -80,6 +80,22 @@ def test_huge_steps_are_refused_before_allocating(call):
         call()
 
 
+@pytest.mark.parametrize("kwargs", [{}, dict(sampling_rate=0.01, accountant="rdp"),
+                                    dict(sampling_rate=0.1, sampling="fixed", dataset_size=100, accountant="rdp")])
+def test_a_vanishing_noise_multiplier_is_refused_naming_it(kwargs):
+    """A subnormal sigma divided by zero inside the closed form and dp-accounting's RDP."""
+    with pytest.raises(ValueError, match="noise_multiplier = 5e-324 is too small to account"):
+        accounting.gaussian_epsilon(5e-324, 10, 1e-5, **kwargs)
+    assert math.isfinite(accounting.gaussian_epsilon(1e-100, 10, 1e-5, **kwargs))
+
+
+def test_a_small_noise_multiplier_is_refused_by_the_pld_accountant_before_allocating():
+    """dp-accounting's one-step PLD at sigma = 1e-3 asked for 38 GiB (MemoryError here, a real
+    allocation on a larger machine)."""
+    with pytest.raises(ValueError, match="noise_multiplier = 0.001 is too small for the PLD accountant.*rdp"):
+        accounting.gaussian_epsilon(1e-3, 10, 1e-5, sampling_rate=0.01)
+
+
 def test_huge_steps_where_a_closed_form_exists():
     # q = 1 PLD: one Gaussian at sigma / 2^20; RDP: linear in T; VMF with delta = 0: T log(1 + q (e^eps - 1)).
     # Balle and Wang at sigma' << 1: eps ~ 1 / (2 sigma'^2) to leading order, here 2^39.

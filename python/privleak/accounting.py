@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 #: fixes. A composition that would need more points than this (about 0.5 GiB per complex array) is
 #: refused with a ValueError naming ``steps`` before anything is allocated; RDP has no such limit.
 MAX_PLD_POINTS = 2 ** 25
+#: Below this noise multiplier epsilon passes 1e200 and the accountants' arithmetic overflows (Balle and
+#: Wang's closed form failed at 1e-154, dp-accounting's RDP divided by zero at 1e-200).
+MIN_NOISE_MULTIPLIER = 1e-100
 #: The VMF composition sums the binomial outcomes of the T-fold subsampled pair that carry any of
 #: the mass that matters (within e^-60 of delta); more outcomes than this are refused (``steps``).
 MAX_VMF_OUTCOMES = 2 ** 24
@@ -49,7 +52,8 @@ _PLD_DISCRETIZATION = 1e-4  # dp-accounting's PLDAccountant default
 _PLD_TAIL_MASS = 1e-15  # dp-accounting's self_compose default
 
 
-def _composed_pld_points(loss: "privacy_loss_distribution.PrivacyLossDistribution", steps: int) -> int:
+def _composed_pld_points(loss: "privacy_loss_distribution.PrivacyLossDistribution", steps: int,
+                         tail: float = _PLD_TAIL_MASS) -> int:
     """Length of the FFT that ``loss.self_compose(steps)`` would allocate, by dp-accounting's own
     Chernoff bound on the truncated support; without access to the probabilities, the untruncated
     length (an upper bound)."""
@@ -61,7 +65,7 @@ def _composed_pld_points(loss: "privacy_loss_distribution.PrivacyLossDistributio
         if probs is None:
             points = max(points, (pmf.size - 1) * steps + 1)
             continue
-        low, high = pld_common.compute_self_convolve_bounds(probs, steps, _PLD_TAIL_MASS)
+        low, high = pld_common.compute_self_convolve_bounds(probs, steps, tail)
         points = max(points, high - low + 1, len(probs))
     return points
 
@@ -87,9 +91,16 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
     (:func:`analytic_gaussian_epsilon`): exact, where dp-accounting's discretised PLD is a hair
     pessimistic and needs memory growing like T / sigma^2 (34 s and 2.6 GB at sigma = 1, T = 1000).
     With q < 1, dp-accounting's PLD; a composition that would need more than ``MAX_PLD_POINTS``
-    points is refused (ValueError naming ``steps``; use ``accountant="rdp"``). RDP takes any T.
+    points is refused (ValueError naming ``steps``; use ``accountant="rdp"``), as is a sigma whose
+    one step alone would (below about 1e-3 at the default discretisation: naming
+    ``noise_multiplier``). The composition truncates a tail of min(1e-15, delta / 1000), counted
+    as infinite loss (dp-accounting's default 1e-15 made every delta <= 1e-15 give inf). RDP
+    takes any T. A sigma below ``MIN_NOISE_MULTIPLIER`` (1e-100) is refused.
     """
     sigma = validation.positive(noise_multiplier, "noise_multiplier")
+    if sigma < MIN_NOISE_MULTIPLIER:
+        raise ValueError(f"noise_multiplier = {sigma!r} is too small to account: below {MIN_NOISE_MULTIPLIER:g} "
+                         "epsilon passes 1e200 and the accountants' arithmetic overflows")
     steps = validation.integer(steps, "steps", low=1)
     delta = validation.probability(delta, "delta", open_high=True)
     q = validation.probability(sampling_rate, "sampling_rate", open_low=True)
@@ -109,14 +120,23 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
             return float(engine.get_epsilon(delta))
         if q == 1.0:
             return _analytic_gaussian_epsilon(sigma / math.sqrt(steps), delta)
+        # One step's losses span about 1 / (2 sigma^2) + 10 / sigma either way, at the discretisation's
+        # spacing: dp-accounting allocates them all (38 GiB at sigma = 1e-3) before any check of ours.
+        one_step = (1.0 / sigma**2 + 20.0 / sigma) / _PLD_DISCRETIZATION
+        if one_step > MAX_PLD_POINTS:
+            raise ValueError(f"noise_multiplier = {sigma:g} is too small for the PLD accountant: one step's privacy "
+                             f"loss distribution would need about {one_step:.3g} points (limit {MAX_PLD_POINTS}); "
+                             "use accountant='rdp'")
+        # The tail the composition truncates counts as infinite loss, i.e. adds to delta: below delta
+        tail = _PLD_TAIL_MASS if delta == 0 else min(_PLD_TAIL_MASS, delta * 1e-3)
         loss = privacy_loss_distribution.from_gaussian_mechanism(
             standard_deviation=sigma, sampling_prob=q, value_discretization_interval=_PLD_DISCRETIZATION)
-        points = _composed_pld_points(loss, steps)
+        points = _composed_pld_points(loss, steps, tail)
         if points > MAX_PLD_POINTS:
             raise ValueError(f"steps = {steps} is too many for the PLD accountant at noise_multiplier = {sigma:g}, "
                              f"sampling_rate = {q:g}: its composition would need {points:.3g} points (limit "
                              f"{MAX_PLD_POINTS}); use accountant='rdp'")
-        return float(loss.self_compose(steps, _PLD_TAIL_MASS).get_epsilon_for_delta(delta))
+        return float(loss.self_compose(steps, tail).get_epsilon_for_delta(delta))
     if accountant != "rdp":
         raise ValueError("fixed-size sampling is accounted with accountant='rdp' (dp-accounting's PLD lacks it)")
     if dataset_size is None:
