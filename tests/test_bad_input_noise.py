@@ -268,6 +268,8 @@ CASES = [
      ValueError, "no secure mode"),
     ("vmf_release secure", lambda: dpsgd.vmf_release([torch.ones(3)], 1.0, generator=M.SecureNoiseGenerator()),
      ValueError, "no secure mode"),
+    ("l1 ball a", lambda: dpsgd.laplace.log_l1_ball_capacity(3, -1.0), ValueError, "a must be >= 0"),
+    ("l1 ball dim", lambda: dpsgd.laplace.log_l1_ball_capacity(0, 1.0), ValueError, "dim must be >= 1"),
     ("clip_factors negative", lambda: dpsgd.clip_factors(torch.tensor([[4.0, -1.0]], dtype=torch.float64), 1.0,
                                                          per_layer=True), ValueError, "norm_sums must be >= 0"),
 ]

@@ -106,6 +106,8 @@ def log_l1_ball_capacity(dim: int, a: float) -> float:
     fall at least as fast as exp(-m^2 / (2 a)) and (dim / a)^m, summed until they are below
     e^-40 of the first.
     """
+    dim = validation.integer(dim, "dim", low=1)
+    a = validation.non_negative(a, "a")
     if a <= dim + 1:
         return a + math.log(gammaincc(dim + 1, a))
     cutoff = min(dim, int(40.0 * math.sqrt(a)) + 100, int(40.0 / -math.log(dim / a)) + 2 if dim else 0)
