@@ -339,9 +339,12 @@ def abp_epsilons(channel: Any, attacker_prior: Any) -> np.ndarray:
             raise ValueError("attacker_prior gives probability 0 to an observation the channel can produce")
         block = block[:, seen]
         expected_posterior += (block / block_output[seen]) @ (block * belief[:, None]).T
-    mixture = 0.5 * (expected_posterior + belief)
-    divergence = 0.5 * (_relative_entropy_by_row(expected_posterior, mixture)
-                        + _relative_entropy_by_row(belief, mixture))
+    # JS = sum_d q[d] phi(F[d] / q[d]) in the form without cancellation near F = q (no leakage):
+    # the two relative entropies of the mixture cancel to a rounding of 1e-16, 1e-8 after the root.
+    # Where q[d] = 0 the term's limit is F[d] ln(2) / 2.
+    possible = belief > 0
+    divergence = _js_generator(expected_posterior[:, possible] / belief[possible]) @ belief[possible]
+    divergence += 0.5 * math.log(2.0) * expected_posterior[:, ~possible].sum(axis=1)
     return np.sqrt(np.maximum(divergence, 0.0))
 
 
@@ -530,6 +533,24 @@ def _float64_blocks(matrix: Any, axis: int) -> Iterator[tuple[slice, np.ndarray]
         span = slice(start, min(start + step, length))
         block = matrix[span] if axis == 0 else matrix[:, span]
         yield span, _as_numpy(block, "channel").astype(np.float64, copy=False)
+
+
+def _js_generator(t: Any) -> Any:
+    """phi with JS(A || B) = sum_d B[d] phi(A[d] / B[d]) (natural log), elementwise (a float for a
+    float).
+
+    Near t = 1 the two logs cancel to O((t - 1)^2), which left a rounding error of 1e-17 (5e-9
+    after the square root of a JS distance). There, with u = (t - 1) / (t + 1),
+    phi = (log(1 - u^2) + 2 u atanh(u)) / (2 (1 - u)), whose terms are -u^2 and 2 u^2: no
+    cancellation.
+    """
+    t = np.asarray(t, dtype=np.float64)
+    u = (t - 1.0) / (t + 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stable = (np.log1p(-u * u) + 2.0 * u * np.arctanh(u)) / (2.0 * (1.0 - u))
+        direct = 0.5 * (np.where(t > 0, t * np.log(2.0 * t / (1.0 + t)), 0.0) + np.log(2.0 / (1.0 + t)))
+    result = np.where(np.abs(u) < 0.5, stable, direct)
+    return float(result) if result.ndim == 0 else result
 
 
 def _relative_entropy_by_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:

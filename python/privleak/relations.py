@@ -22,7 +22,15 @@ from typing import Any, Callable
 import numpy as np
 
 from privleak import validation
-from privleak.channels import _capacity_over_rows, as_channel, as_gain, as_mapping, as_prior, bayes_capacity
+from privleak.channels import (
+    _capacity_over_rows,
+    _js_generator,
+    as_channel,
+    as_gain,
+    as_mapping,
+    as_prior,
+    bayes_capacity,
+)
 
 
 def lip_from_ldp(ldp_epsilon: float, prior: Any = None) -> tuple[float, float]:
@@ -252,20 +260,6 @@ def _two_point_maximum(phi: Callable[[float], float], phi_over_ratio: Callable[[
     lower = math.exp(-eps_lower)
     spread = -math.expm1(-(eps_upper + eps_lower))  # 1 - L / U
     return (1.0 - lower) / spread * phi_over_ratio(eps_upper) + -math.expm1(-eps_upper) / spread * phi(lower)
-
-
-def _js_generator(t: float) -> float:
-    """phi with JS(A || B) = sum_d B[d] phi(A[d] / B[d]) (natural log).
-
-    Near t = 1 the two logs cancel to O((t - 1)^2), which left a rounding error of 1e-17 (5e-9
-    after the square root of a JS distance). There, with u = (t - 1) / (t + 1),
-    phi = (log(1 - u^2) + 2 u atanh(u)) / (2 (1 - u)), whose terms are -u^2 and 2 u^2: no
-    cancellation.
-    """
-    u = (t - 1.0) / (t + 1.0)
-    if abs(u) < 0.5:
-        return (math.log1p(-u * u) + 2.0 * u * math.atanh(u)) / (2.0 * (1.0 - u))
-    return 0.5 * ((t * math.log(2.0 * t / (1.0 + t)) if t > 0 else 0.0) + math.log(2.0 / (1.0 + t)))
 
 
 def _js_generator_over_ratio(log_t: float) -> float:
