@@ -127,7 +127,8 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
             raise ValueError(f"noise_multiplier = {sigma:g} is too small for the PLD accountant: one step's privacy "
                              f"loss distribution would need about {one_step:.3g} points (limit {MAX_PLD_POINTS}); "
                              "use accountant='rdp'")
-        # The tail the composition truncates counts as infinite loss, i.e. adds to delta: below delta
+        # The tail the composition truncates counts as infinite loss, i.e. adds to delta: it is kept
+        # to a thousandth of delta (dp-accounting's default 1e-15 alone made any delta <= 1e-15 inf)
         tail = _PLD_TAIL_MASS if delta == 0 else min(_PLD_TAIL_MASS, delta * 1e-3)
         loss = privacy_loss_distribution.from_gaussian_mechanism(
             standard_deviation=sigma, sampling_prob=q, value_discretization_interval=_PLD_DISCRETIZATION)

@@ -247,13 +247,13 @@ def _generation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-
 def _rounded_down(x: float, digits: int = 6) -> float:
     """x > 0 rounded down to ``digits`` significant digits: a limit quoted in a message that the
     quoted number itself meets."""
     step = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
     shown = float(f"{x:.{digits}g}")
     return shown if shown <= x else shown - step
+
 
 def _check_noise_range(distribution: str, scale: float, name: str, dtype: torch.dtype, secure: bool) -> None:
     """Refuse a scale whose noise cannot be represented in ``dtype``: its largest value beyond the
