@@ -390,12 +390,13 @@ def test_corrected_c1_bound_holds(case):
 
 def test_c1_bound_is_exact_for_tiny_and_large_errors():
     """c1_error_bound against sqrt(K max(js(1 + eps, 1), js(1 - eps, 1))) at high precision, from
-    eps = 1e-300 (the float64 formula cancels to nothing below 1e-8) to 1e3."""
+    eps = 1e-300 (the float64 formula cancels to nothing below 1e-8) to 1.7e308 (past 2**54 its
+    u = eps / (2 + eps) rounds to 1, where log1p(-u) failed)."""
     def root_js_against_one(x):  # sqrt(js(1 + x, 1)), x an mpf at the working precision
         a = 1 + x
         return mpmath.sqrt(((a * mpmath.log(2 * a / (a + 1)) if a else 0) + mpmath.log(2 / (a + 1))) / 2)
 
-    for epsilon in [0.0, *np.logspace(-300, 3, 120), 1e-3, 1.0]:
+    for epsilon in [0.0, *np.logspace(-300, 300, 240), 1e-3, 1.0, 2.0**54, 1.7e308]:
         with mpmath.workdps(700):  # 1 + 1e-300 resolved, and its JS (1e-600) after the cancellation
             e = mpmath.mpf(float(epsilon))
             exact = float(0.5 * max(root_js_against_one(e), root_js_against_one(-min(e, 1))))
@@ -474,11 +475,57 @@ GOOD = bp.RecoveryCounts(np.array([[1, 2], [3, 0]]), trials=4, batch_size=2)
     (lambda: bp.estimate_abp(GOOD).epsilon_p(1.5), "tv_distance must be <= 1"),
     (lambda: bp.chernoff_relative_error(-1.0, 0.9), "expected_successes"),
     (lambda: bp.chernoff_interval([5], 4, 0.9), "at most n_terms"),
+    (lambda: bp.chernoff_interval([5], 2**53 + 1, 0.9), "n_terms must be <= 9007199254740992"),
+    (lambda: bp.RecoveryCounts(np.array([[3, 2]]), 10**400, 1), r"batch_size \* trials must be at most 2\*\*53"),
+    (lambda: bp.RecoveryCounts(np.array([[2**62, 0]]), 2**52, 4), r"batch_size \* trials must be at most 2\*\*53"),
     (lambda: bp.c1_error_bound(float("nan")), "relative_error"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_a_release_with_more_recoveries_than_runs_is_refused_past_int64():
+    """1025 counts of 2**53 add up past 2**63: summed in int64 they wrapped to a negative total,
+    which passed the check; the largest counts that fit are taken exactly."""
+    with pytest.raises(ValueError, match="more recoveries than batch_size"):
+        bp.RecoveryCounts(np.full((1, 1025), 2**53, dtype=np.int64), 2**53, 1)
+    counts = bp.RecoveryCounts(np.array([[2**53, 0], [2**52 + 1, 2**52 - 1]], dtype=np.uint64), 2**53, 1)
+    assert counts.posteriors.tolist() == [[1.0, 0.0], [0.5 + 2.0**-53, 0.5 - 2.0**-53]]
+    low, high = bp.estimate_mbp(bp.RecoveryCounts(counts.successes[1:], 2**53, 1)).interval
+    assert low == 0.0 and 2.0**-52 < high < 1e-6  # the exact xi is log(1 + 2**-52)
+
+
+def test_chernoff_relative_error_for_huge_means():
+    """The root of eps^2 mu / (2 + eps) = L (mpmath) where 8 mu overflowed float64 (NaN at 1e308)."""
+    log_term = math.log(2.0 / 0.05)
+    for mu in (1e300, 5e307, 1e308):
+        with mpmath.workdps(50):
+            per_success = log_term / mpmath.mpf(mu)
+            exact = mpmath.findroot(lambda e, a=per_success: e * e / (2 + e) - a, math.sqrt(2 * log_term / mu))
+        assert bp.chernoff_relative_error(mu, 0.95) == pytest.approx(float(exact), rel=1e-12)
+
+
+def test_abp_takes_every_confidence_the_mbp_takes():
+    """The largest float below 1: estimate_abp gave estimate_mbp 1 - (1 - c) / 2, which rounds to 1."""
+    confidence = 1.0 - 2.0**-53
+    mbp = bp.estimate_mbp(GOOD, confidence=confidence)
+    abp = bp.estimate_abp(GOOD, confidence=confidence)
+    assert abp.confidence == mbp.confidence == confidence
+    assert abp.c2_interval[0] <= abp.c2 <= abp.c2_interval[1]
+
+
+def test_c1_of_a_belief_next_to_the_prior_is_accurate():
+    """A belief 1e-15 from the prior: the two relative entropies cancelled to a C1^ of 1e-8."""
+    prior = np.array([0.3425790644243874, 0.1464504173481952, 0.5109705182274173])
+    successes = np.floor(prior * 1e15)
+    successes[0] += 1e15 - successes.sum()
+    estimate = bp.estimate_abp(bp.RecoveryCounts(successes[None], 10**15, 1), prior, releases="given")
+    with mpmath.workdps(60):
+        belief = [mpmath.mpf(int(k)) / 10**15 for k in successes]
+        exact = mpmath.sqrt(sum((a * mpmath.log(2 * a / (a + b)) + b * mpmath.log(2 * b / (a + b))) / 2
+                                for a, b in zip(belief, map(mpmath.mpf, prior))))
+    assert estimate.c1 == pytest.approx(float(exact), rel=1e-6)
 
 
 def test_counts_must_be_recovery_counts():

@@ -56,13 +56,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import numpy as np
-from scipy.special import rel_entr
 
 from privleak import _arrays, validation
-from privleak.channels import as_prior, mbp_xi
+from privleak.channels import _js_generator, as_prior, mbp_xi
 from privleak.relations import mbp_from_ldp
 
 Criterion = Union[str, Callable[[np.ndarray, float], Any]]
+MAX_RUNS = 2**53
+"""The most runs (``batch_size * trials``, or ``n_terms`` of a Chernoff sum) the estimators take:
+counts up to it are exact in float64."""
 
 
 # --- counting recoveries ([000] C.1) -----------------------------------------------------------
@@ -79,7 +81,8 @@ class RecoveryCounts:
 
     Raises ValueError naming the field for a shape other than (M, n) with M, n >= 1, counts that
     are negative, not integers or above ``trials``, or a release whose counts add up to more than
-    ``batch_size * trials`` (more recoveries than the runs reconstruct samples).
+    ``batch_size * trials`` (more recoveries than the runs reconstruct samples), or
+    ``batch_size * trials`` above 2**53 (:data:`MAX_RUNS`).
     """
 
     successes: np.ndarray
@@ -94,12 +97,17 @@ class RecoveryCounts:
             raise ValueError(f"successes must have shape (n_releases >= 1, n_samples >= 1), got {values.shape}")
         if values.dtype.kind not in "iuf" or (values.dtype.kind == "f" and not (values == np.round(values)).all()):
             raise ValueError("successes must hold whole numbers of recoveries")
+        if batch_size * trials > MAX_RUNS:
+            raise ValueError(f"batch_size * trials must be at most 2**53 = {MAX_RUNS}, where the frequencies "
+                             f"M_d^m / (S T) are exact in float64; got {batch_size} * {trials}")
         if (values < 0).any() or (values > trials).any():
             raise ValueError(f"successes must lie in [0, trials = {trials}]")
-        if (values.sum(axis=1) > batch_size * trials).any():
+        values = values.astype(np.int64)
+        # A row of n counts up to 2**53 each can pass int64's range: Python's ints add those.
+        release_totals = values.sum(axis=1, dtype=np.int64 if values.shape[1] * trials < 2**63 else object)
+        if (release_totals > batch_size * trials).any():
             raise ValueError(f"a release has more recoveries than batch_size * trials = {batch_size * trials}: "
                              "batch_size must be the number of samples one attack run reconstructs")
-        values = values.astype(np.int64)
         values.flags.writeable = False
         object.__setattr__(self, "successes", values)
         object.__setattr__(self, "trials", trials)
@@ -186,7 +194,8 @@ def chernoff_relative_error(expected_successes: float, confidence: float) -> flo
     log_term = _tail_log(1.0 - validation.confidence_level(confidence, "confidence"))
     if mu == 0.0:
         return math.inf
-    return (log_term + math.sqrt(log_term * (log_term + 8.0 * mu))) / (2.0 * mu)
+    per_success = log_term / mu  # the formula over mu: no overflow for a huge mu
+    return (per_success + math.sqrt(per_success * (per_success + 8.0))) / 2.0
 
 
 def chernoff_interval(successes: Any, n_terms: int, confidence: float) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +215,7 @@ def chernoff_interval(successes: Any, n_terms: int, confidence: float) -> tuple[
     totals = _real_array(successes, "successes")
     if not (np.isfinite(totals).all() and (totals >= 0).all()):
         raise ValueError("successes must be finite and >= 0")
-    n_terms = validation.integer(n_terms, "n_terms", low=1)
+    n_terms = validation.integer(n_terms, "n_terms", low=1, high=MAX_RUNS)
     if (totals > n_terms).any():
         raise ValueError(f"successes must be at most n_terms = {n_terms}")
     return _mean_interval(totals, n_terms, 1.0 - validation.confidence_level(confidence, "confidence"))
@@ -261,11 +270,16 @@ def estimate_mbp(counts: RecoveryCounts, prior: Any = None, *, confidence: float
     counts = _check_counts(counts)
     prior_mass = _check_sample_prior(prior, counts.n_samples)
     confidence = validation.confidence_level(confidence, "confidence")
+    return _estimate_mbp(counts, prior_mass, 1.0 - confidence, confidence)
+
+
+def _estimate_mbp(counts: RecoveryCounts, prior_mass: np.ndarray, failure: float, confidence: float
+                  ) -> MBPEstimate:
+    """:func:`estimate_mbp` at failure probability ``failure`` (not rounded through a confidence)."""
     with np.errstate(divide="ignore"):
         log_ratios = np.log(counts.posteriors) - np.log(prior_mass)
     worst = np.unravel_index(int(np.argmax(np.abs(log_ratios))), log_ratios.shape)
-    failure = (1.0 - confidence) / counts.successes.size
-    low, high = _mean_interval(counts.successes.astype(np.float64), counts.trials, failure)
+    low, high = _mean_interval(counts.successes.astype(np.float64), counts.trials, failure / counts.successes.size)
     with np.errstate(divide="ignore"):
         log_low = np.log(low / counts.batch_size) - np.log(prior_mass)
         log_high = np.log(high / counts.batch_size) - np.log(prior_mass)
@@ -361,14 +375,14 @@ def estimate_abp(counts: RecoveryCounts, prior: Any = None, *, releases: str = "
     prior_mass = _check_sample_prior(prior, counts.n_samples)
     failure = 1.0 - validation.confidence_level(confidence, "confidence")
     if releases == "drawn":
-        totals, n_terms = counts.successes.sum(axis=0) / counts.trials, counts.n_releases
+        totals, n_terms = counts.successes.sum(axis=0, dtype=np.float64) / counts.trials, counts.n_releases
     elif releases == "given":
-        totals, n_terms = counts.successes.sum(axis=0).astype(np.float64), counts.n_releases * counts.trials
+        totals, n_terms = counts.successes.sum(axis=0, dtype=np.float64), counts.n_releases * counts.trials
     else:
         raise ValueError(f"releases must be 'drawn' or 'given', got {releases!r}")
     if c2 is None:
         failure /= 2.0
-        mbp = estimate_mbp(counts, prior_mass, confidence=1.0 - failure)
+        mbp = _estimate_mbp(counts, prior_mass, failure, 1.0 - failure)
         c2, c2_interval = _c2_from_xi(mbp.xi), (_c2_from_xi(mbp.interval[0]), _c2_from_xi(mbp.interval[1]))
     else:
         c2 = validation.non_negative(c2, "c2", allow_inf=True)
@@ -391,8 +405,10 @@ def c1_error_bound(relative_error: float, belief_mass: float = 1.0) -> float:
 
     js(a, b) = (a log(2a / (a + b)) + b log(2b / (a + b))) / 2. Why: sqrt(JS) is a metric on
     non-negative measures (Endres and Schindelin 2003), so |C1^ - C1| <= sqrt(JS(k1^ || k1)), and
-    JS(k1^ || k1) = sum_d k1(d) js(k1^(d) / k1(d), 1) with js(., 1) convex. Reached by k2 = k1 and
-    k1^ = (1 +- eps) k1. ``belief_mass`` K is 1 for a posterior-sampling attack, below 1 otherwise.
+    JS(k1^ || k1) = sum_d k1(d) js(k1^(d) / k1(d), 1) with js(., 1) convex. Reached for K = 1 by
+    k2 = k1 and k1^ = (1 +- eps) k1; for K < 1 k2, a prior, cannot equal k1, and the bound holds
+    but is not always reached. ``belief_mass`` K is 1 for a posterior-sampling attack, below 1
+    otherwise.
     Thm D.1 states sqrt((1 + eps) log((1 + eps) / (1 - eps)) / 2 + (eps + max(log(1 + eps),
     log(1 / (1 - eps)))) / 2): true for eps < 1 but at least 4.5 times larger, growing like
     4 / sqrt(eps) as eps -> 0 (0.46 instead of 0.036 at eps = 0.1), and undefined for eps >= 1,
@@ -421,17 +437,19 @@ def epsilon_p_error_bound(relative_error: float, belief_mass: float = 1.0) -> fl
 
 def _mean_interval(totals: np.ndarray, n_terms: int, failure: float) -> tuple[np.ndarray, np.ndarray]:
     """The interval of :func:`chernoff_interval` for failure probability ``failure``, unchecked."""
-    log_term = _tail_log(failure)
+    # Both ends are homogeneous of degree 1 in (X, L): computed on (X / N, L / N), nothing overflows.
+    mean, log_term = totals / n_terms, _tail_log(failure) / n_terms
     # 2X(X - L) / (...) is (2X + L - sqrt(L^2 + 8LX)) / 2 without the cancellation.
-    low = 2.0 * totals * (totals - log_term) / (2.0 * totals + log_term + np.sqrt(log_term * (log_term + 8.0 * totals)))
-    high = ((math.sqrt(2.0 * log_term) + np.sqrt(2.0 * log_term + 4.0 * totals)) / 2.0) ** 2
-    return np.maximum(low, 0.0) / n_terms, np.minimum(high / n_terms, 1.0)
+    low = 2.0 * mean * (mean - log_term) / (2.0 * mean + log_term + np.sqrt(log_term * (log_term + 8.0 * mean)))
+    high = ((math.sqrt(2.0 * log_term) + np.sqrt(2.0 * log_term + 4.0 * mean)) / 2.0) ** 2
+    return np.maximum(low, 0.0), np.minimum(high, 1.0)
 
 
 def _js_terms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """js(a, b) = (a log(2a / (a + b)) + b log(2b / (a + b))) / 2 elementwise (0 log 0 = 0), natural log."""
-    middle = (a + b) / 2.0
-    return (rel_entr(a, middle) + rel_entr(b, middle)) / 2.0
+    """js(a, b) = (a log(2a / (a + b)) + b log(2b / (a + b))) / 2 elementwise (0 log 0 = 0), natural log,
+    for b > 0: b phi(a / b), phi the JS generator in its form without cancellation near a = b
+    (the two relative entropies' cancel to 1e-17, 1e-8 after C1's square root)."""
+    return b * _js_generator(a / b)
 
 
 def _root_js_against_one(x: float) -> float:
@@ -439,14 +457,15 @@ def _root_js_against_one(x: float) -> float:
     1 +- 1e-16 lose everything as x -> 0 (the plain form gave bounds of 0, or 2e4 times too
     large, below eps = 1e-8), so: below |x| = 1e-3, |x| times the root of its Taylor series over
     x^2, 1/8 - x/16 + 7 x^2/192 - 3 x^3/128 + 31 x^4/1920 (next term 3 x^5/256: 1e-16 relative
-    there; no x^2 to underflow); above, ((1 + x) log1p(u) + log1p(-u)) / 2 with u = x / (2 + x),
-    whose cancellation costs 1e-16 / |x| relative."""
+    there; no x^2 to underflow); above, ((1 + x) log1p(u) - log1p(x / 2)) / 2 with u = x / (2 + x)
+    (log1p(x / 2) = -log1p(-u), which would fail once u rounds to 1, x >= 2**54), whose
+    cancellation costs 1e-16 / |x| relative."""
     if abs(x) < 1e-3:
         return abs(x) * math.sqrt(1 / 8 + x * (-1 / 16 + x * (7 / 192 + x * (-3 / 128 + x * 31 / 1920))))
     if x == -1.0:
         return math.sqrt(math.log(2.0) / 2.0)  # 0 log 0 = 0
     u = x / (2.0 + x)
-    return _sqrt(((1.0 + x) * math.log1p(u) + math.log1p(-u)) / 2.0)
+    return _sqrt(((1.0 + x) * math.log1p(u) - math.log1p(x / 2.0)) / 2.0)
 
 
 def _c2_from_xi(xi: float) -> float:
