@@ -1540,6 +1540,78 @@ def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
         bk.step(model(torch.randn(4, length, 3)).pow(2).sum((1, 2)))
 
 
+class SequenceFirstMix(nn.Module):
+    """A Linear run on the hidden states made sequence-first, (T, B, d), as code written for
+    sequence-first layers does, between two batch-first ones; ``pool``: the head reads the mean
+    over the positions, or the first position alone."""
+
+    def __init__(self, pool="mean"):
+        super().__init__()
+        self.inp, self.mix, self.head, self.pool = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2), pool
+
+    def forward(self, x):  # (B, T, 3)
+        h = torch.tanh(self.mix(torch.tanh(self.inp(x)).transpose(0, 1))).transpose(0, 1)
+        return self.head(h.mean(1) if self.pool == "mean" else h[:, 0])
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "laplace"])
+@pytest.mark.parametrize("pool", ["mean", "first"])
+def test_a_layer_on_a_sequence_first_tensor_at_t_equal_b_is_found_by_its_first_sample(mechanism, pool):
+    """At T = B the sequence-first input of 'mix' has the batch's size in dim 0, and neither its
+    shape nor its graph tells its positions from samples (a batch-first attention's output is a
+    transpose too): book-keeping took the positions for the samples and clipped the wrong
+    gradients without a sign. The first batch's first sample, by the backward pass of its loss
+    alone, now shows it (L2 and L1 norms). At T != B the shapes refuse it."""
+    torch.manual_seed(0)
+    model = SequenceFirstMix(pool)
+    bk = make(model, dpsgd.DPSGDConfig(1.0, mechanism, noise_multiplier=1.0))
+    with pytest.raises(ValueError, match=r"book-keeping gave the first sample's gradient of parameter "
+                                         r"'mix\.(weight|bias)' the norm .*, but the backward pass of that sample's "
+                                         r"loss alone gives it .*sequence-first \(T, B, \.\.\.\) input with T = B"):
+        bk.step(model(torch.randn(4, 4, 3)).pow(2).sum(1))
+    with pytest.raises(ValueError, match=r"per_sample_losses has 4 samples, but module 'mix' \(Linear\) saw a "
+                                         r"batch of 5"):
+        bk.step(model(torch.randn(4, 5, 3)).pow(2).sum(1))
+
+
+class Centred(nn.Module):
+    """Hidden states centred over the batch by hand (h - h.mean(0)) where ``centred``: each loss
+    then depends on every sample, which no per-sample clip bounds. The head's per-sample gradients
+    are still its own (its input is the centred row); the first layer's are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head, self.centred = nn.Linear(3, 4), nn.Linear(4, 2), True
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(torch.tanh(h - h.mean(0) if self.centred else h))
+
+
+def test_a_model_that_mixes_its_samples_is_found_by_the_first_sample():
+    torch.manual_seed(0)
+    model = Centred()
+    bk = make(model)
+    with pytest.raises(ValueError, match=r"parameter 'inp\.(weight|bias)' .* depend on other samples"):
+        bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
+
+
+def test_the_first_sample_is_checked_at_the_first_batch_only():
+    """One backward pass more, at the first batch of a BookKeeping (every test comparing its update
+    with the materialised path's has it, unchanged); a later batch is not checked, so a model
+    that starts mixing samples after the first batch is not found."""
+    torch.manual_seed(0)
+    model = Centred()
+    model.centred = False
+    bk = make(model)
+    passes = []
+    bk._first_sample_norms = lambda losses, own=bk._first_sample_norms: passes.append(1) or own(losses)
+    bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
+    model.centred = True
+    bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
+    assert passes == [1]
+
+
 class FlatteningRouter(nn.Module):
     """DeepSeek-V3's router in small: it flattens the hidden states (B, T, d) itself, computes its
     logits with the weight cast to float64 (DeepSeek's casts to float32, a cast in a bfloat16
@@ -1767,7 +1839,7 @@ def test_a_layer_that_forms_its_rows_in_the_backward_lets_its_input_go():
     alive = []
     h.register_hook(lambda grad: alive.append(recorded() is not None))
     bk.step(out.pow(2).sum(1))
-    assert alive == [False]
+    assert alive == [True, False]  # first the first sample's check, whose backward takes nothing
 
 
 def test_a_layer_s_input_and_output_gradient_go_before_the_next_layer_s_sum():

@@ -112,7 +112,11 @@ class BookKeeping:
     positions as samples); a forward compiled by ``torch.compile`` (its ops hidden in one autograd
     node); a DistributedDataParallel built with ``static_graph=True``; parameters sharded over
     processes (FSDP, DTensors); a TorchScript module (``torch.jit.script`` or ``trace``: no hooks
-    run in its forward).
+    run in its forward). What no shape or graph test sees is checked at the first batch: the first
+    sample's loss alone is run backward once, and each parameter's norm from the layer rules must
+    match its gradient's (5%; not for half-precision parameters), or the step raises naming the
+    parameter: a layer reading positions as samples (a sequence-first input at T = B), or a model
+    whose losses depend on other samples (:meth:`_check_first_sample`).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -173,6 +177,7 @@ class BookKeeping:
         self._collecting = False
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
+        self._checked = False  # whether a batch's first sample was checked by its own backward pass
         self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._failure = None  # across processes: the error of this process's batch, raised at the step
         # the last of the checks, as it turns DDP's all-reduce off
@@ -450,11 +455,59 @@ class BookKeeping:
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
+        own = None
+        if not self._checked and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            own = self._first_sample_norms(losses)
         self._backward(losses, parents, shared, edges)
         for layer in self.layers:
             layer.finish()
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
-            return self._clip(batch, scale, synced)
+            return self._clip(batch, scale, synced, own)
+
+    def _first_sample_norms(self, losses: torch.Tensor) -> torch.Tensor:
+        """Per parameter slot, the first sample's gradient norm (squared for L2; float64) from the
+        backward pass of its loss alone, the graph kept for the step's: what the layer rules'
+        norms must give for it (:meth:`_check_first_sample`); NaN for a half-precision parameter,
+        whose gradient that pass adds up in half precision (an fp16 Embedding's 3000 tokens: 15%
+        off, where book-keeping adds in float32). Once per BookKeeping, at its first batch; the
+        hooks take nothing from this pass."""
+        grads = torch.autograd.grad(losses[0], self.params, retain_graph=True, allow_unused=True)
+        norm_type = self.config.mechanism.clip_norm_type
+        device = self.params[0].device
+        norms = [torch.zeros((), dtype=torch.float64, device=device) if g is None
+                 else torch.full((), math.nan, dtype=torch.float64, device=device) if g.element_size() < 4
+                 else torch.linalg.vector_norm(g, norm_type, dtype=torch.float64).to(device) for g in grads]
+        del grads  # as large as the model: gone before the step's backward
+        norms = torch.stack(norms)
+        return norms.square() if norm_type == 2 else norms
+
+    def _check_first_sample(self, norm_sums: torch.Tensor, own: torch.Tensor, order: tuple) -> None:
+        """Raise where a parameter's norm for the first sample (the clip kernel's column, in slot
+        ``order``) is not the one of that sample's own backward pass (``own``, by slot): a layer
+        that read a dim other than the batch as its samples (a sequence-first (T, B, ...) input at
+        T = B, which no test of shapes or graph can tell from a batch-first one), or a model whose
+        losses each depend on other samples too; either would clip the wrong gradients without
+        a sign. Margins far above float32's and bfloat16's rounding (5% of the norm, and 1e-4 of
+        the sample's whole norm for a parameter whose gradient is small) and far below what those
+        faults give (tens of percent)."""
+        mine, own = norm_sums[0], own[list(order)]
+        checked = ~own.isnan()
+        if not (torch.isfinite(mine).all() and torch.isfinite(own[checked]).all()):
+            return  # a non-finite sample: non_finite's to handle; checked at a later batch
+        total = torch.where(checked, own, mine).sum()
+        if self.config.mechanism.clip_norm_type == 2:  # the columns are squared norms
+            mine, own, total = mine.sqrt(), own.sqrt(), total.sqrt()
+        wrong = checked & ((mine - own).abs() > 0.05 * torch.maximum(mine, own) + 1e-4 * total)
+        if wrong.any():
+            column = int(wrong.nonzero()[0])
+            mine, own = float(mine[column]), float(own[column])
+            raise ValueError(f"per_sample_losses: book-keeping gave the first sample's gradient of parameter "
+                             f"'{self._owner(order[column])}' the norm {mine:.6g}, but the backward pass of that "
+                             f"sample's loss alone gives it {own:.6g}. Its layer reads a dim other than the batch as "
+                             "the samples (a sequence-first (T, B, ...) input with T = B? every layer input must "
+                             "have the batch in dim 0), or the model makes each loss depend on other samples (as "
+                             "BatchNorm in training mode does), which per-sample clipping cannot bound")
+        self._checked = True
 
     def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:
         """The one backward pass, its gradients handed to the layers. The layers that act on their
@@ -491,13 +544,14 @@ class BookKeeping:
         for layer, call, found in shared:
             layer.broadcast(call, [uses.rows(0) for uses in found], norm_type)
 
-    def _clip(self, batch: int, scale: float, synced: bool) -> tuple:
+    def _clip(self, batch: int, scale: float, synced: bool, own: Optional[torch.Tensor]) -> tuple:
         """Norms, clip factors and clipped sums of the layers' gradients after the backward pass.
         The per-sample gradients the layers formed go through the fused clip kernel, one call for
         their norms and clipped sums both, with the other layers' norms (ghost norms) as given
         columns of its factors; the other layers then form their sums with those factors. One call
         instead of four torch ops per tensor: on a small model each op costs more than its
-        arithmetic, and on a GPU each is a launch."""
+        arithmetic, and on a GPU each is a launch. ``own``: the first sample's norms from its own
+        backward pass, to check the layers' against (:meth:`_check_first_sample`)."""
         config, norm_type = self.config, self.config.mechanism.clip_norm_type
         rows, norms = self._rows_and_norms(batch, norm_type)
         for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
@@ -519,6 +573,8 @@ class BookKeeping:
         else:
             norm_sums = given
             factors = torch.ops.privleak.clip_factors(norm_sums, clip_norms, config.per_layer, norm_type)
+        if own is not None:
+            self._check_first_sample(norm_sums, own, order)
         # Dropping a non-finite sample needs to know it before the sums: on a GPU a host sync,
         # or, where none may wait (a graph), a mask over every sample.
         keep = None
