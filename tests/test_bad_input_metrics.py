@@ -91,7 +91,7 @@ CASES = [
     ("metric unknown", lambda: privleak.nearest(np.zeros((1, 2)), np.zeros((1, 2)), "l2"), ValueError,
      "^metric must be"),
     ("tensor_cores int", lambda: privleak.nearest(np.zeros((1, 2)), np.zeros((1, 2)), "l1", tensor_cores=1), TypeError,
-     "^tensor_cores must be a bool"),
+     "^tensor_cores must be True or False"),
     ("inputs 2^42 stride-0 rows", lambda: privleak.nearest(np.zeros((1, 1)), stride_zero_rows(2**42), "squared_l2"),
      MemoryError, "^nearest needs"),
     # --- capacity -------------------------------------------------------------------------------

@@ -1612,6 +1612,29 @@ def test_the_first_sample_is_checked_at_the_first_batch_only():
     assert passes == [1]
 
 
+def test_the_first_sample_s_check_can_be_left_out_and_gives_way_to_a_lack_of_memory(monkeypatch):
+    """check_first_sample=False leaves the check out (the sequence-first layer goes unseen); a
+    check that runs out of (GPU) memory warns, is skipped and not tried again, and the step goes
+    on: here torch.autograd.backward, which only the check calls, raises torch's OOM error."""
+    torch.manual_seed(0)
+    model = SequenceFirstMix()
+    x = torch.randn(4, 4, 3)
+    assert len(make(model, check_first_sample=False).step(model(x).pow(2).sum(1))) == 6
+    with pytest.raises(TypeError, match="check_first_sample must be True or False, got int 1"):
+        make(model, check_first_sample=1)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    bk = make(model)
+    monkeypatch.setattr(torch.autograd, "backward", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="check of the first sample .* ran out of GPU memory .* skipped"):
+        assert len(bk.step(model(x).pow(2).sum(1))) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bk.step(model(x).pow(2).sum(1))
+
+
 class FlatteningRouter(nn.Module):
     """DeepSeek-V3's router in small: it flattens the hidden states (B, T, d) itself, computes its
     logits with the weight cast to float64 (DeepSeek's casts to float32, a cast in a bfloat16

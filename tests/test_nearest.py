@@ -281,7 +281,7 @@ GOOD = np.ones((3, 4))
         (np.full((1, 4), 1e30, dtype=np.float32), np.ones((2, 4), dtype=np.float32), "inner_product", {},
          ValueError, "would overflow float32"),
         (GOOD, GOOD, "l1", {"tensor_cores": True}, ValueError, "tensor_cores=True needs CUDA float32"),
-        (GOOD, GOOD, "l1", {"tensor_cores": 1}, TypeError, "tensor_cores must be a bool"),
+        (GOOD, GOOD, "l1", {"tensor_cores": 1}, TypeError, "tensor_cores must be True or False"),
         ("points", GOOD, "l1", {}, TypeError, "queries must be a numpy array or a torch tensor"),
         (GOOD, torch.ones(3, 4, device="meta"), "l1", {}, ValueError, "inputs is on device meta"),
     ],

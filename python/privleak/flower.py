@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from privleak import dpsgd, fl, validation
-from privleak.dpsgd.clip import _check_bool
 from privleak.dpsgd.config import check_config
 from privleak.mechanisms import NoiseGenerator, SecureNoiseGenerator
 
@@ -100,7 +99,7 @@ def _check_seed(seed) -> Optional[int]:
 
 
 def _check_secure_noise(secure_noise, mechanism: dpsgd.DPSGDMechanism) -> bool:
-    secure_noise = _check_bool(secure_noise, "secure_noise")
+    secure_noise = validation.boolean(secure_noise, "secure_noise")
     if secure_noise and not mechanism.secure:
         raise ValueError(f"secure_noise: the {mechanism.name} mechanism has no secure mode yet")
     return secure_noise
@@ -209,7 +208,7 @@ def client_app(model: nn.Module, data_fn: Callable[[int], fl.Client], config: dp
     config = check_config(config, len(names))
     secure_noise = _check_secure_noise(secure_noise, config.mechanism)
     seed = _check_seed(seed)
-    share_batches = _check_bool(share_batches, "share_batches")
+    share_batches = validation.boolean(share_batches, "share_batches")
     if privatize == "mod" and local_steps != 1:
         raise ValueError(f"privatize='mod' takes local_steps=1 (FedSGD), got local_steps={local_steps}: a mod sees "
                          "only the outgoing message, not the noise of every local step; use privatize='client'")

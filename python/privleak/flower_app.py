@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from privleak import datasets, dpsgd, fl, flower, validation
-from privleak.dpsgd.clip import _check_bool
 from privleak.models import PaperNetwork
 
 try:
@@ -124,7 +123,7 @@ class Settings(NamedTuple):
             values[name] = validation.real(values[name], key(name))
         values["round_timeout"] = validation.positive(values["round_timeout"], key("round_timeout"))
         for name in ("per_layer", "secure_noise", "share_batches"):
-            values[name] = _check_bool(values[name], key(name))
+            values[name] = validation.boolean(values[name], key(name))
         for name in ("mechanism", "dataset", "record", "privatize"):
             if not isinstance(values[name], str):
                 raise validation.ArgumentTypeError(f"{key(name)} must be a string, got {values[name]!r}")
@@ -324,7 +323,7 @@ def submit(directory: Union[str, os.PathLike], superlink: str, *, insecure: bool
         raise ValueError(f"{directory}: the App's settings name no record file, so the run's record cannot be read")
     if not isinstance(superlink, str) or not superlink.rpartition(":")[2].isdigit():
         raise ValueError(f"superlink must be 'HOST:PORT', got {superlink!r}")
-    insecure = _check_bool(insecure, "insecure")
+    insecure = validation.boolean(insecure, "insecure")
     timeout = validation.positive(timeout, "timeout")
     record = Path(settings.record)
     record.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from privleak import _arrays, _backend
-from privleak.validation import ArgumentTypeError, choice
+from privleak.validation import ArgumentTypeError, boolean, choice
 
 # The bits of the kernels' statistics mask (csrc/common/column_stats.h, ColumnStat).
 _STAT_BITS = {"max": 1, "argmax": 2, "min": 4, "sum": 8}
@@ -154,8 +154,7 @@ def nearest(queries: Any, inputs: Any, metric: str, *, tensor_cores: bool = Fals
     of a stride-0 view of 2^31 rows) exceed the memory still available.
     """
     choice(metric, "metric", NEAREST_METRICS)
-    if not isinstance(tensor_cores, bool):
-        raise TypeError(f"tensor_cores must be a bool, got {type(tensor_cores).__name__}")
+    boolean(tensor_cores, "tensor_cores")
     q = _arrays.view(queries, "queries", ndim=2)
     x = _arrays.view(inputs, "inputs", ndim=2)
     if x.dtype != q.dtype:

@@ -118,6 +118,13 @@ def _in_range(number: int, name: str, low: Optional[int], high: Optional[int]) -
     return number
 
 
+def boolean(value: Any, name: str) -> bool:
+    """``value`` as a bool: True or False (numpy's too); 0, 1 and strings are refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def dimension(value: Any, name: str) -> int:
     """A dimension, sample count or batch size: an int in [1, MAX_DIM]. A whole float such as 1e9
     or a batch size of 64.0 is accepted (bools, strings and 2.5 are not)."""

@@ -156,12 +156,6 @@ def _check_grads(per_sample_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]
     return grads
 
 
-def _check_bool(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise validation.ArgumentTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
 def _clip_norms(clip_norm, count: Optional[int], per_layer: bool, name: str = "clip_norm") -> list[float]:
     """The clip norms, one per tensor with per_layer (count None: as many as given), else one."""
     norms = list(clip_norm) if isinstance(clip_norm, (list, tuple)) else [clip_norm]
@@ -266,7 +260,7 @@ def clip_factors(norm_sums: torch.Tensor, clip_norm: Union[float, Sequence[float
         raise ValueError(f"norm_sums must be >= 0 (squared or L1 norms), got {float(norm_sums.min())!r}")
     if view.is_cuda:
         _mechanisms._check_cuda(norm_sums.device, "norm_sums' device")
-    per_layer = _check_bool(per_layer, "per_layer")
+    per_layer = validation.boolean(per_layer, "per_layer")
     norms = _clip_norms(clip_norm, norm_sums.shape[1], per_layer)
     clip_norms = torch.tensor(norms if per_layer else norms[:1], dtype=torch.float64, device=norm_sums.device)
     return torch.ops.privleak.clip_factors(norm_sums, clip_norms, per_layer, _check_norm_type(norm_type))
@@ -307,7 +301,7 @@ def clip_and_accumulate(
         :class:`ClippedSum` with the float32 noisy average per tensor, the norms, the dropped samples.
     """
     grads = _check_grads(per_sample_grads)
-    per_layer = _check_bool(per_layer, "per_layer")
+    per_layer = validation.boolean(per_layer, "per_layer")
     norms_allowed = _clip_norms(clip_norm, len(grads), per_layer)
     non_finite = validation.choice(non_finite, "non_finite", ("raise", "drop"))
     norm_type = _check_norm_type(norm_type)

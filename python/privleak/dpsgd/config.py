@@ -5,7 +5,7 @@ from typing import Any, Optional, Sequence, Union
 
 from privleak import validation
 from privleak.dpsgd import mechanism as _registry
-from privleak.dpsgd.clip import _check_bool, _clip_norms
+from privleak.dpsgd.clip import _clip_norms
 from privleak.dpsgd.mechanism import Clipping, DPSGDMechanism
 
 
@@ -29,7 +29,7 @@ class DPSGDConfig:
 
     def __init__(self, clip_norm: Union[float, Sequence[float]], mechanism: Union[str, DPSGDMechanism] = "gaussian",
                  *, per_layer: bool = False, non_finite: str = "raise", **parameters: Any):
-        per_layer = _check_bool(per_layer, "config.per_layer")
+        per_layer = validation.boolean(per_layer, "config.per_layer")
         norms = _clip_norms(clip_norm, None, per_layer, "config.clip_norm")
         if isinstance(mechanism, DPSGDMechanism):
             if parameters:
