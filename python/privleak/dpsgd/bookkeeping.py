@@ -103,7 +103,7 @@ class BookKeeping:
             alone (below), once; it costs the first step one backward pass, and a peak above the
             step's own while the graph is kept for it (a CNN's activations: the CIFAR CNN at B 128
             1.43x the non-private step's peak RSS at that step, against 1.19x; a transformer's
-            1.01-1.02x). On a GPU, a check that runs out of memory is skipped with a warning.
+            1.01-1.03x). On a GPU, a check that runs out of memory is skipped with a warning.
 
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
