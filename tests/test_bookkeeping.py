@@ -2,6 +2,7 @@
 torch.func per-sample gradients through dpsgd.privatize / DPOptimizer, same config, same noise
 stream. The clip norms are set between the samples' norms, so some samples are clipped and some not."""
 import copy
+import math
 import re
 import warnings
 import weakref
@@ -1633,6 +1634,51 @@ def test_the_first_sample_s_check_can_be_left_out_and_gives_way_to_a_lack_of_mem
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bk.step(model(x).pow(2).sum(1))
+
+
+def test_the_first_sample_s_check_waits_for_a_batch_that_can_show_a_fault():
+    """A first batch of one sample cannot show a mixing model, and one whose first sample's own
+    gradients are not finite (0 x NaN of another sample's, whatever that sample's fate) shows
+    nothing: the check waits for the next batch instead of passing."""
+    torch.manual_seed(0)
+    model = Centred()
+    bk = make(model, dpsgd.DPSGDConfig(1.0, non_finite="drop"))
+    bk.step(model(torch.randn(1, 3)).pow(2).sum(1))
+    x = torch.randn(4, 3)
+    x[2] = math.nan
+    model.centred = False
+    bk.step(model(x).pow(2).sum(1))  # sample 2 dropped; every gradient of sample 0's own pass is NaN
+    model.centred = True
+    with pytest.raises(ValueError, match=r"parameter 'inp\.(weight|bias)' .* depend on other samples"):
+        bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
+
+
+def test_the_first_sample_s_check_fires_no_parameter_hook_and_takes_sparse_gradients():
+    """A gradient logger's hook (as wandb.watch's) would get the sample's unclipped gradient, and
+    an optimizer run in the backward would step with it: the parameters' hooks are off during the
+    check, back after it. A sparse Embedding's gradient is taken by its values. The update is the
+    one without the check, bit for bit."""
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(7, 4, sparse=True), nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids).mean(1))
+
+    ids = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(1))
+    updates, seen = [], []
+    for check in (True, False):
+        torch.manual_seed(0)
+        model = Sparse()
+        bk = make(model, dpsgd.DPSGDConfig(0.1, noise_multiplier=0.0), check_first_sample=check)
+        model.head.weight.register_hook(lambda grad: seen.append("tensor hook"))
+        model.head.bias.register_post_accumulate_grad_hook(lambda p: seen.append("accumulate hook"))
+        updates.append(bk.step(model(ids).pow(2).sum(1)))
+    assert seen == []
+    assert all(torch.equal(a, b) for a, b in zip(*updates))
+    model(ids).pow(2).sum().backward()  # an ordinary backward still runs them
+    assert sorted(seen) == ["accumulate hook", "tensor hook"]
 
 
 class FlatteningRouter(nn.Module):
