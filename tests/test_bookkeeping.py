@@ -1546,13 +1546,23 @@ class SequenceFirstMix(nn.Module):
     sequence-first layers does, between two batch-first ones; ``pool``: the head reads the mean
     over the positions, or the first position alone."""
 
-    def __init__(self, pool="mean"):
+    def __init__(self, pool="mean", width=4):
         super().__init__()
-        self.inp, self.mix, self.head, self.pool = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2), pool
+        self.inp, self.mix, self.head = nn.Linear(3, width), nn.Linear(width, width), nn.Linear(width, 2)
+        self.pool = pool
 
     def forward(self, x):  # (B, T, 3)
         h = torch.tanh(self.mix(torch.tanh(self.inp(x)).transpose(0, 1))).transpose(0, 1)
         return self.head(h.mean(1) if self.pool == "mean" else h[:, 0])
+
+
+FIRST_SAMPLE_SPREAD = (r"the first sample's loss has a gradient in the other samples' rows of the output of module "
+                       r"'{}' \(Linear\) .* where book-keeping reads each row as one sample's. Its layer reads a dim "
+                       r"other than the batch as the samples \(a sequence-first \(T, B, \.\.\.\) input with T = B"
+                       r".* depend on other samples")
+FIRST_SAMPLE_NORM = (r"book-keeping gave the first sample's gradient of parameter '{}\.(weight|bias)' the norm .*, but "
+                     r"the backward pass of that sample's loss alone gives it .*sequence-first \(T, B, \.\.\.\) "
+                     r"input with T = B.* depend on other samples")
 
 
 @pytest.mark.parametrize("mechanism", ["gaussian", "laplace"])
@@ -1562,17 +1572,30 @@ def test_a_layer_on_a_sequence_first_tensor_at_t_equal_b_is_found_by_its_first_s
     shape nor its graph tells its positions from samples (a batch-first attention's output is a
     transpose too): book-keeping took the positions for the samples and clipped the wrong
     gradients without a sign. The first batch's first sample, by the backward pass of its loss
-    alone, now shows it (L2 and L1 norms). At T != B the shapes refuse it."""
+    alone, now shows it (L2 and L1 norms): with the mean over positions, its loss has a gradient
+    in the other rows of the output; with the first position, every sample's loss reads row 0
+    only, and the norms show it. At T != B the shapes refuse it."""
     torch.manual_seed(0)
     model = SequenceFirstMix(pool)
     bk = make(model, dpsgd.DPSGDConfig(1.0, mechanism, noise_multiplier=1.0))
-    with pytest.raises(ValueError, match=r"book-keeping gave the first sample's gradient of parameter "
-                                         r"'mix\.(weight|bias)' the norm .*, but the backward pass of that sample's "
-                                         r"loss alone gives it .*sequence-first \(T, B, \.\.\.\) input with T = B"):
+    with pytest.raises(ValueError, match=(FIRST_SAMPLE_SPREAD if pool == "mean" else FIRST_SAMPLE_NORM).format("mix")):
         bk.step(model(torch.randn(4, 4, 3)).pow(2).sum(1))
     with pytest.raises(ValueError, match=r"per_sample_losses has 4 samples, but module 'mix' \(Linear\) saw a "
                                          r"batch of 5"):
         bk.step(model(torch.randn(4, 5, 3)).pow(2).sum(1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_wide_sequence_first_layer_is_found_whatever_its_norms(seed):
+    """A sequence-first Linear 512 wide on zero-mean activations: its positions' gradients have
+    about the samples' norms, so a comparison of norms missed it in 4 to 7 seeds of 10. The first
+    sample's loss has a gradient in the other rows of its output, which independent samples never
+    give (exact zeros), so it is found at any width."""
+    torch.manual_seed(seed)
+    model = SequenceFirstMix("mean", width=512)
+    bk = make(model)
+    with pytest.raises(ValueError, match=FIRST_SAMPLE_SPREAD.format("mix")):
+        bk.step(model(torch.randn(8, 8, 3)).pow(2).sum(1))
 
 
 class Centred(nn.Module):
@@ -1593,7 +1616,32 @@ def test_a_model_that_mixes_its_samples_is_found_by_the_first_sample():
     torch.manual_seed(0)
     model = Centred()
     bk = make(model)
-    with pytest.raises(ValueError, match=r"parameter 'inp\.(weight|bias)' .* depend on other samples"):
+    with pytest.raises(ValueError, match=FIRST_SAMPLE_SPREAD.format("inp")):
+        bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
+
+
+class Shifted(nn.Module):
+    """Each sample's hidden state plus the one of the sample before it: the first sample's loss
+    reads its own row only, but the second's reads the first's too."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(torch.tanh(h + torch.cat([torch.zeros_like(h[:1]), h[:-1]])))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_loss_that_reads_the_first_sample_from_another_is_found_by_its_norms(seed):
+    """No gradient of the first sample's loss reaches another row, so only the norms show that the
+    second sample's loss reads the first's row: book-keeping gives 'inp' the gradient of both
+    losses in that row as the first sample's, against that sample's own."""
+    torch.manual_seed(seed)
+    model = Shifted()
+    bk = make(model)
+    with pytest.raises(ValueError, match=FIRST_SAMPLE_NORM.format("inp")):
         bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
 
 
@@ -1649,7 +1697,7 @@ def test_the_first_sample_s_check_waits_for_a_batch_that_can_show_a_fault():
     model.centred = False
     bk.step(model(x).pow(2).sum(1))  # sample 2 dropped; every gradient of sample 0's own pass is NaN
     model.centred = True
-    with pytest.raises(ValueError, match=r"parameter 'inp\.(weight|bias)' .* depend on other samples"):
+    with pytest.raises(ValueError, match=FIRST_SAMPLE_SPREAD.format("inp")):
         bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
 
 

@@ -100,10 +100,11 @@ class BookKeeping:
             per-sample gradient (ghost norms are L2 only), one layer at a time.
         expected_batch_size, generator, sampling: as :class:`~privleak.dpsgd.DPOptimizer`.
         check_first_sample: check the first batch's first sample by the backward pass of its loss
-            alone (below), once; it costs the first step one backward pass, and a peak above the
-            step's own while the graph is kept for it (a CNN's activations: the CIFAR CNN at B 128
-            1.43x the non-private step's peak RSS at that step, against 1.19x; a transformer's
-            1.01-1.03x). On a GPU, a check that runs out of memory is skipped with a warning.
+            alone (below), once; it costs the first step one backward pass (run without oneDNN,
+            whose convolution workspaces took the CIFAR CNN's first-step peak RSS to 1.43x the
+            non-private step's, where it is now 1.20x, against 1.19x without the check; a
+            transformer's 1.01-1.03x). On a GPU, a check that runs out of memory is skipped with
+            a warning.
 
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
@@ -119,10 +120,12 @@ class BookKeeping:
     node); a DistributedDataParallel built with ``static_graph=True``; parameters sharded over
     processes (FSDP, DTensors); a TorchScript module (``torch.jit.script`` or ``trace``: no hooks
     run in its forward). What no shape or graph test sees is checked at the first batch: the first
-    sample's loss alone is run backward once, and each parameter's norm from the layer rules must
-    match its gradient's (5%; not for half-precision parameters), or the step raises naming the
-    parameter: a layer reading positions as samples (a sequence-first input at T = B), or a model
-    whose losses depend on other samples (:meth:`_check_first_sample`).
+    sample's loss alone is run backward once; it must have no gradient in the other samples' rows
+    of a Linear's, convolution's, Embedding's or normalisation's output, and each parameter's norm
+    from the layer rules must match its gradient's (5%; not for half-precision parameters), or
+    the step raises naming the module or parameter: a layer reading positions as samples (a
+    sequence-first input at T = B), or a model whose losses depend on other samples
+    (:meth:`_check_first_sample`).
     Non-reentrant checkpointing works, but the inputs the layers record stay alive until the
     step: it saves only the memory of the other activations.
 
@@ -473,21 +476,30 @@ class BookKeeping:
         with torch.no_grad():  # the layers' own parameters enter some products (the convolution's weight gradient)
             return self._clip(batch, scale, synced, own)
 
-    def _first_sample_norms(self, losses: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(norms, checked) per parameter slot: the first sample's gradient norm (squared for L2;
-        float64) from the backward pass of its loss alone, the graph kept for the step's, which
-        the layer rules' norms must give (:meth:`_check_first_sample`); ``checked`` False for a
-        half-precision parameter, whose gradient that pass adds up in half precision (an fp16
-        Embedding's 3000 tokens: 15% off, where book-keeping adds in float32). Each gradient is
-        reduced to its norm and let go as it is made, so at most one is alive (all at once, they
-        added the model's size to the first step's peak). The parameters' own hooks are off
-        meanwhile (a gradient logger's would get the sample's unclipped gradient, an optimizer
-        in the backward would step with it), the layers' take nothing, and ``.grad`` is left as
-        it was. None where it ran out of memory (warned)."""
-        norm_type = self.config.mechanism.clip_norm_type
+    def _first_sample_norms(self, losses: torch.Tensor) -> Optional[tuple]:
+        """(norms, checked, spread) from the backward pass of the first sample's loss alone, the
+        graph kept for the step's, which :meth:`_check_first_sample` holds the step to: per
+        parameter slot its gradient's norm (squared for L2; float64), which the layer rules'
+        norms must give, and whether that one is ``checked`` (not for a half-precision
+        parameter, whose gradient that pass adds up in half precision: an fp16 Embedding's 3000
+        tokens 15% off, where book-keeping adds in float32); ``spread``: (layer, [largest
+        |gradient| in the other samples' rows, in the sample's own]) for each output of a layer
+        whose rows are samples (:attr:`~privleak.dpsgd.layers.Layer.rows_are_samples`), where
+        the first must be 0, exactly, whatever the width.
+
+        Each gradient is reduced to its norm and let go as it is made, so at most one is alive
+        (all at once, they added the model's size to the first step's peak). oneDNN is off in it:
+        its convolution weight gradients' workspaces, on top of the kept graph, took the CIFAR
+        CNN's first-step peak RSS from 1.19x the non-private step's to 1.43x at B 128 (1.20x
+        without it); torch's own kernels cost the check 0.4 s more there, once. The parameters'
+        own hooks are off meanwhile (a gradient logger's would get the sample's unclipped
+        gradient, an optimizer in the backward would step with it), the layers' take nothing,
+        and ``.grad`` is left as it was. None where it ran out of memory (warned)."""
+        norm_type, batch = self.config.mechanism.clip_norm_type, losses.shape[0]
         device = self.params[0].device
         norms = torch.zeros(len(self.params), dtype=torch.float64, device=device)
         checked = [p.element_size() >= 4 for p in self.params]
+        spread: list = []
 
         def reduce(slot: int, p: torch.Tensor) -> None:
             grad, p.grad = p.grad, None
@@ -495,9 +507,17 @@ class BookKeeping:
                 grad = grad.coalesce().values() if grad.is_sparse else grad  # a sparse Embedding's
                 norms[slot] = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64).to(device)
 
+        def look(layer: Layer, output: int, grad_outputs: tuple) -> None:
+            grad = grad_outputs[output]
+            if grad is not None and grad.ndim and grad.shape[0] == batch:
+                spread.append((layer, torch.stack([torch.linalg.vector_norm(rows, math.inf).float()
+                                                   for rows in (grad[1:], grad[0])])))
+
         held = [(p.grad, dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {}))
                 for p in self.params]
-        handles = []
+        handles = [edge.node.register_prehook(functools.partial(look, layer, edge.output_nr))
+                   for layer in self.layers if layer.rows_are_samples for call in range(len(layer.calls))
+                   if (id(layer), call) not in self._shared for edge in layer.call_edges(call)]
         try:
             for slot, p in enumerate(self.params):
                 p.grad = None
@@ -505,7 +525,8 @@ class BookKeeping:
                     if hooks:
                         hooks.clear()
                 handles.append(p.register_post_accumulate_grad_hook(functools.partial(reduce, slot)))
-            torch.autograd.backward(losses[0], inputs=self.params, retain_graph=True)
+            with torch.backends.mkldnn.flags(enabled=False, deterministic=None, allow_tf32=None, fp32_precision=None):
+                torch.autograd.backward(losses[0], inputs=self.params, retain_graph=True)
         except torch.OutOfMemoryError:
             warnings.warn("BookKeeping: the check of the first sample by its own backward pass ran out of GPU memory "
                           "(the graph is kept for the step's backward pass meanwhile) and was skipped; pass "
@@ -520,25 +541,39 @@ class BookKeeping:
                     p._backward_hooks.update(tensor_hooks)
                 if accumulate_hooks:
                     p._post_accumulate_grad_hooks.update(accumulate_hooks)
-        return norms.square() if norm_type == 2 else norms, torch.tensor(checked, device=device)
+        return norms.square() if norm_type == 2 else norms, torch.tensor(checked, device=device), spread
 
-    def _check_first_sample(self, norm_sums: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor],
-                            order: tuple) -> None:
-        """Raise where a parameter's norm for the first sample (the clip kernel's column, in slot
-        ``order``) is not the one of that sample's own backward pass (``own``: norms and whether
-        each is checked, by slot): a layer that read a dim other than the batch as its samples (a
-        sequence-first (T, B, ...) input at T = B, which no test of shapes or graph can tell from
-        a batch-first one), or a model whose losses each depend on other samples through its
-        graph; either would clip the wrong gradients without a sign. The margins, 5% of the norm
-        and 0.5% of the sample's whole norm, are far above float32's and bfloat16's rounding, also
-        that of a ghost norm whose gradient cancels to about 0 (its error is relative to
-        sum_t |a_t| |g_t|, not to the norm: 1e-4 to 1e-3 of the sample's norm where the gradient
-        was 1e-7 of it), and below what those faults mostly give (6% to tens of percent), unless
-        the layer carries under a few percent of the sample's norm."""
-        norms, checked = own
+    def _check_first_sample(self, norm_sums: torch.Tensor, own: tuple, order: tuple) -> None:
+        """Raise where the first sample's loss alone (``own``, :meth:`_first_sample_norms`) shows
+        that book-keeping clips the wrong gradients, which it would do without a sign: a layer
+        that read a dim other than the batch as its samples (a sequence-first (T, B, ...) input at
+        T = B, which no test of shapes or graph can tell from a batch-first one), or a model whose
+        losses each depend on other samples through its graph.
+
+        Two tests. (1) Exact: that loss has no gradient in the other samples' rows of any output
+        whose rows are samples (above 2^-20 of its largest in its own row: independent samples
+        give exact zeros, since each row's gradient is computed from that row's alone). (2) Each
+        parameter's norm for the first sample (the clip kernel's column, in slot ``order``) is the
+        one of that sample's own gradient, within 5% of the norm and 0.5% of the sample's whole
+        norm: far above float32's and bfloat16's rounding, also that of a ghost norm whose
+        gradient cancels to about 0 (its error is relative to sum_t |a_t| |g_t|, not to the norm:
+        1e-4 to 1e-3 of the sample's norm where the gradient was 1e-7 of it); it covers the
+        layers (1) does not see, and the layer rules themselves, unless the fault carries under a
+        few percent of the sample's norm. A non-finite gradient (0 x NaN of another sample's)
+        leaves the check to a later batch."""
+        norms, checked, spread = own
+        largest = torch.stack([rows for _, rows in spread]).tolist() if spread else []
         mine, own, checked = norm_sums[0], norms[list(order)], checked[list(order)]
-        if not (torch.isfinite(mine).all() and torch.isfinite(own).all()):
-            return  # a non-finite gradient (0 x NaN of another sample's): checked at a later batch
+        if not (torch.isfinite(mine).all() and torch.isfinite(own).all() and math.isfinite(sum(map(sum, largest)))):
+            return
+        cause = ("Its layer reads a dim other than the batch as the samples (a sequence-first (T, B, ...) input with "
+                 "T = B? every layer input must have the batch in dim 0), or the model makes each loss depend on "
+                 "other samples (as BatchNorm in training mode does), which per-sample clipping cannot bound")
+        for (layer, _), (others, itself) in zip(spread, largest):
+            if others > 2.0**-20 * itself:
+                raise ValueError(f"per_sample_losses: the first sample's loss has a gradient in the other samples' "
+                                 f"rows of the output of {layer.describe()} (up to {others:.6g}; {itself:.6g} in its "
+                                 f"own), where book-keeping reads each row as one sample's. {cause}")
         total = torch.where(checked, own, mine).sum()
         if self.config.mechanism.clip_norm_type == 2:  # the columns are squared norms
             mine, own, total = mine.sqrt(), own.sqrt(), total.sqrt()
@@ -548,10 +583,7 @@ class BookKeeping:
             mine, own = float(mine[column]), float(own[column])
             raise ValueError(f"per_sample_losses: book-keeping gave the first sample's gradient of parameter "
                              f"'{self._owner(order[column])}' the norm {mine:.6g}, but the backward pass of that "
-                             f"sample's loss alone gives it {own:.6g}. Its layer reads a dim other than the batch as "
-                             "the samples (a sequence-first (T, B, ...) input with T = B? every layer input must "
-                             "have the batch in dim 0), or the model makes each loss depend on other samples (as "
-                             "BatchNorm in training mode does), which per-sample clipping cannot bound")
+                             f"sample's loss alone gives it {own:.6g}. {cause}")
         self._checked = True
 
     def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:

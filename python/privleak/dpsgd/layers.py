@@ -145,6 +145,9 @@ class Layer:
     #: the layer computes what a forward call of its module computes, through :meth:`enter_forward` and
     #: :meth:`exit_forward` around it (nn.MultiheadAttention's functional projections, :mod:`~privleak.dpsgd.attention`)
     intercepts_forward: ClassVar[bool] = False
+    #: each row of a call's output (dim 0) is one sample's, as the rule reads its input's: the first sample's check
+    #: (BookKeeping) finds that sample's loss with no gradient in the other rows
+    rows_are_samples: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -502,7 +505,7 @@ class LinearLayer(Layer):
     formed (:func:`bias_rows`). Falcon's ``FalconLinear`` (``x @ W.T + b``, an nn.Linear with its
     forward written out) has the same rule, registered by name."""
 
-    broadcast_calls = flattened_batch_calls = True
+    rows_are_samples = broadcast_calls = flattened_batch_calls = True
 
     def finish(self) -> None:
         """The calls become one, a (B, T, d) and g (B, T, p), their positions laid end to end,
@@ -590,6 +593,8 @@ class ConvLayer(Layer):
     it, clipped and summed then by the fused clip kernel; or never whole, the layer keeping its inputs
     and output gradients, and the clipped sum is the convolution's own weight gradient of the
     scaled output gradients (as on the ghost side)."""
+
+    rows_are_samples = True
 
     def clear(self) -> None:
         super().clear()
@@ -789,7 +794,7 @@ class EmbeddingLayer(Layer):
     Embedding's weight gradient of the scaled output gradients. Positions at ``padding_idx`` get
     no gradient."""
 
-    broadcast_calls = True
+    rows_are_samples = broadcast_calls = True
 
     def __init__(self, name: str, module: nn.Module):
         super().__init__(name, module)
@@ -884,6 +889,8 @@ class _AffineNorm(Layer):
     """A normalisation y = x_hat w + b: per-sample gradients are the sums over positions of x_hat g
     (weight) and g (bias), x_hat recomputed from the recorded input without the affine part; they
     are one value per channel, formed during the backward pass."""
+
+    rows_are_samples = True
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
