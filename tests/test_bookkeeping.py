@@ -1701,6 +1701,36 @@ def test_the_first_sample_s_check_waits_for_a_batch_that_can_show_a_fault():
         bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
 
 
+def test_the_first_sample_s_check_takes_an_empty_sequence_and_a_saturated_loss():
+    """An empty context (ids of shape (B, 0)) gives its Embedding an empty output gradient, which
+    the check passes over (it crashed on the largest of no values). A first sample whose loss is
+    saturated (a margin of 80: its gradient is about 1e-35, whose square float32 rounds to 0, where
+    the check's float64 does not) differs from its own backward pass by far under 2^-20 of the
+    clip norm, which cannot move its clip factor: no alarm."""
+    class Context(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.context, self.head = nn.Embedding(10, 4), nn.Linear(3, 1)
+
+        def forward(self, ids, x):
+            return self.head(x).squeeze(1) + self.context(ids).sum((1, 2))
+
+    torch.manual_seed(0)
+    model = Context()
+    bk = make(model)
+    bk.step(model(torch.zeros(4, 0, dtype=torch.long), torch.randn(4, 3)).pow(2))
+    assert bk._checked
+    model = nn.Linear(2, 3)
+    with torch.no_grad():
+        model.bias.copy_(torch.tensor([80.0, 0.0, 0.0]))
+    bk = make(model)
+    losses = F.cross_entropy(model(torch.randn(4, 2)), torch.tensor([0, 1, 2, 0]), reduction="none")
+    own = torch.autograd.grad(losses[0], model.bias, retain_graph=True)[0].double()
+    assert 0 < own.norm() < 1e-30
+    bk.step(losses)
+    assert bk._checked
+
+
 def test_the_first_sample_s_check_fires_no_parameter_hook_and_takes_sparse_gradients():
     """A gradient logger's hook (as wandb.watch's) would get the sample's unclipped gradient, and
     an optimizer run in the backward would step with it: the parameters' hooks are off during the
@@ -2140,6 +2170,30 @@ def test_groupnorm_from_the_forward_statistics_or_normalising_again_matches(save
         for per_layer in (False, True):
             compare("groupnorm", mechanism, per_layer)
     assert seen and all(s == saved for s in seen)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
+def test_groupnorm_on_nearly_constant_groups_has_the_gradient_of_its_own_backward(autocast):
+    """Groups whose mean is large against their spread (a convolution's output offset by 100), and
+    a blank first sample, whose groups (one channel each) are constant (its weight gradient is 0). GroupNorm's weight
+    rows as torch's backward forms them, (sum_t x_t g_t - mu sum_t g_t) / sigma, cancel there, and
+    1 / sigma magnifies what is left: under bfloat16 autocast 0.08 for the blank sample's 0, and
+    the first sample's check (torch's own backward of that sample) refused the model in 10 seeds of
+    10. The rows are sum_t (x_t - mu) g_t / sigma: the blank sample's 0 (mu is exactly its constant:
+    torch's Welford means are exact there), and the check holds."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        conv, norm, head = nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(4, 4), nn.Linear(4, 3)
+        model = nn.ModuleList([conv, norm, head])
+        bk = make(model, dpsgd.DPSGDConfig(1.0, noise_multiplier=1.0))
+        x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+        x[0] = 0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = head(norm(conv(x) + 100.0).mean((2, 3)))
+        layer = next(layer for layer in bk.layers if layer.module is norm)
+        weight_rows = layer.weight_rows(0, layer.calls[0], torch.randn(4, 4, 8, 8))
+        assert weight_rows[0].abs().max() <= 2.0**-20 * weight_rows[1:].abs().max()  # 7e-4 to 6e-3 before
+        bk.step(F.cross_entropy(out.float(), y, reduction="none"))
 
 
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost-norm", "per-sample-gradient"])

@@ -509,7 +509,7 @@ class BookKeeping:
 
         def look(layer: Layer, output: int, grad_outputs: tuple) -> None:
             grad = grad_outputs[output]
-            if grad is not None and grad.ndim and grad.shape[0] == batch:
+            if grad is not None and grad.ndim and grad.shape[0] == batch and grad[0].numel():  # not an empty one
                 spread.append((layer, torch.stack([torch.linalg.vector_norm(rows, math.inf).float()
                                                    for rows in (grad[1:], grad[0])])))
 
@@ -543,7 +543,7 @@ class BookKeeping:
                     p._post_accumulate_grad_hooks.update(accumulate_hooks)
         return norms.square() if norm_type == 2 else norms, torch.tensor(checked, device=device), spread
 
-    def _check_first_sample(self, norm_sums: torch.Tensor, own: tuple, order: tuple) -> None:
+    def _check_first_sample(self, norm_sums: torch.Tensor, own: tuple, order: tuple, clip_norms: torch.Tensor) -> None:
         """Raise where the first sample's loss alone (``own``, :meth:`_first_sample_norms`) shows
         that book-keeping clips the wrong gradients, which it would do without a sign: a layer
         that read a dim other than the batch as its samples (a sequence-first (T, B, ...) input at
@@ -559,8 +559,11 @@ class BookKeeping:
         gradient cancels to about 0 (its error is relative to sum_t |a_t| |g_t|, not to the norm:
         1e-4 to 1e-3 of the sample's norm where the gradient was 1e-7 of it); it covers the
         layers (1) does not see, and the layer rules themselves, unless the fault carries under a
-        few percent of the sample's norm. A non-finite gradient (0 x NaN of another sample's)
-        leaves the check to a later batch."""
+        few percent of the sample's norm. A difference under 2^-20 of the clip norm (``clip_norms``,
+        the kernel's) does not count: it cannot move a clip factor by more than that, and a
+        saturated loss's gradient (1e-30) squares to below float32's range, where book-keeping's
+        norm is 0. A non-finite gradient (0 x NaN of another sample's) leaves the check to a
+        later batch."""
         norms, checked, spread = own
         largest = torch.stack([rows for _, rows in spread]).tolist() if spread else []
         mine, own, checked = norm_sums[0], norms[list(order)], checked[list(order)]
@@ -577,7 +580,7 @@ class BookKeeping:
         total = torch.where(checked, own, mine).sum()
         if self.config.mechanism.clip_norm_type == 2:  # the columns are squared norms
             mine, own, total = mine.sqrt(), own.sqrt(), total.sqrt()
-        wrong = checked & ((mine - own).abs() > 0.05 * torch.maximum(mine, own) + 0.005 * total)
+        wrong = checked & ((mine - own).abs() > 0.05 * torch.maximum(mine, own) + 0.005 * total + 2.0**-20 * clip_norms)
         if wrong.any():
             column = int(wrong.nonzero()[0])
             mine, own = float(mine[column]), float(own[column])
@@ -651,7 +654,7 @@ class BookKeeping:
             norm_sums = given
             factors = torch.ops.privleak.clip_factors(norm_sums, clip_norms, config.per_layer, norm_type)
         if own is not None:
-            self._check_first_sample(norm_sums, own, order)
+            self._check_first_sample(norm_sums, own, order, clip_norms)
         # Dropping a non-finite sample needs to know it before the sums: on a GPU a host sync,
         # or, where none may wait (a graph), a mask over every sample.
         keep = None
