@@ -2172,6 +2172,38 @@ def test_groupnorm_from_the_forward_statistics_or_normalising_again_matches(save
     assert seen and all(s == saved for s in seen)
 
 
+class RepeatedInput(nn.Module):
+    """A Linear on two positions of one input (a repeated token), their outputs weighed by scale
+    and -(scale + 1) in the loss: the weight's gradient is that of the difference, (-1) x a^T, which
+    the ghost norm's sum over the position pairs loses to cancellation as the scale grows."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, scale):
+        h = self.linear(x.expand(-1, 2, -1))
+        return (scale * h[:, 0]).sum(1) - ((scale + 1.0) * h[:, 1]).sum(1)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_ghost_norm_that_cancels_is_clipped_to_its_clip_norm(check):
+    """Four alike samples, no noise: the update is the sample's clipped gradient, of norm C = 1. The
+    ghost norm's rounding error, relative to (sum_t |a_t| |g_t|)^2, came to the norm's size at a
+    scale of 1e3 (the sample clipped at 0.58) and passed it at 1e4 (0, and 169 times C released).
+    Vouched for (:func:`privleak.dpsgd.ghost_norm.vouched`), the update's norm is C, under it by the
+    bound's 2^-4 at most, over it by the float32 rounding of the clipped sum's own GEMM, which
+    cancels too (T u sum_t |a_t| |g_t| / |G|: 2e-3 at 1e4; 8e-4 seen), and the first sample's check
+    holds."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 4).expand(4, 1, 4) * 100
+    for scale in (1e2, 1e3, 1e4):
+        model = RepeatedInput()
+        bk = make(model, dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0), check_first_sample=check)
+        released = torch.cat([u.flatten() for u in bk.step(model(x, scale))]).norm()
+        assert 1 - 2.0**-5 <= released <= 1 + 2.0**-7, (scale, released)
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
 def test_groupnorm_on_nearly_constant_groups_has_the_gradient_of_its_own_backward(autocast):
     """Groups whose mean is large against their spread (a convolution's output offset by 100), and

@@ -10,7 +10,10 @@ from conftest import requires_cuda
 from privleak import _backend
 from privleak.dpsgd.conv_grads import conv_weight_grads_reference
 from privleak.dpsgd.ghost_norm import (
+    LOST,
     MAX_PIXELS,
+    VOUCHED,
+    GhostNormInputs,
     conv_ghost_norm_squared,
     conv_ghost_norm_squared_reference,
     conv_patches_reference,
@@ -18,7 +21,9 @@ from privleak.dpsgd.ghost_norm import (
     embedding_ghost_norm_squared_reference,
     ghost_norm_squared,
     ghost_norm_squared_reference,
+    ghost_norms,
 )
+from privleak.dpsgd.ghost_norm import conv_ghost_norms as conv_ghost_norms_by_group
 
 HALF = (torch.bfloat16, torch.float16)
 CHUNK = 128  # coordinates per float32 chain (csrc/common/ghost_norm.h)
@@ -113,6 +118,64 @@ def test_the_bound_holds_where_the_exact_norm_is_zero():
     a = draw(1, 1, 300, seed=8).expand(4, 64, 300)
     g = draw(4, 1, 200, seed=9) * torch.tensor([1.0, -1.0]).repeat(32).reshape(1, 64, 1)
     assert_within_bound(a, g)
+
+
+def cancelling(scale, dtype=torch.float32):
+    """Three samples of two positions with one input a each (|a| about 200: a repeated token) whose
+    output gradients scale v and -(scale + 1) v nearly cancel: G = -v a^T, while the kernel's error
+    is relative to (sum_t |a_t| |g_t|)^2, about (2 scale)^2 |v|^2 |a|^2."""
+    gen = torch.Generator().manual_seed(int(math.log10(scale)))
+    a = (torch.randn(3, 1, 24, generator=gen, dtype=torch.float64) * 40).expand(3, 2, 24)
+    v = torch.randn(3, 1, 16, generator=gen, dtype=torch.float64)
+    g = torch.cat([scale * v, -(scale + 1) * v], 1)
+    return a.to(dtype).contiguous(), g.to(dtype)
+
+
+@pytest.mark.parametrize("may_sync", [True, False], ids=["computed-again", "raised-only"])
+def test_norms_for_clipping_are_never_under_the_exact_ones_where_the_gradient_cancels(may_sync):
+    """The kernel's norm of a cancelling gradient came out far under the exact one (the sample then
+    clipped less than its clip norm needs); for clipping, each norm is raised by the rounding
+    bound where that passes 2^-7 of it, and computed again from float64 inputs past 2^-4 (where
+    the rows may be read on the host): never under the exact norm by more than 2^-7, and over it
+    by at most 2^-4 where computed again. Against the per-sample gradient formed in float64."""
+    under = []
+    for scale in (1e1, 1e2, 1e3, 1e4, 1e5):
+        a, g = cancelling(scale)
+        exact = per_sample_gradient_norm(a, g)
+        kernel = ghost_norms([GhostNormInputs(a, g)])[0]
+        clipping = ghost_norms([GhostNormInputs(a, g)], clipping=True, may_sync=may_sync)[0]
+        under.append(float((kernel / exact).min()))
+        assert torch.all(clipping >= exact * (1 - VOUCHED))
+        if may_sync:
+            assert torch.all(clipping <= exact * (1 + LOST))
+    assert min(under) < 0.5  # the kernel's own norm lost to cancellation
+
+
+def test_norms_for_clipping_are_the_kernel_s_where_nothing_cancels():
+    for shape in SHAPES:
+        a, g = draw(*shape[:3], seed=5), draw(shape[0], shape[1], shape[3], seed=6)
+        assert torch.equal(ghost_norms([GhostNormInputs(a, g)], clipping=True)[0],
+                           ghost_norms([GhostNormInputs(a, g)])[0])
+
+
+def test_conv_norms_for_clipping_are_never_under_the_exact_ones_where_the_gradient_cancels():
+    """A blank image of large pixels under a kernel inside it (every patch the same) and output
+    gradients alternating in sign over its positions, plus a small part: the weight gradient is
+    the small part's, while the kernel's error is relative to the alternating part's. Two groups."""
+    args = dict(kernel_size=3, stride=1, padding=0, dilation=1, groups=2)
+    under = []
+    for scale in (1e1, 1e2, 1e3, 1e4):
+        gen = torch.Generator().manual_seed(int(math.log10(scale)))
+        x = (torch.randn(1, 8, 1, 1, generator=gen) * 50).expand(3, 8, 6, 6).contiguous()
+        signs = torch.tensor([1.0, -1.0]).repeat(8).reshape(1, 1, 4, 4)
+        g = scale * torch.randn(3, 4, 1, 1, generator=gen) * signs + torch.randn(3, 4, 4, 4, generator=gen)
+        exact = conv_weight_grads_reference(x.double(), g.double(), **args).square().flatten(1).sum(1)
+        kernel = conv_ghost_norm_squared(x, g, **args)
+        clipping = conv_ghost_norms_by_group(x, g, [3, 3], [1, 1], [0, 0], [1, 1], 2, clipping=True)
+        under.append(float((kernel / exact).min()))
+        assert torch.all(clipping >= exact * (1 - VOUCHED))
+        assert torch.all(clipping <= exact * (1 + LOST))
+    assert min(under) < 1 - VOUCHED  # the kernel's own: 4% under
 
 
 def test_b_zero_t_zero_and_d_zero():

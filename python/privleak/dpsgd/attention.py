@@ -312,7 +312,8 @@ class MultiheadAttentionLayer(Layer):
 
     def norms(self, batch: int, norm_type: int) -> dict:
         """Each weight's norms, its blocks' added; zeros for a parameter the step did not use."""
-        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=len(blocks) == 1) for _, a, g in blocks]
+        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=len(blocks) == 1, may_sync=self.may_sync)
+                       for _, a, g in blocks]
                  for key, (_, blocks) in self.sites.items()}  # one block: BookKeeping's one kernel call for all
         norms = {key: total(ns) for key, ns in found.items()}
         return {**{id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters

@@ -633,7 +633,7 @@ class BookKeeping:
         arithmetic, and on a GPU each is a launch. ``own``: the first sample's norms from its own
         backward pass, to check the layers' against (:meth:`_check_first_sample`)."""
         config, norm_type = self.config, self.config.mechanism.clip_norm_type
-        rows, norms = self._rows_and_norms(batch, norm_type)
+        rows, norms = self._rows_and_norms(batch, norm_type, synced)
         for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
             found = [f for f in (layer.factors(self.params[self._slots[key]]) for layer in sharing) if f is not None]
             if len(found) > 1:
@@ -678,7 +678,7 @@ class BookKeeping:
             layer.clear()
         return sums, norm_sums
 
-    def _rows_and_norms(self, batch: int, norm_type: int) -> tuple[dict, dict]:
+    def _rows_and_norms(self, batch: int, norm_type: int, synced: bool) -> tuple[dict, dict]:
         """By slot, the per-sample gradients the layers formed and the other parameters' norms
         (a tied parameter's: its layers' added), the ghost norms computed in one kernel call. The
         inputs of those (each layer's a and g) are let go on return: held on through the sums,
@@ -689,7 +689,7 @@ class BookKeeping:
             rows.update((self._slots[key], r) for key, r in layer.rows(batch).items())
             for key, n in layer.norms(batch, norm_type).items():
                 terms.setdefault(self._slots[key], []).append(n)
-        return rows, _summed_norms(terms)
+        return rows, _summed_norms(terms, synced)
 
     def _clip_norms(self, order: tuple) -> torch.Tensor:
         """The clip kernel's clip norms, float64: per column in ``order`` (parameter slots) for
@@ -792,12 +792,12 @@ def lowest(edges: list, parents: dict) -> list:
     return [edge for edge in edges if edge.node not in above]
 
 
-def _summed_norms(terms: dict) -> dict:
+def _summed_norms(terms: dict, synced: bool) -> dict:
     """Per slot the sum of its layers' norms, the ghost norms given as their inputs computed first,
-    all in one kernel call."""
+    all in one kernel call (``synced``: a host read may wait for them)."""
     pending = [n for ns in terms.values() for n in ns if isinstance(n, GhostNormInputs)]
     if pending:
-        computed = iter(ghost_norms(pending))
+        computed = iter(ghost_norms(pending, clipping=True, may_sync=synced))
         terms = {slot: [next(computed) if isinstance(n, GhostNormInputs) else n for n in ns]
                  for slot, ns in terms.items()}
     return {slot: total(ns) for slot, ns in terms.items()}

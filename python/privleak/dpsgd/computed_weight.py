@@ -499,7 +499,8 @@ class ComputedWeightConvLayer(FunctionalLayer):
         x, g = _common(c.input[samples], output_grads[samples])
         kernel, groups = list(c.weight.shape[2:]), c.groups
         scale = jacobian.scale.to(g.dtype).view(1, -1, *[1] * (g.ndim - 2))
-        ghost = ghost_norm.conv_ghost_norms(x, g * scale, kernel, c.stride, c.padding, c.dilation, groups)
+        ghost = ghost_norm.conv_ghost_norms(x, g * scale, kernel, c.stride, c.padding, c.dilation, groups,
+                                            clipping=True, may_sync=self.may_sync)
         convolve = torch.conv1d if len(kernel) == 1 else torch.conv2d
         # conv(x, ones) as a box filter of the group's channels summed: 4-6x faster than convolving
         # x with ones (WRN-16-4's 16 x 16 and 8 x 8 layers)

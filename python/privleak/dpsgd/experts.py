@@ -223,7 +223,7 @@ class ExpertsLayer(Layer):
         norms = {}
         for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
             if self.trains(weight):
-                norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type), batch)
+                norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type, self.may_sync), batch)
             if self.trains(bias):
                 norms[id(bias)] = groups.per_sample(row_norms(groups.sums(g), norm_type), batch)
         return norms
@@ -274,7 +274,7 @@ class _Groups:
         out[self.group, self.place] = rows
         return out
 
-    def weight_norms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int) -> torch.Tensor:
+    def weight_norms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int, may_sync: bool) -> torch.Tensor:
         """Each group's norm of sum_r g_r a_r^T (:func:`~privleak.dpsgd.layers.weight_norms`: the
         ghost norm or the gradient, a few groups at a time where the gradients are formed)."""
         if not len(self.samples):
@@ -283,7 +283,8 @@ class _Groups:
         d, p = a.shape[-1], g.shape[-1]
         formed = self.length > 1 and not (norm_type == 2 and use_ghost_norm(self.length, d, p))
         step = samples_per_chunk(self.length * (d + p), d * p, at_least=1) if formed else len(a)
-        return torch.cat([weight_norms(a[i:i + step], g[i:i + step], norm_type) for i in range(0, len(a), step)])
+        return torch.cat([weight_norms(a[i:i + step], g[i:i + step], norm_type, may_sync=may_sync)
+                          for i in range(0, len(a), step)])
 
     def sums(self, rows: torch.Tensor) -> torch.Tensor:
         """(groups, p): each group's rows summed, float32 at least."""

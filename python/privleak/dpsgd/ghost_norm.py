@@ -33,7 +33,9 @@ term is the float64 sums over the T^2 products (a tile of 64 columns, the tiles,
 turn), which counts only for float64 inputs (at T = 16000 their error was 26 x 2^-53 of the
 result, against the first term's 2 x 2^-53 at d = p = 1). A result whose exact
 value is 0 can come out slightly negative by rounding: it is clamped to 0. The Embedding kernel
-sums each id's gradients in float64 (its error is that of float64).
+sums each id's gradients in float64 (its error is that of float64). Where the gradient cancels,
+that bound is far above the norm: book-keeping clips with norms :func:`vouched` for by it
+(``ghost_norms(..., clipping=True)``), never under the exact norm by more than 2^-7.
 
 Non-finite values: a sample with a NaN input gives NaN; one with an infinite input, or whose
 float32 Gram entries overflow (a row with squared norm past 3.4e38, i.e. elements near 1.8e19),
@@ -43,8 +45,9 @@ sample.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,11 +72,77 @@ class GhostNormInputs(NamedTuple):
     output_grads: torch.Tensor
 
 
-def ghost_norms(layers: list[GhostNormInputs]) -> list[torch.Tensor]:
+def ghost_norms(layers: list[GhostNormInputs], *, clipping: bool = False, may_sync: bool = True) -> list[torch.Tensor]:
     """Each layer's (B,) float64 ghost norm sum_{t,s} (a_t . a_s)(g_t . g_s), by one call of the
-    kernel (inputs as :class:`GhostNormInputs` says, unchecked: :func:`ghost_norm_squared` checks)."""
-    return list(torch.ops.privleak.ghost_norm([x.activations for x in layers],
-                                              [x.output_grads for x in layers]).unbind(0))
+    kernel (inputs as :class:`GhostNormInputs` says, unchecked: :func:`ghost_norm_squared` checks);
+    ``clipping``: each one :func:`vouched` for by the module docstring's rounding bound (without
+    ``may_sync``, where no host read may wait for the device: a CUDA graph's capture, only raised)."""
+    norms = torch.ops.privleak.ghost_norm([x.activations for x in layers], [x.output_grads for x in layers]).unbind(0)
+    if not clipping:
+        return list(norms)
+    return [vouched(n, _dense_bound(x), None if x.activations.dtype == torch.float64 or not may_sync
+                    else functools.partial(_dense_again, x)) for n, x in zip(norms, layers)]
+
+
+def _dense_bound(layer: GhostNormInputs) -> torch.Tensor:
+    a, g = layer
+    return rounding_bound(a, g, *(_norms(t, 2) for t in layer), positions=a.shape[1])
+
+
+def _norms(rows: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Norms along ``dim`` in float32 at least (float16's would overflow past 65504), without a
+    converted copy."""
+    return torch.linalg.vector_norm(rows, dim=dim, keepdim=keepdim, dtype=torch.promote_types(rows.dtype,
+                                                                                                torch.float32))
+
+
+def _dense_again(layer: GhostNormInputs, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    again = GhostNormInputs(*(t[rows].double() for t in layer))
+    return ghost_norms([again])[0], _dense_bound(again)
+
+
+#: The share of a squared norm that the rounding bound of its ghost norm may reach before
+#: :func:`vouched` adds it (a norm clipped below its exact value by at most half of that, 0.4%),
+#: and the share past which it computes the norm again in float64.
+VOUCHED, LOST = 2.0**-7, 2.0**-4
+
+
+def rounding_bound(activations: torch.Tensor, output_grads: torch.Tensor, activation_norms: torch.Tensor,
+                   grad_norms: torch.Tensor, *, positions: int) -> torch.Tensor:
+    """(N,) float64: the module docstring's bound on the kernel's error,
+    ((min(d, 128) + min(p, 128)) u + (T + T / 64 + 67) 2^-53) (sum_t |a_t| |g_t|)^2, from the
+    rows' norms |a_t| and |g_t|, (N, T) (for a convolution, its patches' and output positions'),
+    d and p the last dim of ``activations`` and ``output_grads`` (the kernel's Gram entries: a
+    convolution's pixel channels) and T = ``positions``, the terms of its sums. Raised by 3%: room
+    for the rounding of the norms (float32 at least) and of the bound's second-order terms."""
+    u = 2.0**-53 if activations.dtype == torch.float64 else 2.0**-24
+    coefficient = ((min(activations.shape[-1], 128) + min(output_grads.shape[-1], 128)) * u
+                   + (positions + positions / 64 + 67) * 2.0**-53) * 1.03
+    return coefficient * torch.linalg.vecdot(activation_norms.double(), grad_norms.double()).square()
+
+
+def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable]) -> torch.Tensor:
+    """Ghost norms (squared) that clipping can take, whatever cancels in them. The kernel's error
+    is relative to (sum_t |a_t| |g_t|)^2, not to the norm: where the gradient cancels (positions of
+    equal inputs whose output gradients nearly cancel; attention keys, whose gradients sum to 0 over
+    the positions, on inputs with a large part common to them), a norm came out far under its value
+    and the sample's clipped gradient had 169 times the clip norm. So each norm is taken as the
+    kernel gave it where its rounding ``bound`` is at most :data:`VOUCHED` of it; raised by the
+    bound, which no rounding leaves under the exact value, up to :data:`LOST` of it (clipped at
+    most 3% more than it needs); past that, ``again(rows)`` computes those samples' norms and
+    bounds once more from float64 inputs (the kernel's float64 arithmetic: 2^-53 for 2^-24), and
+    their bound is added (``again`` None: the inputs were float64, or no host read of the rows may
+    wait for the device, as in a CUDA graph's capture: only raised by the bound). Where nothing
+    cancels, the bound is about 256 T u of the norm (d, p >= 128): it is added from T of about 500
+    on (2% T / 1300 of the norm), and the norm computed again past T 4000."""
+    raised = torch.where(bound > VOUCHED * norms, norms + bound, norms)
+    if again is None:
+        return raised
+    rows = (bound > LOST * norms).nonzero()[:, 0]
+    if not len(rows):
+        return raised
+    exact, exact_bound = again(rows)
+    return raised.index_put((rows,), exact + exact_bound)
 
 
 @_ops.operator("ghost_norm")
@@ -232,12 +301,32 @@ def conv_ghost_norm_squared(inputs: torch.Tensor, output_grads: torch.Tensor, ke
 
 
 def conv_ghost_norms(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: list[int], strides: list[int],
-                     pads: list[int], dilations: list[int], groups: int) -> torch.Tensor:
+                     pads: list[int], dilations: list[int], groups: int, *, clipping: bool = False,
+                     may_sync: bool = True) -> torch.Tensor:
     """:func:`conv_ghost_norm_squared` of arguments it has checked, the sizes as one int per
-    spatial dim (book-keeping's convolution layers call it with their modules' own)."""
-    norms = torch.ops.privleak.conv_ghost_norm(*conv_grads.folded(inputs, output_grads, kernel, strides, pads,
-                                                                   dilations, groups))
+    spatial dim (book-keeping's convolution layers call it with their modules' own); ``clipping``
+    and ``may_sync`` as :func:`ghost_norms`'s, each group's norm vouched for."""
+    x, g, *geometry = conv_grads.folded(inputs, output_grads, kernel, strides, pads, dilations, groups)
+    norms = torch.ops.privleak.conv_ghost_norm(x, g, *geometry)
+    if clipping:
+        again = None if x.dtype == torch.float64 or not may_sync else functools.partial(_conv_again, x, g, geometry)
+        norms = vouched(norms, _conv_bound(x, g, geometry), again)
     return group_totals(norms, groups)
+
+
+def _conv_bound(x: torch.Tensor, g: torch.Tensor, geometry: list) -> torch.Tensor:
+    """:func:`rounding_bound` of a folded convolution (N, C, H, W) -> (N, O, H', W'), its rows the
+    patches, whose squared norms are a box filter of the pixels'."""
+    kernel, strides, pads, dilations = geometry
+    pixels = _norms(x, 1, keepdim=True).square()
+    patches = torch.conv2d(pixels, pixels.new_ones(1, 1, *kernel), None, strides, pads, dilations).clamp_min(0).sqrt()
+    return rounding_bound(x, g, patches.flatten(1), _norms(g, 1).flatten(1),
+                          positions=patches[0].numel() * math.prod(kernel))
+
+
+def _conv_again(x: torch.Tensor, g: torch.Tensor, geometry: list, rows: torch.Tensor) -> tuple:
+    x, g = x[rows].double(), g[rows].double()
+    return torch.ops.privleak.conv_ghost_norm(x, g, *geometry), _conv_bound(x, g, geometry)
 
 
 def group_totals(norms: torch.Tensor, groups: int) -> torch.Tensor:

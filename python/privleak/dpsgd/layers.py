@@ -452,21 +452,22 @@ def _named_rule(name: str) -> Optional[type]:
     return rule
 
 
-def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: bool = False):
+def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: bool = False, may_sync: bool = True):
     """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
     ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
     the gradient). At T = 1 the gradient g a^T has rank one and both norms factor:
     |g a^T|_F^2 = |g|_2^2 |a|_2^2 and |g a^T|_1 = |g|_1 |a|_1 (the ghost-norm kernel, whose panels
     are 8 or 16 positions, was 10-30x slower there: B 64, d 512, p 32). With ``deferred``, a ghost
     norm is returned as its inputs (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for the
-    caller to compute with other layers' in one kernel call."""
+    caller to compute with other layers' in one kernel call; ``may_sync``: as
+    :func:`~privleak.dpsgd.ghost_norm.ghost_norms`'s."""
     if a.shape[1] == 1:
         return row_norms(a, norm_type) * row_norms(g, norm_type)
     if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
         # A layer's own a and g (one dtype, as bmm below needs too) go to the kernel's op
         # unchecked: ghost_norm_squared's checks cost twice the kernel on a small layer.
         inputs = ghost_norm.GhostNormInputs(a, g)
-        return inputs if deferred else ghost_norm.ghost_norms([inputs])[0]
+        return inputs if deferred else ghost_norm.ghost_norms([inputs], clipping=True, may_sync=may_sync)[0]
     return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
 
 
@@ -732,7 +733,7 @@ class ConvLayer(Layer):
         m = self.module
         x, padding = _conv_padding(m, self.calls[0][samples])
         return ghost_norm.conv_ghost_norms(x, self.grads[0][samples], list(m.kernel_size), list(m.stride), padding,
-                                           list(m.dilation), m.groups)
+                                           list(m.dilation), m.groups, clipping=True, may_sync=self.may_sync)
 
     def _ghost_norms(self, samples: slice) -> torch.Tensor:
         """Ghost norms of the weight for a slice of the batch, from the patches."""
@@ -740,8 +741,9 @@ class ConvLayer(Layer):
         outputs = self._outputs_per_group()
         a = [self._patches(x[samples]) for x in self.calls]
         g = [y[samples].reshape(-1, outputs, math.prod(y.shape[2:])).transpose(1, 2) for y in self.grads]
-        a, g = (a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
-        return ghost_norm.group_totals(ghost_norm.ghost_norm_squared(a, g), m.groups)
+        a, g = _common(*((a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))))
+        norms = ghost_norm.ghost_norms([ghost_norm.GhostNormInputs(a, g)], clipping=True, may_sync=self.may_sync)
+        return ghost_norm.group_totals(norms[0], m.groups)
 
     def _gradient_norms(self, samples: slice, norm_type: int) -> torch.Tensor:
         """Norms of the weight's per-sample gradients for a slice of the batch."""
