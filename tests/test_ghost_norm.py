@@ -178,6 +178,27 @@ def test_conv_norms_for_clipping_are_never_under_the_exact_ones_where_the_gradie
     assert min(under) < 1 - VOUCHED  # the kernel's own: 4% under
 
 
+def test_conv_norms_for_clipping_bound_the_chains_over_the_channels():
+    """The pixel Gram's float32 chains run over the channels, not the image's width: pixels
+    alternating between (1, 2^-12, ...) (whose squared norm's chain drops every 2^-24 term, 127
+    times) and (1, 0, ...) under output gradients alternating +-1 plus a small common part. A bound
+    read with the width (1) for the chains' length came out 65 times too small, and a sample was
+    released at 1.32 times its clip norm (a reviewer's construction); with the channels', never
+    under the exact norm by more than 2^-7."""
+    sign = torch.tensor([1.0, -1.0] * 4)
+    wide, narrow = torch.full((128,), 2.0**-12), torch.zeros(128)
+    wide[0] = narrow[0] = 1.0
+    x = torch.stack([wide if s > 0 else narrow for s in sign], 1).reshape(1, 128, 8, 1)
+    under = []
+    for part in (0.001, 0.002, 0.003, 0.004, 0.006):
+        g = torch.stack([sign, torch.full_like(sign, part)]).reshape(1, 2, 8, 1)
+        exact = conv_weight_grads_reference(x.double(), g.double(), kernel_size=1).square().sum()
+        under.append(float(conv_ghost_norm_squared(x, g, 1) / exact))
+        clipping = conv_ghost_norms_by_group(x, g, [1, 1], [1, 1], [0, 0], [1, 1], 1, clipping=True)
+        assert clipping >= exact * (1 - VOUCHED)
+    assert min(under) < 1 - VOUCHED  # the kernel's own
+
+
 def test_b_zero_t_zero_and_d_zero():
     assert ghost_norm_squared(torch.empty(0, 5, 3), torch.empty(0, 5, 2)).shape == (0,)
     zeros = torch.zeros(2, dtype=torch.float64)

@@ -86,7 +86,7 @@ def ghost_norms(layers: list[GhostNormInputs], *, clipping: bool = False, may_sy
 
 def _dense_bound(layer: GhostNormInputs) -> torch.Tensor:
     a, g = layer
-    return rounding_bound(a, g, *(_norms(t, 2) for t in layer), positions=a.shape[1])
+    return rounding_bound(_norms(a, 2), _norms(g, 2), d=a.shape[2], p=g.shape[2], positions=a.shape[1], dtype=a.dtype)
 
 
 def _norms(rows: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
@@ -107,17 +107,17 @@ def _dense_again(layer: GhostNormInputs, rows: torch.Tensor) -> tuple[torch.Tens
 VOUCHED, LOST = 2.0**-7, 2.0**-4
 
 
-def rounding_bound(activations: torch.Tensor, output_grads: torch.Tensor, activation_norms: torch.Tensor,
-                   grad_norms: torch.Tensor, *, positions: int) -> torch.Tensor:
+def rounding_bound(activation_norms: torch.Tensor, grad_norms: torch.Tensor, *, d: int, p: int, positions: int,
+                   dtype: torch.dtype) -> torch.Tensor:
     """(N,) float64: the module docstring's bound on the kernel's error,
     ((min(d, 128) + min(p, 128)) u + (T + T / 64 + 67) 2^-53) (sum_t |a_t| |g_t|)^2, from the
-    rows' norms |a_t| and |g_t|, (N, T) (for a convolution, its patches' and output positions'),
-    d and p the last dim of ``activations`` and ``output_grads`` (the kernel's Gram entries: a
-    convolution's pixel channels) and T = ``positions``, the terms of its sums. Raised by 3%: room
-    for the rounding of the norms (float32 at least) and of the bound's second-order terms."""
-    u = 2.0**-53 if activations.dtype == torch.float64 else 2.0**-24
-    coefficient = ((min(activations.shape[-1], 128) + min(output_grads.shape[-1], 128)) * u
-                   + (positions + positions / 64 + 67) * 2.0**-53) * 1.03
+    rows' norms |a_t| and |g_t|, (N, T) (for a convolution, its patches' and output positions');
+    d and p the lengths of the kernel's Gram entries' float32 chains (a convolution's: its pixels'
+    channels and its output channels, a group's), T = ``positions`` the terms of its sums, u from
+    the inputs' ``dtype``. Raised by 3%: room for the rounding of the norms (float32 at least) and
+    of the bound's second-order terms."""
+    u = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    coefficient = ((min(d, 128) + min(p, 128)) * u + (positions + positions / 64 + 67) * 2.0**-53) * 1.03
     return coefficient * torch.linalg.vecdot(activation_norms.double(), grad_norms.double()).square()
 
 
@@ -320,8 +320,8 @@ def _conv_bound(x: torch.Tensor, g: torch.Tensor, geometry: list) -> torch.Tenso
     kernel, strides, pads, dilations = geometry
     pixels = _norms(x, 1, keepdim=True).square()
     patches = torch.conv2d(pixels, pixels.new_ones(1, 1, *kernel), None, strides, pads, dilations).clamp_min(0).sqrt()
-    return rounding_bound(x, g, patches.flatten(1), _norms(g, 1).flatten(1),
-                          positions=patches[0].numel() * math.prod(kernel))
+    return rounding_bound(patches.flatten(1), _norms(g, 1).flatten(1), d=x.shape[1], p=g.shape[1],
+                          positions=patches[0].numel() * math.prod(kernel), dtype=x.dtype)
 
 
 def _conv_again(x: torch.Tensor, g: torch.Tensor, geometry: list, rows: torch.Tensor) -> tuple:
