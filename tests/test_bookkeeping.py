@@ -2204,6 +2204,35 @@ def test_a_ghost_norm_that_cancels_is_clipped_to_its_clip_norm(check):
         assert 1 - 2.0**-5 <= released <= 1 + 2.0**-7, (scale, released)
 
 
+@pytest.mark.parametrize("synced", [True, False], ids=["computed-again", "raised-only"])
+def test_tied_layers_whose_gradients_cancel_are_clipped_to_the_clip_norm(synced):
+    """An Embedding and the head tied to it, the hidden state mixed by a frozen matrix M =
+    antisymmetric + 1e-5 I: the loss E[id]^T M E[id] has the gradient (M + M^T) E[id] = 2e-5 E[id]
+    (norm 2.8 with rows of 1.6e4), while the embedding's and the head's own are 1e5 times that and
+    cancel in the cross term, whose float32 products could not hold the rest: the sample went
+    unclipped, 2.8 times C (a reviewer's construction). The total is vouched for by the cross
+    terms' bound: the update's norm is C within 2^-7; where no host read may wait (a graph's
+    capture) the squared norm is only raised, never under the exact one by more than 2^-7."""
+    torch.manual_seed(1)
+    embed, head = nn.Embedding(16, 64), nn.Linear(64, 16, bias=False)
+    head.weight = embed.weight
+    with torch.no_grad():
+        embed.weight.mul_(2.0**14)
+    antisymmetric = torch.randn(64, 64)
+    mixing = (antisymmetric - antisymmetric.T) / math.sqrt(128) + 1e-5 * torch.eye(64)
+    exact = ((mixing + mixing.T).double() @ embed.weight[3].detach().double()).norm()
+    model = nn.ModuleDict(dict(embed=embed, head=head))
+    bk = make(model, dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0), expected_batch_size=1, check_first_sample=False)
+    ids = torch.tensor([[3]])
+    losses = head(embed(ids) @ mixing.T).gather(2, ids.unsqueeze(2)).sum((1, 2))
+    if synced:
+        released = bk.step(losses)[0].norm()
+        assert 1 - 2.0**-5 <= released <= 1 + 2.0**-7
+    else:
+        _, norm_sums = bk._clipped_sums(losses, 1.0, synced=False)
+        assert norm_sums[0, 0] >= exact**2 * (1 - 2.0**-7)
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
 def test_groupnorm_on_nearly_constant_groups_has_the_gradient_of_its_own_backward(autocast):
     """Groups whose mean is large against their spread (a convolution's output offset by 100), and

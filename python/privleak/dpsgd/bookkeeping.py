@@ -637,7 +637,7 @@ class BookKeeping:
         for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
             found = [f for f in (layer.factors(self.params[self._slots[key]]) for layer in sharing) if f is not None]
             if len(found) > 1:
-                norms[self._slots[key]] = norms[self._slots[key]] + tied.cross_terms(found)
+                norms[self._slots[key]] = tied.tied_norms(norms[self._slots[key]], found, may_sync=synced)
         order = sorted(rows) + sorted(norms)  # the kernel's columns
         if sorted(order) != list(range(len(self.params))):
             raise RuntimeError("book-keeping: the layers' rows and norms do not cover each parameter once")

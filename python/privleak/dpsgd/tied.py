@@ -25,9 +25,12 @@ and is refused for a tied parameter.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
+
+from privleak.dpsgd import ghost_norm
 
 #: Values of the two S x T Gram matrices held at once while the cross terms are formed: samples
 #: are taken a few at a time beyond it (a GPT-2 at T = 1024 holds 2^20 of them a sample).
@@ -79,3 +82,54 @@ def cross_terms(factors: list) -> torch.Tensor:
     """(B,) float64: 2 sum_{k<l} <G^k_i, G^l_i> over the layers' :class:`Factors` of one parameter."""
     pairs = [cross_term(first, second) for k, first in enumerate(factors) for second in factors[k + 1:]]
     return 2 * sum(pairs[1:], pairs[0])
+
+
+def tied_norms(own: torch.Tensor, factors: list, *, may_sync: bool = True) -> torch.Tensor:
+    """(B,) float64 |sum_k G^k_i|^2: the layers' own squared norms ``own`` (added; each one
+    vouched for by its layer) plus :func:`cross_terms`, vouched for as the ghost norms are
+    (:func:`~privleak.dpsgd.ghost_norm.vouched`) by their rounding bound, 2 sum_{k<l} c_kl S^k S^l
+    with S^k = sum_s |L^k_s| |R^k_s| and c_kl = (m + n) u for float32 products of the two Grams'
+    lengths (n u alone where a left side is one-hot: its Gram is exact), plus the float64 sum's:
+    two layers whose gradients nearly cancel (an embedding and the head tied to it) left a sum
+    that float32 could not hold, and a sample unclipped at 2.8 times its clip norm. Past the
+    bound's 2^-4 of the total, those samples' totals are computed again from float64 factors,
+    sum_{k,l} <G^k, G^l> (``may_sync``: a host read may wait for the rows, unlike in a CUDA
+    graph's capture, where the total is only raised)."""
+    total = own + cross_terms(factors)
+    exact = all(f.right.dtype == torch.float64 for f in factors)
+    again = None if exact or not may_sync else functools.partial(_again, factors)
+    return ghost_norm.vouched(total, _cross_bound(factors), again)
+
+
+def _spread(factor: Factors) -> torch.Tensor:
+    """(B,) float64 S = sum_s |L_s| |R_s| (|L_s| = 1 for a one-hot row)."""
+    right = torch.linalg.vector_norm(factor.right, dim=2, dtype=torch.promote_types(factor.right.dtype, torch.float32))
+    if factor.one_hot:
+        return right.double().sum(1)
+    left = torch.linalg.vector_norm(factor.left, dim=2, dtype=torch.promote_types(factor.left.dtype, torch.float32))
+    return torch.linalg.vecdot(left.double(), right.double())
+
+
+def _cross_bound(factors: list, *, pairs_only: bool = True) -> torch.Tensor:
+    """(B,) float64: the bound on the rounding of 2 sum_{k<l} <G^k, G^l> (with ``pairs_only``
+    False, of sum_{k,l}: the pairs k = l too), 3% of room as the ghost norms' bound has."""
+    spreads = [_spread(f) for f in factors]
+    bound = torch.zeros_like(spreads[0])
+    for k, first in enumerate(factors):
+        for other in range(k if not pairs_only else k + 1, len(factors)):
+            second = factors[other]
+            exact = all(f.right.dtype == torch.float64 for f in (first, second))
+            u = 2.0**-53 if exact else 2.0**-24
+            lengths = first.right.shape[2] + (0 if first.one_hot or second.one_hot else first.left.shape[2])
+            terms = first.right.shape[1] * second.right.shape[1]
+            coefficient = (lengths * u + (terms + 67) * 2.0**-53) * 1.03
+            bound = bound + (1 if k == other else 2) * coefficient * spreads[k] * spreads[other]
+    return bound
+
+
+def _again(factors: list, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The totals sum_{k,l} <G^k, G^l> of samples ``rows`` from float64 factors, and their bound."""
+    exact = [Factors(f.left[rows] if f.one_hot else f.left[rows].double(), f.right[rows].double()) for f in factors]
+    total = sum(cross_term(first, second) * (1 if k == other else 2)
+                for k, first in enumerate(exact) for other, second in enumerate(exact) if other >= k)
+    return total, _cross_bound(exact, pairs_only=False)
