@@ -946,7 +946,9 @@ class GroupNormLayer(_AffineNorm):
     group norm: 5.5 -> 3.8 ms a step on the CIFAR CNN, B 64), in float32 at least. Not torch's
     own backward formula, (sum_t x_t g_t - mu sum_t g_t) / sigma, one sample at a time: its two
     sums cancel where a group is nearly constant (a blank image's), and 1 / sigma, up to
-    1 / sqrt(eps), magnifies what is left (in bfloat16, 0.08 for a gradient of 0)."""
+    1 / sqrt(eps), magnifies what is left (in bfloat16, 0.08 for a gradient of 0). The centred
+    copy of x costs 1.6% of the CIFAR CNN's step at B 64 and 2.1% of WRN-16-4's (alternating with
+    torch's formula in one process)."""
 
     saved_statistics: ClassVar[tuple] = ("_saved_result1", "_saved_result2")  #: native_group_norm's backward node's
 
