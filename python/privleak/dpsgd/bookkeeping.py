@@ -485,7 +485,8 @@ class BookKeeping:
         tokens 15% off, where book-keeping adds in float32); ``spread``: (layer, [largest
         |gradient| in the other samples' rows, in the sample's own]) for each output of a layer
         whose rows are samples (:attr:`~privleak.dpsgd.layers.Layer.rows_are_samples`), where
-        the first must be 0, exactly, whatever the width.
+        the first must be 0 (independent samples give exact zeros; flagged above 2^-20 of the
+        second), whatever the width.
 
         Each gradient is reduced to its norm and let go as it is made, so at most one is alive
         (all at once, they added the model's size to the first step's peak). oneDNN is off in it:

@@ -86,10 +86,11 @@ def ghost_norms(layers: list[GhostNormInputs], *, clipping: bool = False, may_sy
 
 def _dense_bound(layer: GhostNormInputs) -> torch.Tensor:
     a, g = layer
-    return rounding_bound(_norms(a, 2), _norms(g, 2), d=a.shape[2], p=g.shape[2], positions=a.shape[1], dtype=a.dtype)
+    return rounding_bound(float_norms(a, 2), float_norms(g, 2), d=a.shape[2], p=g.shape[2], positions=a.shape[1],
+                          dtype=a.dtype)
 
 
-def _norms(rows: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+def float_norms(rows: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
     """Norms along ``dim`` in float32 at least (float16's would overflow past 65504), without a
     converted copy."""
     return torch.linalg.vector_norm(rows, dim=dim, keepdim=keepdim, dtype=torch.promote_types(rows.dtype,
@@ -318,9 +319,9 @@ def _conv_bound(x: torch.Tensor, g: torch.Tensor, geometry: list) -> torch.Tenso
     """:func:`rounding_bound` of a folded convolution (N, C, H, W) -> (N, O, H', W'), its rows the
     patches, whose squared norms are a box filter of the pixels'."""
     kernel, strides, pads, dilations = geometry
-    pixels = _norms(x, 1, keepdim=True).square()
+    pixels = float_norms(x, 1, keepdim=True).square()
     patches = torch.conv2d(pixels, pixels.new_ones(1, 1, *kernel), None, strides, pads, dilations).clamp_min(0).sqrt()
-    return rounding_bound(patches.flatten(1), _norms(g, 1).flatten(1), d=x.shape[1], p=g.shape[1],
+    return rounding_bound(patches.flatten(1), float_norms(g, 1).flatten(1), d=x.shape[1], p=g.shape[1],
                           positions=patches[0].numel() * math.prod(kernel), dtype=x.dtype)
 
 

@@ -103,16 +103,17 @@ def tied_norms(own: torch.Tensor, factors: list, *, may_sync: bool = True) -> to
 
 def _spread(factor: Factors) -> torch.Tensor:
     """(B,) float64 S = sum_s |L_s| |R_s| (|L_s| = 1 for a one-hot row)."""
-    right = torch.linalg.vector_norm(factor.right, dim=2, dtype=torch.promote_types(factor.right.dtype, torch.float32))
+    right = ghost_norm.float_norms(factor.right, 2).double()
     if factor.one_hot:
-        return right.double().sum(1)
-    left = torch.linalg.vector_norm(factor.left, dim=2, dtype=torch.promote_types(factor.left.dtype, torch.float32))
-    return torch.linalg.vecdot(left.double(), right.double())
+        return right.sum(1)
+    return torch.linalg.vecdot(ghost_norm.float_norms(factor.left, 2).double(), right)
 
 
 def _cross_bound(factors: list, *, pairs_only: bool = True) -> torch.Tensor:
     """(B,) float64: the bound on the rounding of 2 sum_{k<l} <G^k, G^l> (with ``pairs_only``
-    False, of sum_{k,l}: the pairs k = l too), 3% of room as the ghost norms' bound has."""
+    False, of sum_{k,l}: the pairs k = l too), 3% of room as the ghost norms' bound has. Not
+    :func:`~privleak.dpsgd.ghost_norm.rounding_bound`'s coefficient: torch's bmm chains run the
+    Grams' whole lengths (no chunks of 128), and a one-hot side's Gram is exact."""
     spreads = [_spread(f) for f in factors]
     bound = torch.zeros_like(spreads[0])
     for k, first in enumerate(factors):
