@@ -878,15 +878,14 @@ REPLAYED = ["fallback", "batchnorm-eval", "adapters", "position-modules",
 @pytest.mark.parametrize("case", REPLAYED)
 def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, forming, monkeypatch):
     """Every layer forms its per-sample gradients after the backward pass, or never whole: the
-    replay's norms two samples at a time and its clipped sum by an ordinary backward pass of the
-    module with the output gradients scaled by the clip factors; L2 flat and per layer (a pass
-    per parameter), L1."""
+    replay's norms two samples at a time and its clipped sum by the same chunks replayed again;
+    L2 flat and per layer, L1."""
     replayed = []
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
     monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
-    weighted = layers.FunctionalLayer._weighted_grads
-    monkeypatch.setattr(layers.FunctionalLayer, "_weighted_grads",
-                        lambda self, *args: replayed.append(self.name) or weighted(self, *args))
+    sums = layers.FunctionalLayer.sums_by_parameter
+    monkeypatch.setattr(layers.FunctionalLayer, "sums_by_parameter",
+                        lambda self, *args: replayed.append(self.name) or sums(self, *args))
     for mechanism, per_layer in [("gaussian", False), ("vmf", True), ("laplace", False)]:
         compare(case, mechanism, per_layer)
     assert bool(replayed) == (forming is layers.Forming.NEVER)
@@ -1999,13 +1998,13 @@ def test_a_layer_s_input_and_output_gradient_go_before_the_next_layer_s_sum():
     first, second = bk.layers
     held, alive = [], []
 
-    def first_sums(factors, keep, original=first.sums_by_parameter):
+    def first_sums(factors, keep, norm_type, original=first.sums_by_parameter):
         held.extend(weakref.ref(t) for t in (first.calls[0], first.grads[0]))
-        return original(factors, keep)
+        return original(factors, keep, norm_type)
 
-    def second_sums(factors, keep, original=second.sums_by_parameter):
+    def second_sums(factors, keep, norm_type, original=second.sums_by_parameter):
         alive.extend(ref() is not None for ref in held)
-        return original(factors, keep)
+        return original(factors, keep, norm_type)
 
     first.sums_by_parameter, second.sums_by_parameter = first_sums, second_sums
     bk.step(model(torch.randn(5, 3, 8)).pow(2).sum((1, 2)))
@@ -2202,6 +2201,74 @@ def test_a_ghost_norm_that_cancels_is_clipped_to_its_clip_norm(check):
         bk = make(model, dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0), check_first_sample=check)
         released = torch.cat([u.flatten() for u in bk.step(model(x, scale))]).norm()
         assert 1 - 2.0**-5 <= released <= 1 + 2.0**-7, (scale, released)
+
+
+class CancellingLinear(nn.Module):
+    """A Linear whose output gradients are the loss's weights w: sum_t w_t . h_t."""
+
+    def __init__(self, d, p):
+        super().__init__()
+        self.linear = nn.Linear(d, p, bias=False)
+
+    def forward(self, x, w):
+        return (self.linear(x) * w).sum((1, 2))
+
+
+class CancellingConv(nn.Module):
+    """A 3 x 3 convolution of 32 channels at 6 x 6 (no padding), weighted as CancellingLinear: its
+    per-sample gradients are 5.5 times what it holds, so they are never formed whole
+    (:func:`~privleak.dpsgd.layers.when_to_form`) and, under L1 norms, the norms come from them a
+    few samples at a time."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(32, 32, 3, bias=False)
+
+    def forward(self, x, w):
+        return (self.conv(x) * w).sum((1, 2, 3))
+
+
+def _cancelling(kind, size, magnitude, generator):
+    """Batch of 8 whose sample 0's inputs have entries of ``magnitude`` and output gradients that
+    cancel over them exactly in float64 (orthogonal to the inputs' columns: a Linear's T x d
+    inputs; a convolution's constant pixels, so every patch is alike, and gradients of mean 0
+    over the positions), so its weight gradient is float32 rounding alone; the other samples'
+    inputs are 0, so the update is sample 0's share."""
+    if kind == "linear":
+        d, p, positions = size
+        x = torch.zeros(8, positions, d, dtype=torch.float64)
+        x[0] = torch.randn(positions, d, generator=generator, dtype=torch.float64) * magnitude
+        w = torch.randn(8, positions, p, generator=generator, dtype=torch.float64)
+        q = torch.linalg.qr(x[0])[0]
+        w[0] -= q @ (q.T @ w[0])
+        return CancellingLinear(d, p), x.float(), w.float()
+    x = torch.zeros(8, 32, 6, 6)
+    x[0] = (torch.randn(32, 1, 1, generator=generator) * magnitude).expand(32, 6, 6)
+    w = torch.randn(8, 32, 4, 4, generator=generator, dtype=torch.float64)
+    return CancellingConv(), x, (w - w.mean((2, 3), keepdim=True)).float()
+
+
+@pytest.mark.parametrize("kind, mechanism", [("linear", "gaussian"), ("linear", "laplace"), ("conv", "laplace")])
+def test_a_gradient_formed_for_its_norm_is_the_one_its_sum_adds(kind, mechanism):
+    """Where a layer's norms come from its per-sample gradients formed (a Linear at 2 T^2 >= d p
+    or under L1 norms; a convolution's a few samples at a time), its clipped sum adds the same
+    ones (:func:`privleak.dpsgd.layers.formed_sums`), so a sample's share of the update is at most
+    C whatever cancels in its gradient. The sum was one GEMM over the batch (the convolution's
+    weight gradient), which rounds its own way: on gradients that are float32 rounding alone
+    (:func:`_cancelling`) sample 0's share reached 1.75 times C (Linear, L2), 2.19 times (L1)
+    and 1.19 times (convolution, L1) in these seeds."""
+    shapes = [(2, 2, 4), (4, 4, 8), (8, 8, 16), (64, 64, 128)] if kind == "linear" else [None]
+    config = dpsgd.DPSGDConfig(1.0, noise_multiplier=1e-12 if mechanism == "laplace" else 0.0, mechanism=mechanism)
+    shares = []
+    for size in shapes:
+        for magnitude in (1e4, 1.7e7):
+            for seed in range(6):
+                model, x, w = _cancelling(kind, size, magnitude, torch.Generator().manual_seed(seed))
+                bk = make(model, config, expected_batch_size=8, check_first_sample=False)
+                update = torch.cat([u.flatten() for u in bk.step(model(x, w))]).double() * 8
+                shares.append(float(update.norm(p=config.mechanism.clip_norm_type)))
+    assert max(shares) <= 1 + 2.0**-14, max(shares)
+    assert sum(share > 0.5 for share in shares) >= len(shares) // 2  # most are rounding larger than C, clipped
 
 
 @pytest.mark.parametrize("synced", [True, False], ids=["computed-again", "raised-only"])

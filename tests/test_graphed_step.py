@@ -181,21 +181,21 @@ def replayed_step(module, per_layer):
 @pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
 def test_a_module_replayed_in_chunks_reads_nothing_on_the_host_in_the_captured_part(per_layer, monkeypatch):
     """A replayed module whose per-sample gradients are never formed whole (its norms a few samples
-    at a time, its clipped sum by a backward pass with the output gradients scaled by the clip
-    factors) groups its parameters by their factors without reading them: one pass for both
-    under flat clipping, one each per layer. The update is the materialised path's."""
+    at a time, its clipped sum by the same chunks replayed again) reads nothing on the host: the
+    chunks are the batch's, not the factors'. The update is the materialised path's."""
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
-    passes = []
-    weighted = layers.FunctionalLayer._weighted_grads
-    monkeypatch.setattr(layers.FunctionalLayer, "_weighted_grads",
-                        lambda self, factors, keep, wanted: passes.append(len(wanted))
-                        or weighted(self, factors, keep, wanted))
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 3)
+    chunks = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, batch, samples=slice(None): chunks.append(samples) or replay(self, batch, samples))
     step, bk, x, target, want = replayed_step(TwoParameters(), per_layer)
-    passes.clear()
+    chunks.clear()
     with HostReads() as captured:
         step._clipped_sums()
     assert captured.seen == []
-    assert passes == ([1, 1] if per_layer else [2])
+    batch = len(x)
+    assert chunks == 2 * [slice(start, start + 3) for start in range(0, batch, 3)]  # norms, then sums
     assert_same_update(step(x, target), want)
 
 

@@ -33,7 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from privleak.dpsgd import graph
-from privleak.dpsgd.layers import Layer, _common, _input_nodes, clipped_product, layer_kind, total, weight_norms
+from privleak.dpsgd.layers import Layer, _common, _input_nodes, clipped_weight_sum, layer_kind, total, weight_norms
 
 
 class Projection(NamedTuple):
@@ -319,14 +319,14 @@ class MultiheadAttentionLayer(Layer):
         return {**{id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters
                    if id(p) not in self.per_sample}, **norms}
 
-    def clipped_sums(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def clipped_sums(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """Each weight's blocks' sums (f g)^T a in its rows; zeros for a parameter the step did not use."""
         sums = {}
         for p in self.parameters:
             if id(p) in factors:
                 sums[id(p)] = summed = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 for (start, stop), a, g in self.sites.get(id(p), (None, ()))[1]:
-                    summed[start:stop] += clipped_product(*_common(g, a), factors[id(p)], keep)
+                    summed[start:stop] += clipped_weight_sum(*_common(a, g), factors[id(p)], keep, norm_type)
         return sums
 
 

@@ -673,7 +673,7 @@ class BookKeeping:
             wanted = {key: column[self._slots[key]] for key in (id(p) for p in layer.parameters)
                       if self._slots[key] in norms}
             if wanted:
-                for key, total in layer.clipped_sums(wanted, keep).items():
+                for key, total in layer.clipped_sums(wanted, keep, norm_type).items():
                     slot = self._slots[key]
                     sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
             layer.clear()

@@ -546,13 +546,13 @@ class ComputedWeightConvLayer(FunctionalLayer):
                 grads[key] = t if key not in grads else grads[key] + t
         return grads
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """J^T of the convolution's weight gradient of x and f g per call: one of each per distinct
         tensor of factors (flat clipping gives every parameter the same one, per-layer clipping each
         its own; told apart by identity, as the fallback's); where the standardised form formed
         G_i(w), J^T of sum_i f_i G_i(w)."""
         if not self._fits():
-            return super().sums_by_parameter(factors, keep)
+            return super().sums_by_parameter(factors, keep, norm_type)
         if self.formed is not None:
             return self._formed_sums(factors, keep)
         sums: dict = {}

@@ -228,7 +228,7 @@ class ExpertsLayer(Layer):
                 norms[id(bias)] = groups.per_sample(row_norms(groups.sums(g), norm_type), batch)
         return norms
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         routed, self.kept_rows = self.kept_rows, None
         if routed is None:
             routed = self._routed(keep)

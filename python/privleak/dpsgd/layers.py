@@ -50,7 +50,7 @@ class Forming(enum.Enum):
 
     DURING = "in the backward pass, in place of its inputs and output gradients, which are freed"
     AFTER = "after the backward pass, from the inputs and output gradients it kept"
-    NEVER = "never whole: norms a few samples at a time, the clipped sum by a second weight-gradient pass"
+    NEVER = "never whole: norms a few samples at a time, the clipped sum by forming them again in the same chunks"
 
 
 def when_to_form(per_sample: int, held: int) -> Forming:
@@ -60,8 +60,9 @@ def when_to_form(per_sample: int, held: int) -> Forming:
     it, once the backward has freed the activations, so that they do not add to the backward's
     peak (paper CNN, B 256: two 12-channel convolutions' 7 MiB of them did, 1.30x the non-private
     step's peak RSS). Larger still (a 128-channel 3 x 3 convolution at 8 x 8 holds 9 times more):
-    never whole, at the price of a second weight-gradient pass (paper CNN, B 64: the step 1.6x
-    -> 2.1x of non-private when all took it). Values, not bytes: per-sample gradients are
+    never whole, at the price of forming them twice, for the norms and again for the clipped sum
+    (:func:`formed_sums`; paper CNN, B 64: the step 1.6x -> 2.1x of non-private when all took a
+    second pass). Values, not bytes: per-sample gradients are
     float32, so beside bfloat16 activations the bounds are twice as large in bytes."""
     if per_sample <= held:
         return Forming.DURING
@@ -83,8 +84,40 @@ def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
     """(N,) float64: squared L2 (norm_type 2) or L1 norm of each row of an (N, ...) tensor.
     torch's vector norm reduces without a temporary of the rows' size (squares then a sum wrote
     one: 1.5 ms for the CIFAR CNN's 64 x 37k per-sample gradients, against 0.16 ms)."""
-    norm = torch.linalg.vector_norm(rows.reshape(rows.shape[0], -1), ord=norm_type, dim=1).double()
-    return norm.square() if norm_type == 2 else norm
+    norm = ghost_norm.float_norms(rows.reshape(rows.shape[0], -1), 1) if norm_type == 2 else torch.linalg.vector_norm(
+        rows.reshape(rows.shape[0], -1), ord=1, dim=1, dtype=torch.promote_types(rows.dtype, torch.float32))
+    return norm.double().square() if norm_type == 2 else norm.double()
+
+
+def formed_norms(form, step: int, batch: int, norm_type: int) -> dict:
+    """By key, the :func:`row_norms` of per-sample gradients that ``form(samples)`` forms, a dict
+    of (n, ...) by key, ``step`` samples at a time."""
+    columns: dict = {}
+    for start in range(0, max(batch, 1), step):
+        for key, rows in form(slice(start, start + step)).items():
+            columns.setdefault(key, []).append(row_norms(rows, norm_type))
+    return {key: torch.cat(column) for key, column in columns.items()}
+
+
+def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    """By key of ``factors``, sum_i f_i G_i of the per-sample gradients that :func:`formed_norms`
+    took the norms of, formed again by the same calls in the same chunks: the sum adds the very
+    vectors whose norms the factors clip, as the materialised path's kernel does. A sum by another
+    route (one GEMM over (i, t), a convolution's weight gradient) rounds its own way, and where a
+    sample's gradient cancels, sum_t g_t a_t^T far under sum_t |g_t| |a_t|, the two roundings are
+    unalike: a sample's share of the update reached 2.3 to 3.2 times C (inputs of 1e4 to 1.7e7,
+    output gradients that cancel over them). Each chunk's sum is one matrix-vector product,
+    float32 at least."""
+    sums: dict = {}
+    for start in range(0, max(batch, 1), step):
+        samples = slice(start, start + step)
+        for key, rows in form(samples).items():
+            if key in factors:
+                dtype = torch.promote_types(rows.dtype, torch.float32)
+                rows = _zero_dropped(rows, None if keep is None else keep[samples])
+                part = torch.tensordot(factors[key][samples].to(dtype), rows.to(dtype), 1)
+                sums[key] = part if key not in sums else sums[key].add_(part)
+    return sums
 
 
 def total(terms) -> torch.Tensor:
@@ -368,18 +401,18 @@ class Layer:
             return {id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters}
         return self.norms_by_parameter(batch, norm_type)
 
-    def clipped_sums(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def clipped_sums(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """The float32 sum_i f_i G_i per parameter of :meth:`norms`, by id, for ``factors`` (B,)
         float32 by id; ``keep`` (B,) bool marks the samples kept (None: all)."""
         if not self.calls and not self.reduced:
             return {id(p): torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.parameters}
-        return {key: total.float() for key, total in self.sums_by_parameter(factors, keep).items()}
+        return {key: total.float() for key, total in self.sums_by_parameter(factors, keep, norm_type).items()}
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         """:meth:`norms` of the recorded calls (at least one); none where all are :meth:`rows`."""
         return {}
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """:meth:`clipped_sums` of the recorded calls; runs after :meth:`norms_by_parameter`."""
         return {}
 
@@ -452,23 +485,48 @@ def _named_rule(name: str) -> Optional[type]:
     return rule
 
 
+def forms_weight_grads(positions: int, d: int, p: int, norm_type: int) -> bool:
+    """Whether :func:`weight_norms` forms the per-sample gradients of a weight sum_t g_t a_t^T
+    (a (T, d), g (T, p)): not at T = 1, whose norm factors, nor where the ghost norm pays
+    (:func:`use_ghost_norm`; L1 norms need the gradient)."""
+    return positions > 1 and not (norm_type == 2 and use_ghost_norm(positions, d, p))
+
+
+def _formed_weight_grads(a: torch.Tensor, g: torch.Tensor):
+    """:func:`formed_norms`' ``form`` and its step for the per-sample gradients sum_t g_t a_t^T
+    (p, d) of a (N, T, d) and g (N, T, p), a chunk of them as large as a and g."""
+    step = samples_per_chunk(a.shape[1] * (a.shape[2] + g.shape[2]), a.shape[2] * g.shape[2])
+    return (lambda samples: {None: torch.bmm(g[samples].transpose(1, 2), a[samples])}), step
+
+
 def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: bool = False, may_sync: bool = True):
     """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
-    ghost norm or the per-sample gradient, whichever :func:`use_ghost_norm` says (L1 norms need
-    the gradient). At T = 1 the gradient g a^T has rank one and both norms factor:
-    |g a^T|_F^2 = |g|_2^2 |a|_2^2 and |g a^T|_1 = |g|_1 |a|_1 (the ghost-norm kernel, whose panels
-    are 8 or 16 positions, was 10-30x slower there: B 64, d 512, p 32). With ``deferred``, a ghost
-    norm is returned as its inputs (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for the
-    caller to compute with other layers' in one kernel call; ``may_sync``: as
-    :func:`~privleak.dpsgd.ghost_norm.ghost_norms`'s."""
+    ghost norm or the per-sample gradient, whichever :func:`forms_weight_grads` says; the clipped
+    sum, :func:`clipped_weight_sum`, follows the same rule. At T = 1 the gradient g a^T has rank
+    one and both norms factor: |g a^T|_F^2 = |g|_2^2 |a|_2^2 and |g a^T|_1 = |g|_1 |a|_1 (the
+    ghost-norm kernel, whose panels are 8 or 16 positions, was 10-30x slower there: B 64, d 512,
+    p 32). With ``deferred``, a ghost norm is returned as its inputs
+    (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for the caller to compute with other
+    layers' in one kernel call; ``may_sync``: as :func:`~privleak.dpsgd.ghost_norm.ghost_norms`'s."""
     if a.shape[1] == 1:
         return row_norms(a, norm_type) * row_norms(g, norm_type)
-    if norm_type == 2 and use_ghost_norm(a.shape[1], a.shape[2], g.shape[2]):
+    if not forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
         # A layer's own a and g (one dtype, as bmm below needs too) go to the kernel's op
         # unchecked: ghost_norm_squared's checks cost twice the kernel on a small layer.
         inputs = ghost_norm.GhostNormInputs(a, g)
         return inputs if deferred else ghost_norm.ghost_norms([inputs], clipping=True, may_sync=may_sync)[0]
-    return row_norms(torch.bmm(g.transpose(1, 2), a), norm_type)
+    return formed_norms(*_formed_weight_grads(a, g), a.shape[0], norm_type)[None]
+
+
+def clipped_weight_sum(a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, keep: Optional[torch.Tensor],
+                       norm_type: int, *, transposed: bool = False) -> torch.Tensor:
+    """sum_i f_i sum_t g_{i,t} a_{i,t}^T, (p, d) ((d, p) ``transposed``), for a (B, T, d), g (B, T, p)
+    whose norms :func:`weight_norms` gave: where it formed the per-sample gradients, the sum of
+    the same ones (:func:`formed_sums`); else one GEMM (:func:`clipped_product`)."""
+    if forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
+        total = formed_sums(*_formed_weight_grads(a, g), a.shape[0], {None: factors}, keep)[None]
+        return total.T if transposed else total
+    return clipped_product(*((a, g) if transposed else (g, a)), factors, keep)
 
 
 def clipped_product(left: torch.Tensor, right: torch.Tensor, factors: torch.Tensor,
@@ -507,6 +565,7 @@ class LinearLayer(Layer):
     forward written out) has the same rule, registered by name."""
 
     rows_are_samples = broadcast_calls = flattened_batch_calls = True
+    transposed: ClassVar[bool] = False  #: the weight is stored (d, p), as y = a W + b
 
     def finish(self) -> None:
         """The calls become one, a (B, T, d) and g (B, T, p), their positions laid end to end,
@@ -545,9 +604,9 @@ class LinearLayer(Layer):
         a, g = self._sites()
         return {id(self.module.weight): weight_norms(a, g, norm_type, deferred=True)}
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        left, right = self.weight_factors(*self._sites())
-        return {id(self.module.weight): clipped_product(left, right, factors[id(self.module.weight)], keep)}
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
+        key = id(self.module.weight)
+        return {key: clipped_weight_sum(*self._sites(), factors[key], keep, norm_type, transposed=self.transposed)}
 
 
 @layer_kind("transformers.pytorch_utils.Conv1D")
@@ -555,6 +614,8 @@ class TransposedLinearLayer(LinearLayer):
     """Hugging Face's ``Conv1D`` (GPT-2's attention and MLP projections): a Linear layer whose
     weight is stored transposed, (d, p), y = a W + b. Registered by name, so privleak needs no
     transformers to import; the rule is nn.Linear's with the factors' roles swapped."""
+
+    transposed = True
 
     def weight_factors(self, a: torch.Tensor, g: torch.Tensor) -> Factors:
         """(d, p): L = a, R = g."""
@@ -592,8 +653,9 @@ class ConvLayer(Layer):
     On the per-sample side, :func:`when_to_form` says when the per-sample gradients are formed:
     during the backward pass in place of the inputs and output gradients, which are freed, or after
     it, clipped and summed then by the fused clip kernel; or never whole, the layer keeping its inputs
-    and output gradients, and the clipped sum is the convolution's own weight gradient of the
-    scaled output gradients (as on the ghost side)."""
+    and output gradients, forming them a few samples at a time for the norms and again for the
+    clipped sum (:func:`formed_sums`). On the ghost side the clipped sum is the convolution's own
+    weight gradient of the scaled output gradients."""
 
     rows_are_samples = True
 
@@ -701,18 +763,16 @@ class ConvLayer(Layer):
         m = self.module
         if self.reduced or not self.trains(m.weight):  # all formed: rows()
             return {}
-        ghost = self._ghost(norm_type)
-        pixels = self._pixels() if ghost else 0
-        # What a sample takes while its norm is made: the per-sample gradient; or the pixel Grams
-        # (G N^2 doubles) or the patches (G L d), and g made contiguous.
-        if not ghost:
-            norms, transient = functools.partial(self._gradient_norms, norm_type=norm_type), m.weight.numel()
-        elif pixels:
+        if not self._ghost(norm_type):
+            return formed_norms(self._formed_weight_grads, self._formed_step(), batch, norm_type)
+        pixels = self._pixels()
+        # What a sample takes while its norm is made: the pixel Grams (G N^2 doubles) or the
+        # patches (G L d), and g made contiguous.
+        if pixels:
             norms, transient = self._pixel_ghost_norms, m.groups * 2 * pixels * pixels
         else:
             norms, transient = self._ghost_norms, m.groups * self._positions() * self._patch_size()
-        if ghost:
-            transient += self._positions() * self._outputs_per_group() * m.groups
+        transient += self._positions() * self._outputs_per_group() * m.groups
         step = samples_per_chunk(self._held_per_sample(), transient)
         return {id(m.weight): torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])}
 
@@ -745,13 +805,22 @@ class ConvLayer(Layer):
         norms = ghost_norm.ghost_norms([ghost_norm.GhostNormInputs(a, g)], clipping=True, may_sync=self.may_sync)
         return ghost_norm.group_totals(norms[0], m.groups)
 
-    def _gradient_norms(self, samples: slice, norm_type: int) -> torch.Tensor:
-        """Norms of the weight's per-sample gradients for a slice of the batch."""
-        return row_norms(total(self._per_sample_weight_grads(x[samples], y[samples])
-                               for x, y in zip(self.calls, self.grads)), norm_type)
+    def _formed_step(self) -> int:
+        """Samples a chunk of per-sample weight gradients (:meth:`_formed_weight_grads`) holds."""
+        return samples_per_chunk(self._held_per_sample(), self.module.weight.numel())
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        f = factors[id(self.module.weight)]  # the weight, never formed: the convolution's weight gradient
+    def _formed_weight_grads(self, samples: slice) -> dict:
+        """The weight's per-sample gradients for a slice of the batch, by id."""
+        return {id(self.module.weight): total(self._per_sample_weight_grads(x[samples], y[samples])
+                                              for x, y in zip(self.calls, self.grads))}
+
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
+        """The weight, never formed whole: on the ghost side the convolution's weight gradient of
+        the scaled output gradients; else the per-sample gradients whose norms were taken, formed
+        again in the same chunks (:func:`formed_sums`)."""
+        if not self._ghost(norm_type):
+            return formed_sums(self._formed_weight_grads, self._formed_step(), len(self.calls[0]), factors, keep)
+        f = factors[id(self.module.weight)]
         sums = (self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
                 for x, y in zip(self.calls, self.grads))
         return {id(self.module.weight): total(sums)}
@@ -834,7 +903,7 @@ class EmbeddingLayer(Layer):
         first += torch.arange(0, batch * length, length, device=ids.device).unsqueeze(1)
         return {id(self.module.weight): row_norms(_rows_added(g, first, batch * length).view(g.shape), 1)}
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         weight = self.module.weight
         ids, g = self._sites()
         scaled = _scaled(_zero_dropped(g, keep), factors[id(weight)])
@@ -1083,7 +1152,7 @@ class FunctionalLayer(Layer):
         super().clear()
         self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
         self.shared_calls: set = set()  # calls whose outputs the batch shares (broadcast)
-        self.chunked = False  # the replay gives norms a few samples at a time and the clipped sum by a second pass
+        self.chunked = False  # the replay gives norms a few samples at a time, and the clipped sum by the same again
         self.flattened_outputs: dict = {}  # call: {recorded output: batch size} for outputs of the batch flattened
 
     def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
@@ -1210,7 +1279,7 @@ class FunctionalLayer(Layer):
 
     def _forming(self, batch: int) -> Forming:
         """Whether the per-sample gradients are formed whole or (NEVER) a few samples at a time for
-        the norms, the clipped sum then a second pass (:func:`when_to_form`)."""
+        the norms, and again for the clipped sum (:func:`when_to_form`)."""
         return when_to_form(self._per_sample_size(), self._held_per_sample(batch))
 
     def _per_sample_size(self) -> int:
@@ -1224,36 +1293,21 @@ class FunctionalLayer(Layer):
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         """A module whose per-sample gradients would be more than 4 times what its replay reads
-        (:func:`when_to_form`; experts under LoRA on their parameters) is replayed a few samples at a time,
-        for its norms alone; :meth:`sums_by_parameter` makes the clipped sum by a second pass."""
+        (:func:`when_to_form`; experts under LoRA on their parameters) is replayed a few samples at a
+        time, for its norms; :meth:`sums_by_parameter` replays the same chunks again."""
         if not self.chunked:
             return {}
-        chunk = samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=self.chunk_at_least)
-        norms: dict = {id(p): [] for p in self.parameters}
-        for start in range(0, batch, chunk):
-            grads = self.per_sample_grads(batch, slice(start, start + chunk))
-            for key, column in norms.items():
-                column.append(row_norms(grads[key], norm_type))
-        return {key: torch.cat(column) for key, column in norms.items()}
+        return formed_norms(functools.partial(self.per_sample_grads, batch), self._chunk_step(batch), batch, norm_type)
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        """sum_i f_i G_i as one ordinary backward pass of the module over the batch: its output
-        gradients scaled by f_i (book-keeping's clipped sum, for any module); one pass per
-        distinct tensor of factors (flat clipping gives every parameter the same one, per-layer
-        clipping each its own). Told apart by identity: comparing values would read them on the
-        host, a sync that a CUDA graph's capture refuses."""
-        groups: list = []  # [factors, parameters]
-        for p in self.parameters:
-            f = factors[id(p)]
-            group = next((g for g in groups if g[0] is f), None)
-            if group is None:
-                groups.append([f, [p]])
-            else:
-                group[1].append(p)
-        sums = {}
-        for f, params in groups:
-            sums.update(self._weighted_grads(f, keep, params))
-        return sums
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
+        """sum_i f_i G_i of the per-sample gradients whose norms were taken, replayed again in the same
+        chunks (:func:`formed_sums`)."""
+        batch = len(next(iter(factors.values())))
+        return formed_sums(functools.partial(self.per_sample_grads, batch), self._chunk_step(batch), batch, factors,
+                           keep)
+
+    def _chunk_step(self, batch: int) -> int:
+        return samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=self.chunk_at_least)
 
     def _parameter_names(self) -> dict:
         """The name under the module of each of its parameters, by id (for ``functional_call``)."""
@@ -1265,41 +1319,6 @@ class FunctionalLayer(Layer):
         args, kwargs = tree_unflatten(values, spec)
         return [x for x in tree_flatten(functional_call(self.module, params, args, kwargs))[0]
                 if isinstance(x, torch.Tensor)]
-
-    def _weighted_grads(self, factors: torch.Tensor, keep: Optional[torch.Tensor], wanted: list) -> dict:
-        """sum_i f_i G_i of the parameters ``wanted``, by id: the gradient of sum_i f_i <y_i, g_i>
-        over the module's recorded calls, recomputed on the whole batch (a dropped sample's
-        inputs and output gradients zeroed)."""
-        names = self._parameter_names()
-        leaves_of = {id(p): p.detach().requires_grad_() for p in wanted}
-        params = {names[id(p)]: leaves_of.get(id(p), p.detach()) for p in self.parameters}
-        sums: dict = {}
-        with torch.enable_grad():
-            for call, ((leaves, spec, live, replay, _), output_grads) in enumerate(zip(self.calls, self.grads)):
-                batch, rows = factors.shape[0], _batch_of(leaves)
-                shared = call in self.shared_calls
-                values = list(leaves)
-                if keep is not None and not shared:
-                    for i, x in enumerate(leaves):  # floats: ids and lengths cannot carry a NaN
-                        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.ndim and x.shape[0] == rows:
-                            values[i] = _zero_dropped(x.unflatten(0, (batch, -1)), keep).view(x.shape)
-                cotangents = {}
-                for k, (i, g) in enumerate(zip(live, output_grads)):
-                    if g is not None:
-                        weighted = _scaled(_zero_dropped(g, keep), factors)
-                        if shared:  # one output for the batch: its samples' weighted gradients summed
-                            weighted = weighted.sum(0)
-                        elif call in self.flattened or k in self.flattened_outputs.get(call, {}):
-                            weighted = weighted.flatten(0, 1)
-                        cotangents[i] = weighted
-                with replay.context(self._spectral_norms):
-                    outputs = self._outputs({**params, **replay.buffers}, values, spec)
-                    loss = sum((outputs[i] * g).sum() for i, g in cotangents.items())
-                found = torch.autograd.grad(loss, [leaves_of[id(p)] for p in wanted], allow_unused=True)
-                for p, g in zip(wanted, found):
-                    g = torch.zeros_like(p, dtype=torch.float32) if g is None else g
-                    sums[id(p)] = g if id(p) not in sums else sums[id(p)] + g
-        return sums
 
     def warn_of_replayed_layers(self) -> None:
         claimed = {id(sub) for sub in self.claimed_modules()}  # a parametrization's originals are the module's

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_unflatten
 
-from privleak.dpsgd.layers import FunctionalLayer, clipped_product, computes_parameters, layer_kind, weight_norms
+from privleak.dpsgd.layers import FunctionalLayer, clipped_weight_sum, computes_parameters, layer_kind, weight_norms
 
 
 class _Layout(NamedTuple):
@@ -175,10 +175,10 @@ class RecurrentLayer(FunctionalLayer):
             return super().norms_by_parameter(batch, norm_type)
         return {key: weight_norms(a, g, norm_type, deferred=True) for key, (g, a) in self.sites.items()}
 
-    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+    def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         if not self._unrolled:
-            return super().sums_by_parameter(factors, keep)
-        return {key: clipped_product(g, a, factors[key], keep) for key, (g, a) in self.sites.items()}
+            return super().sums_by_parameter(factors, keep, norm_type)
+        return {key: clipped_weight_sum(a, g, factors[key], keep, norm_type) for key, (g, a) in self.sites.items()}
 
     def random_replay(self) -> str:
         return (f"{self.describe()} has dropout={self.module.dropout} between its layers in training mode, which its "
