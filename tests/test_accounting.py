@@ -295,8 +295,12 @@ def test_vmf_without_subsampling_composes_at_large_kappa(kappa):
 
 def test_the_pld_accountant_takes_a_delta_below_its_default_tail_mass():
     """The composition's truncated tail counts as infinite loss: at dp-accounting's default tail
-    of 1e-15, every delta <= 1e-15 gave epsilon = inf. Now finite, rising as delta falls, and
-    within RDP's bound where the discretisation is fine (10 steps, q = 0.01, sigma = 1)."""
-    eps = [accounting.gaussian_epsilon(1.0, 10, delta, sampling_rate=0.01) for delta in (1e-13, 1e-15, 1e-16)]
-    assert all(math.isfinite(e) for e in eps) and eps[0] < eps[1] < eps[2]
-    assert eps[1] <= accounting.gaussian_epsilon(1.0, 10, 1e-15, sampling_rate=0.01, accountant="rdp")
+    of 1e-15, every delta <= 1e-15 gave epsilon = inf. Now finite, above the epsilon of a delta
+    where the FFT's round-off is far below it (1e-12), and within RDP's bound (10 steps, q = 0.01,
+    sigma = 1). Not in order between 1e-15 and 1e-16: the round-off is of their order there, and
+    their epsilons came out 3.52 and 3.25 on an Intel CPU, in order on an AMD one."""
+    deltas = (1e-12, 1e-15, 1e-16)
+    eps = [accounting.gaussian_epsilon(1.0, 10, delta, sampling_rate=0.01) for delta in deltas]
+    rdp = [accounting.gaussian_epsilon(1.0, 10, delta, sampling_rate=0.01, accountant="rdp") for delta in deltas]
+    assert all(math.isfinite(e) for e in eps) and eps[0] * 1.2 < min(eps[1:])  # 2.40 against 3.2-3.5
+    assert all(e <= bound for e, bound in zip(eps, rdp))

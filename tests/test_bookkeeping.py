@@ -2228,12 +2228,38 @@ class CancellingConv(nn.Module):
         return (self.conv(x) * w).sum((1, 2, 3))
 
 
+class TanhConv(nn.Conv2d):
+    """CancellingConv's convolution with the weight tanh(theta): a computed weight, not standardised
+    (ComputedWeightConvLayer, norms from J^T G_i(w) a few samples at a time)."""
+
+    def forward(self, x):
+        return F.conv2d(x, torch.tanh(self.weight))
+
+
+class CancellingEmbedding(nn.Module):
+    """An Embedding weighted as CancellingLinear."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(4, 16)
+
+    def forward(self, ids, w):
+        return (self.embedding(ids) * w).sum((1, 2))
+
+
 def _cancelling(kind, size, magnitude, generator):
     """Batch of 8 whose sample 0's inputs have entries of ``magnitude`` and output gradients that
     cancel over them exactly in float64 (orthogonal to the inputs' columns: a Linear's T x d
     inputs; a convolution's constant pixels, so every patch is alike, and gradients of mean 0
     over the positions), so its weight gradient is float32 rounding alone; the other samples'
-    inputs are 0, so the update is sample 0's share."""
+    inputs are 0, so the update is sample 0's share (an Embedding's: one token at all 16 positions
+    of sample 0, the others' output gradients 0)."""
+    if kind == "embedding":
+        ids = torch.zeros(8, 16, dtype=torch.long)
+        ids[0] = 1
+        w = torch.zeros(8, 16, 16, dtype=torch.float64)
+        w[0] = torch.randn(16, 16, generator=generator, dtype=torch.float64) * magnitude
+        return CancellingEmbedding(), ids, (w - w.mean(1, keepdim=True)).float()
     if kind == "linear":
         d, p, positions = size
         x = torch.zeros(8, positions, d, dtype=torch.float64)
@@ -2245,18 +2271,24 @@ def _cancelling(kind, size, magnitude, generator):
     x = torch.zeros(8, 32, 6, 6)
     x[0] = (torch.randn(32, 1, 1, generator=generator) * magnitude).expand(32, 6, 6)
     w = torch.randn(8, 32, 4, 4, generator=generator, dtype=torch.float64)
-    return CancellingConv(), x, (w - w.mean((2, 3), keepdim=True)).float()
+    model = CancellingConv()
+    if kind == "computed-weight":
+        model.conv = TanhConv(32, 32, 3, bias=False)
+    return model, x, (w - w.mean((2, 3), keepdim=True)).float()
 
 
-@pytest.mark.parametrize("kind, mechanism", [("linear", "gaussian"), ("linear", "laplace"), ("conv", "laplace")])
+@pytest.mark.parametrize("kind, mechanism", [("linear", "gaussian"), ("linear", "laplace"), ("conv", "laplace"),
+                                             ("computed-weight", "gaussian"), ("embedding", "laplace")])
 def test_a_gradient_formed_for_its_norm_is_the_one_its_sum_adds(kind, mechanism):
     """Where a layer's norms come from its per-sample gradients formed (a Linear at 2 T^2 >= d p
-    or under L1 norms; a convolution's a few samples at a time), its clipped sum adds the same
-    ones (:func:`privleak.dpsgd.layers.formed_sums`), so a sample's share of the update is at most
-    C whatever cancels in its gradient. The sum was one GEMM over the batch (the convolution's
-    weight gradient), which rounds its own way: on gradients that are float32 rounding alone
-    (:func:`_cancelling`) sample 0's share reached 1.75 times C (Linear, L2), 2.19 times (L1)
-    and 1.19 times (convolution, L1) in these seeds."""
+    or under L1 norms; a convolution's, or a computed weight's J^T G_i(w), a few samples at a time;
+    an Embedding's rows under L1), its clipped sum adds the same ones
+    (:func:`privleak.dpsgd.layers.formed_sums`), so a sample's share of the update is at most C
+    whatever cancels in its gradient. The sum was one GEMM over the batch (the convolution's
+    weight gradient, J^T of it, the Embedding's of the scaled output gradients), which rounds its
+    own way: on gradients that are float32 rounding alone (:func:`_cancelling`) sample 0's share
+    reached 1.75 times C (Linear, L2), 2.19 times (L1), 1.19 times (convolution, L1), 1.30 times
+    (tanh weight, L2) and 1.43 times (Embedding, L1) in these seeds."""
     shapes = [(2, 2, 4), (4, 4, 8), (8, 8, 16), (64, 64, 128)] if kind == "linear" else [None]
     config = dpsgd.DPSGDConfig(1.0, noise_multiplier=1e-12 if mechanism == "laplace" else 0.0, mechanism=mechanism)
     shares = []

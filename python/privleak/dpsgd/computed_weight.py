@@ -550,8 +550,9 @@ class ComputedWeightConvLayer(FunctionalLayer):
         """J^T of the convolution's weight gradient of x and f g per call: one of each per distinct
         tensor of factors (flat clipping gives every parameter the same one, per-layer clipping each
         its own; told apart by identity, as the fallback's); where the standardised form formed
-        G_i(w), J^T of sum_i f_i G_i(w)."""
-        if not self._fits():
+        G_i(w), J^T of sum_i f_i G_i(w). Where the norms came from the fallback's chunks (L1 norms, or
+        a weight not standardised), the same chunks formed again (:func:`~privleak.dpsgd.layers.formed_sums`)."""
+        if not self._fits() or (self.chunked and (norm_type != 2 or self._standardising() is None)):
             return super().sums_by_parameter(factors, keep, norm_type)
         if self.formed is not None:
             return self._formed_sums(factors, keep)

@@ -105,9 +105,10 @@ def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch
     vectors whose norms the factors clip, as the materialised path's kernel does. A sum by another
     route (one GEMM over (i, t), a convolution's weight gradient) rounds its own way, and where a
     sample's gradient cancels, sum_t g_t a_t^T far under sum_t |g_t| |a_t|, the two roundings are
-    unalike: a sample's share of the update reached 2.3 to 3.2 times C (inputs of 1e4 to 1.7e7,
-    output gradients that cancel over them). Each chunk's sum is one matrix-vector product,
-    float32 at least."""
+    unalike: a sample's share of the update reached 1.75 times C (L2) and 2.19 times (L1) on a
+    Linear with inputs of 1e4 to 1.7e7 and output gradients that cancel over them. Each chunk's
+    sum is one matrix-vector product, float32 at least (autocast off: under it the product would
+    run in bfloat16)."""
     sums: dict = {}
     for start in range(0, max(batch, 1), step):
         samples = slice(start, start + step)
@@ -115,7 +116,8 @@ def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch
             if key in factors:
                 dtype = torch.promote_types(rows.dtype, torch.float32)
                 rows = _zero_dropped(rows, None if keep is None else keep[samples])
-                part = torch.tensordot(factors[key][samples].to(dtype), rows.to(dtype), 1)
+                with torch.autocast(rows.device.type, enabled=False):
+                    part = torch.tensordot(factors[key][samples].to(dtype), rows.to(dtype), 1)
                 sums[key] = part if key not in sums else sums[key].add_(part)
     return sums
 
@@ -525,7 +527,7 @@ def clipped_weight_sum(a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, 
     the same ones (:func:`formed_sums`); else one GEMM (:func:`clipped_product`)."""
     if forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
         total = formed_sums(*_formed_weight_grads(a, g), a.shape[0], {None: factors}, keep)[None]
-        return total.T if transposed else total
+        return total.T.contiguous() if transposed else total  # .grad as a GEMM leaves it, contiguous
     return clipped_product(*((a, g) if transposed else (g, a)), factors, keep)
 
 
@@ -873,6 +875,10 @@ class EmbeddingLayer(Layer):
             raise ValueError(f"{self.describe()} has scale_grad_by_freq=True: its gradient divides by token counts "
                              "over the whole batch, so a sample's gradient depends on the others and cannot be clipped")
 
+    def clear(self) -> None:
+        super().clear()
+        self._l1_rows: Optional[torch.Tensor] = None  # under L1, the per-sample rows whose norms were taken
+
     def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (B, T) and g (B, T, p), positions at padding_idx zeroed, the calls laid end to end."""
         batch, pad = self.calls[0].shape[0], self.module.padding_idx
@@ -899,13 +905,21 @@ class EmbeddingLayer(Layer):
         batch, length = ids.shape
         if length == 0:  # no tokens: argmax has no dim to reduce
             return {id(self.module.weight): torch.zeros(batch, dtype=torch.float64, device=g.device)}
+        # Kept for the clipped sum, which adds these very rows (formed_sums' reason): the output
+        # gradients scaled and added over the batch rounded their own way, and a token repeated
+        # with output gradients that cancel was released at 1.84 times C.
         first = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.uint8).argmax(2)
         first += torch.arange(0, batch * length, length, device=ids.device).unsqueeze(1)
-        return {id(self.module.weight): row_norms(_rows_added(g, first, batch * length).view(g.shape), 1)}
+        self._l1_rows = _rows_added(g, first, batch * length).view(g.shape)
+        return {id(self.module.weight): row_norms(self._l1_rows, 1)}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
+        """The Embedding's weight gradient of the output gradients scaled by f; under L1, of the
+        per-sample rows whose norms were taken (at each token's first position, 0 elsewhere)."""
         weight = self.module.weight
         ids, g = self._sites()
+        if norm_type == 1 and ids.shape[1]:
+            g, self._l1_rows = self._l1_rows, None
         scaled = _scaled(_zero_dropped(g, keep), factors[id(weight)])
         return {id(weight): _rows_added(scaled.to(torch.promote_types(scaled.dtype, weight.dtype)), ids,
                                         weight.shape[0])}
