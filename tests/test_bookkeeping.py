@@ -913,6 +913,41 @@ def test_a_call_whose_output_the_loss_does_not_use_is_left_out():
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1)), want)
 
 
+def test_a_replay_whose_vmap_fails_past_the_first_chunk_takes_one_route_for_norms_and_sums(monkeypatch):
+    """vmap failing on the second chunk of the norms' replay (a forward it cannot transform, met
+    late): the module goes one sample at a time from then on, and its norms are replayed again
+    that way, so that every chunk's norms come by the route its sum takes. Chunks of 2 of 6: the
+    first chunk vmapped, the other two one sample at a time, then all three again that way for
+    the norms and for the sums; the update is the materialised path's."""
+    import torch.func
+
+    monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
+    vmapped, one_at_a_time = [], []
+    vmap = torch.func.vmap
+
+    def failing_second(*args, **kwargs):
+        transformed = vmap(*args, **kwargs)
+
+        def run(*inputs):
+            vmapped.append(len(vmapped))
+            if len(vmapped) == 2:
+                raise RuntimeError("a forward torch.func cannot transform")
+            return transformed(*inputs)
+        return run
+
+    model, x, target = setting("fallback")
+    config = dpsgd.DPSGDConfig(0.5, noise_multiplier=0.3)
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 4.0, M.NoiseGenerator(1))
+    monkeypatch.setattr(torch.func, "vmap", failing_second)
+    original = layers.FunctionalLayer._one_at_a_time_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
+                        lambda self, *args: one_at_a_time.append(len(args[2][0])) or original(self, *args))
+    got = book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))
+    assert len(vmapped) == 2 and one_at_a_time == [2] * (2 + 3 + 3)
+    assert_same_update(got, want)
+
+
 def test_a_replay_in_chunks_leaves_out_the_samples_it_drops(monkeypatch):
     """non_finite='drop' with the clipped sum by a second pass: a dropped sample's inputs and
     output gradients are zeroed before it (0 * NaN would reach the sum)."""

@@ -289,6 +289,52 @@ def mixtral_experts():
         hidden_size=16, intermediate_size=8, num_local_experts=4))
 
 
+class CancellingExperts(torch.nn.Module):
+    """Mixtral's experts, every token routed to experts 0 and 1 with weight 1/2, after an identity
+    map (the flattened batch's graph), the loss weighing their outputs by w."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = mixtral_experts()
+        self.experts.config._experts_implementation = "eager"
+        with torch.no_grad():
+            for p in self.experts.parameters():
+                p.normal_(0, 0.5)
+        self.embed = torch.nn.Linear(16, 16, bias=False)
+        self.embed.weight.data = torch.eye(16)
+        self.embed.weight.requires_grad_(False)
+
+    def forward(self, x, w):
+        tokens = self.embed(x).reshape(-1, 16)
+        index, weights = torch.tensor([[0, 1]]).expand(len(tokens), 2), torch.full((len(tokens), 2), 0.5)
+        return (self.experts(tokens, index, weights).view(x.shape) * w).sum((1, 2))
+
+
+def test_an_expert_gradient_formed_for_its_norm_is_the_one_its_sum_adds():
+    """Under L1 norms each (sample, expert) group's gradient is formed for its norm, and the sum adds
+    the same ones (test_bookkeeping's test of that name): sample 0 one token at all 16 positions,
+    the loss's weights of mean 0 over them (entries up to 1e4), so the down projection's gradient
+    of each of its experts cancels to float32 rounding; the other samples' inputs are 0. Summed
+    by one product per expert, sample 0's share reached 1.16 times C in these seeds; now C."""
+    config = dpsgd.DPSGDConfig(1.0, noise_multiplier=1e-12, mechanism="laplace")
+    shares = []
+    for magnitude in (1e2, 1e4):
+        for seed in range(6):
+            generator = torch.Generator().manual_seed(seed)
+            x = torch.zeros(8, 16, 16)
+            x[0] = torch.randn(1, 16, generator=generator).expand(16, 16)
+            w = torch.zeros(8, 16, 16, dtype=torch.float64)
+            w[0] = torch.randn(16, 16, generator=generator, dtype=torch.float64) * magnitude
+            torch.manual_seed(seed)
+            model = CancellingExperts()
+            bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), config, expected_batch_size=8,
+                                   check_first_sample=False)
+            losses = model(x.requires_grad_(), (w - w.mean(1, keepdim=True)).float())
+            shares.append(float(torch.cat([u.flatten() for u in bk.step(losses)]).double().norm(p=1)) * 8)
+    assert max(shares) <= 1 + 2.0**-14, max(shares)
+    assert sum(share > 0.5 for share in shares) >= len(shares) // 2
+
+
 def keep_pairs(monkeypatch, kept):
     """Whether the experts keep their recomputed pairs from the norms for the sums (where they are
     no larger than the parameters), or make them again, whatever their size."""

@@ -17,10 +17,11 @@ sum_{r in R(i, e)} u_r x_r^T over the rows R(i, e) of sample i routed to e, and
 the ghost norm of each (sample, expert) group of about T k / E rows (a (T k / E)^2 Gram instead of
 the expert's matrix: Bu et al.'s mixed rule, per group), and the clipped sum of expert e is one
 matrix product over its rows, sum_r f_{i(r)} u_r x_r^T (book-keeping: Bu et al., "Differentially
-Private Optimization on Large Model at Small Cost", ICML 2023). u_r and h_r are recomputed after the
-backward pass from the recorded x, routing and g: the up projection and phi again, and one product
-with D_e for u (about a third of the module's forward and backward); the rows are grouped by
-expert, then sample.
+Private Optimization on Large Model at Small Cost", ICML 2023); where the groups' gradients are
+formed for their norms instead, the sum adds those (:func:`~privleak.dpsgd.layers.formed_sums`).
+u_r and h_r are recomputed after the backward pass from the recorded x, routing and g: the up
+projection and phi again, and one product with D_e for u (about a third of the module's forward
+and backward); the rows are grouped by expert, then sample.
 """
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ from privleak.dpsgd import graph
 from privleak.dpsgd.layers import (
     Layer,
     _common,
+    _formed_weight_grads,
     _input_nodes,
+    _zero_dropped,
+    formed_sums,
+    forms_weight_grads,
     layer_kind,
     row_norms,
     samples_per_chunk,
-    use_ghost_norm,
     weight_norms,
 )
 
@@ -70,12 +74,6 @@ class _Routed(NamedTuple):
 
     def size(self) -> int:
         return self.u.numel() + self.h.numel()
-
-    def of(self, keep: torch.Tensor) -> _Routed:
-        """The pairs of the samples ``keep`` (B,) bool marks."""
-        mask = keep[self.samples]
-        return _Routed(*(t[mask] for t in self[:-1]),
-                       torch.bincount(self.experts[mask], minlength=len(self.counts)).tolist())
 
 
 @layer_kind("transformers.models.*.modeling_*.*Experts")
@@ -126,6 +124,8 @@ class ExpertsLayer(Layer):
     def clear(self) -> None:
         super().clear()
         self.kept_rows: Optional[_Routed] = None  # the norms' recomputed pairs, kept for the sums
+        self.groups: Optional[_Groups] = None  # the norms' (sample, expert) groups
+        self.bias_rows: dict = {}  # per bias, its groups' rows whose norms were taken
 
     def batch_sizes(self) -> list[int]:
         return [call[0].shape[0] for call in self.calls]
@@ -136,10 +136,9 @@ class ExpertsLayer(Layer):
     def take_grad(self, call: int, output: int, grad: torch.Tensor, norm_type: int) -> None:
         self.grads[call][output] = grad  # (B T, d) as the call's input
 
-    def _routed(self, keep: Optional[torch.Tensor] = None) -> _Routed:
-        """The recorded calls' pairs (of the samples ``keep`` marks: all if None), recomputed and
-        sorted by expert, then sample."""
-        found = [self._routed_call(call, keep) for call in range(len(self.calls))]
+    def _routed(self) -> _Routed:
+        """The recorded calls' pairs, recomputed and sorted by expert, then sample."""
+        found = [self._routed_call(call) for call in range(len(self.calls))]
         if len(found) == 1:
             return found[0]
         columns = [torch.cat(column) for column in zip(*[r[:-1] for r in found])]
@@ -147,7 +146,7 @@ class ExpertsLayer(Layer):
         order = torch.argsort(experts * max(call[1].shape[0] for call in self.calls) + samples)  # sample < tokens
         return _Routed(*(t[order] for t in columns), torch.bincount(experts, minlength=len(found[0].counts)).tolist())
 
-    def _routed_call(self, call: int, keep: Optional[torch.Tensor]) -> _Routed:
+    def _routed_call(self, call: int) -> _Routed:
         m = self.module
         (hidden, index, weights, (device, enabled, dtype)), g = self.calls[call], self.grads[call]
         tokens, top_k = index.shape
@@ -155,8 +154,6 @@ class ExpertsLayer(Layer):
         token = torch.arange(tokens, device=index.device).repeat_interleave(top_k)
         experts, samples, routing = index.reshape(-1), token // per_sample, weights.reshape(-1)
         valid = experts < m.num_experts  # transformers' sentinel: a slot routed to no expert here
-        if keep is not None:
-            valid &= keep[samples]
         order = torch.argsort(experts * tokens + samples)
         order = order[valid[order]]
         experts, samples, token, routing = experts[order], samples[order], token[order], routing[order]
@@ -219,28 +216,37 @@ class ExpertsLayer(Layer):
         routed = self._routed()
         if routed.size() <= sum(p.numel() for p in self.parameters):
             self.kept_rows = routed
-        groups = _Groups(routed.experts * batch + routed.samples, routed.samples)
+        groups = self.groups = _Groups(routed.experts * batch + routed.samples, routed.samples, routed.experts)
         norms = {}
         for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
             if self.trains(weight):
                 norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type, self.may_sync), batch)
             if self.trains(bias):
-                norms[id(bias)] = groups.per_sample(row_norms(groups.sums(g), norm_type), batch)
+                self.bias_rows[id(bias)] = rows = groups.sums(g)
+                norms[id(bias)] = groups.per_sample(row_norms(rows, norm_type), batch)
         return norms
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
+        """Per expert, sum_r f_{i(r)} g_r a_r^T, one matrix product over its pairs where the norms
+        were ghost norms; where they came from each group's gradients formed, those formed again,
+        weighted and added into their experts (:func:`~privleak.dpsgd.layers.formed_sums`' reason);
+        a bias's, its groups' rows as the norms had them. The pairs are the norms' (kept, or
+        recomputed by the same calls), a dropped sample's zeroed rather than left out, so that the
+        groups stay the norms'."""
         routed, self.kept_rows = self.kept_rows, None
-        if routed is None:
-            routed = self._routed(keep)
-        elif keep is not None:
-            routed = routed.of(keep)
-        def factor(parameter):  # each pair's clip factor: its sample's
-            return factors[id(parameter)][routed.samples][:, None]
-
+        routed = self._routed() if routed is None else routed
+        groups, rows_kept = self.groups, None if keep is None else keep[routed.samples]
+        groups_kept = None if keep is None else keep[groups.samples]
+        experts = len(routed.counts)
         sums = {}
         for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
-            if self.trains(weight):
-                left = g * factor(weight).to(g.dtype)
+            f = factors.get(id(weight))
+            if self.trains(weight) and groups.forms(a, g, norm_type):
+                total = groups.formed_sums(a, g, f[groups.samples], groups_kept, experts)
+                sums[id(weight)] = total.transpose(1, 2).contiguous() if self.module.is_transposed else total
+            elif self.trains(weight):
+                left = _zero_dropped(g * f[routed.samples][:, None].to(g.dtype), rows_kept)
+                a = _zero_dropped(a, rows_kept)
                 total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                 start = 0
                 for e, n in enumerate(routed.counts):
@@ -250,8 +256,9 @@ class ExpertsLayer(Layer):
                         start += n
                 sums[id(weight)] = total
             if self.trains(bias):
+                rows = _zero_dropped(self.bias_rows.pop(id(bias)), groups_kept)
                 sums[id(bias)] = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).index_add_(
-                    0, routed.experts, (g * factor(bias).to(g.dtype)).float())
+                    0, groups.experts, rows.float() * factors[id(bias)][groups.samples][:, None])
         return sums
 
 
@@ -260,11 +267,11 @@ class _Groups:
     group and place in it, for the groups' rows padded with zeros to one length (zero rows add
     nothing to a Gram or a gradient)."""
 
-    def __init__(self, key: torch.Tensor, samples: torch.Tensor):
+    def __init__(self, key: torch.Tensor, samples: torch.Tensor, experts: torch.Tensor):
         starts = torch.ones_like(key, dtype=torch.bool)
         starts[1:] = key[1:] != key[:-1]
         self.group = starts.cumsum(0) - 1
-        self.samples = samples[starts]  # each group's sample
+        self.samples, self.experts = samples[starts], experts[starts]  # each group's sample and expert
         sizes = torch.bincount(self.group, minlength=len(self.samples))
         self.place = torch.arange(len(key), device=key.device) - (sizes.cumsum(0) - sizes)[self.group]
         self.length = int(sizes.max()) if len(key) else 0
@@ -280,11 +287,30 @@ class _Groups:
         if not len(self.samples):
             return torch.zeros(0, dtype=torch.float64, device=a.device)
         a, g = self.padded(a), self.padded(g)
-        d, p = a.shape[-1], g.shape[-1]
-        formed = self.length > 1 and not (norm_type == 2 and use_ghost_norm(self.length, d, p))
-        step = samples_per_chunk(self.length * (d + p), d * p, at_least=1) if formed else len(a)
+        step = self._step(a, g) if self.forms(a, g, norm_type) else len(a)
         return torch.cat([weight_norms(a[i:i + step], g[i:i + step], norm_type, may_sync=may_sync)
                           for i in range(0, len(a), step)])
+
+    def forms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int) -> bool:
+        """Whether :meth:`weight_norms` forms the groups' gradients, for rows a (R, d), g (R, p)."""
+        return forms_weight_grads(self.length, a.shape[-1], g.shape[-1], norm_type)
+
+    def _step(self, a: torch.Tensor, g: torch.Tensor) -> int:
+        """Groups a time whose gradients are formed, for padded a (G, n, d), g (G, n, p)."""
+        return samples_per_chunk(self.length * (a.shape[-1] + g.shape[-1]), a.shape[-1] * g.shape[-1], at_least=1)
+
+    def formed_sums(self, a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, keep: Optional[torch.Tensor],
+                    experts: int) -> torch.Tensor:
+        """(E, p, d): the groups' gradients that :meth:`weight_norms` formed, formed again in the same
+        chunks by the same calls, each weighted by its group's factor and added into its expert."""
+        a, g = self.padded(a), self.padded(g)
+        step, total = self._step(a, g), None
+        for i in range(0, len(a), step):
+            chunk = slice(i, i + step)
+            part = formed_sums(*_formed_weight_grads(a[chunk], g[chunk]), len(a[chunk]), {None: factors[chunk]},
+                               None if keep is None else keep[chunk], into=(self.experts[chunk], experts))[None]
+            total = part if total is None else total.add_(part)
+        return total
 
     def sums(self, rows: torch.Tensor) -> torch.Tensor:
         """(groups, p): each group's rows summed, float32 at least."""

@@ -99,7 +99,8 @@ def formed_norms(form, step: int, batch: int, norm_type: int) -> dict:
     return {key: torch.cat(column) for key, column in columns.items()}
 
 
-def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch.Tensor],
+                into: Optional[tuple] = None) -> dict:
     """By key of ``factors``, sum_i f_i G_i of the per-sample gradients that :func:`formed_norms`
     took the norms of, formed again by the same calls in the same chunks: the sum adds the very
     vectors whose norms the factors clip, as the materialised path's kernel does. A sum by another
@@ -108,7 +109,8 @@ def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch
     unalike: a sample's share of the update reached 1.75 times C (L2) and 2.19 times (L1) on a
     Linear with inputs of 1e4 to 1.7e7 and output gradients that cancel over them. Each chunk's
     sum is one matrix-vector product, float32 at least (autocast off: under it the product would
-    run in bfloat16)."""
+    run in bfloat16). With ``into`` = (index, n), sample i's term goes to row index[i] of n sums
+    (a mixture's (sample, expert) groups into their experts' weights)."""
     sums: dict = {}
     for start in range(0, max(batch, 1), step):
         samples = slice(start, start + step)
@@ -116,8 +118,14 @@ def formed_sums(form, step: int, batch: int, factors: dict, keep: Optional[torch
             if key in factors:
                 dtype = torch.promote_types(rows.dtype, torch.float32)
                 rows = _zero_dropped(rows, None if keep is None else keep[samples])
+                f = factors[key][samples].to(dtype)
                 with torch.autocast(rows.device.type, enabled=False):
-                    part = torch.tensordot(factors[key][samples].to(dtype), rows.to(dtype), 1)
+                    if into is None:
+                        part = torch.tensordot(f, rows.to(dtype), 1)
+                    else:
+                        index, size = into
+                        part = torch.zeros(size, *rows.shape[1:], dtype=dtype, device=rows.device).index_add_(
+                            0, index[samples], rows.to(dtype) * f.view(-1, *[1] * (rows.ndim - 1)))
                 sums[key] = part if key not in sums else sums[key].add_(part)
     return sums
 
@@ -1311,7 +1319,12 @@ class FunctionalLayer(Layer):
         time, for its norms; :meth:`sums_by_parameter` replays the same chunks again."""
         if not self.chunked:
             return {}
-        return formed_norms(functools.partial(self.per_sample_grads, batch), self._chunk_step(batch), batch, norm_type)
+        vmapped = not self._one_at_a_time
+        norms = formed_norms(functools.partial(self.per_sample_grads, batch), self._chunk_step(batch), batch, norm_type)
+        if vmapped and self._one_at_a_time:  # vmap failed past the first chunk: all by the route the sums will take
+            norms = formed_norms(functools.partial(self.per_sample_grads, batch), self._chunk_step(batch), batch,
+                                 norm_type)
+        return norms
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """sum_i f_i G_i of the per-sample gradients whose norms were taken, replayed again in the same
