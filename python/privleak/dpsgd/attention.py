@@ -312,8 +312,9 @@ class MultiheadAttentionLayer(Layer):
 
     def norms(self, batch: int, norm_type: int) -> dict:
         """Each weight's norms, its blocks' added; zeros for a parameter the step did not use."""
-        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=len(blocks) == 1, may_sync=self.may_sync)
-                       for _, a, g in blocks]
+        found = {key: [weight_norms(*_common(a, g), norm_type, deferred=len(blocks) == 1, may_sync=self.may_sync,
+                                    lost=self.lost.setdefault((key, rows), []))
+                       for rows, a, g in blocks]
                  for key, (_, blocks) in self.sites.items()}  # one block: BookKeeping's one kernel call for all
         norms = {key: total(ns) for key, ns in found.items()}
         return {**{id(p): torch.zeros(batch, dtype=torch.float64, device=p.device) for p in self.parameters
@@ -326,7 +327,8 @@ class MultiheadAttentionLayer(Layer):
             if id(p) in factors:
                 sums[id(p)] = summed = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 for (start, stop), a, g in self.sites.get(id(p), (None, ()))[1]:
-                    summed[start:stop] += clipped_weight_sum(*_common(a, g), factors[id(p)], keep, norm_type)
+                    summed[start:stop] += clipped_weight_sum(*_common(a, g), factors[id(p)], keep, norm_type,
+                                                             lost=self.lost.get((id(p), (start, stop))))
         return sums
 
 

@@ -70,6 +70,9 @@ class GhostNormInputs(NamedTuple):
 
     activations: torch.Tensor
     output_grads: torch.Tensor
+    #: where given, :func:`vouched` appends to it the rows whose norms it computed again in float64,
+    #: for the caller's clipped sum to add those samples' gradients apart in float64
+    lost: Optional[list] = None
 
 
 def ghost_norms(layers: list[GhostNormInputs], *, clipping: bool = False, may_sync: bool = True) -> list[torch.Tensor]:
@@ -81,11 +84,11 @@ def ghost_norms(layers: list[GhostNormInputs], *, clipping: bool = False, may_sy
     if not clipping:
         return list(norms)
     return [vouched(n, _dense_bound(x), None if x.activations.dtype == torch.float64 or not may_sync
-                    else functools.partial(_dense_again, x)) for n, x in zip(norms, layers)]
+                    else functools.partial(_dense_again, x), x.lost) for n, x in zip(norms, layers)]
 
 
 def _dense_bound(layer: GhostNormInputs) -> torch.Tensor:
-    a, g = layer
+    a, g = layer.activations, layer.output_grads
     return rounding_bound(float_norms(a, 2), float_norms(g, 2), d=a.shape[2], p=g.shape[2], positions=a.shape[1],
                           dtype=a.dtype)
 
@@ -98,7 +101,7 @@ def float_norms(rows: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Te
 
 
 def _dense_again(layer: GhostNormInputs, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    again = GhostNormInputs(*(t[rows].double() for t in layer))
+    again = GhostNormInputs(layer.activations[rows].double(), layer.output_grads[rows].double())
     return ghost_norms([again])[0], _dense_bound(again)
 
 
@@ -122,7 +125,8 @@ def rounding_bound(activation_norms: torch.Tensor, grad_norms: torch.Tensor, *, 
     return coefficient * torch.linalg.vecdot(activation_norms.double(), grad_norms.double()).square()
 
 
-def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable]) -> torch.Tensor:
+def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable],
+            lost: Optional[list] = None) -> torch.Tensor:
     """Ghost norms (squared) that clipping can take, whatever cancels in them. The kernel's error
     is relative to (sum_t |a_t| |g_t|)^2, not to the norm: where the gradient cancels (positions of
     equal inputs whose output gradients nearly cancel; attention keys, whose gradients sum to 0 over
@@ -135,13 +139,18 @@ def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable])
     their bound is added (``again`` None: the inputs were float64, or no host read of the rows may
     wait for the device, as in a CUDA graph's capture: only raised by the bound). Where nothing
     cancels, the bound is about 256 T u of the norm (d, p >= 128): it is added from T of about 500
-    on (2% T / 1300 of the norm), and the norm computed again past T 4000."""
+    on (2% T / 1300 of the norm), and the norm computed again past T 4000. The rows computed again
+    are appended to ``lost`` where given: their gradients cancel so far that a float32 clipped sum
+    would round them as much as their norms (its error is relative to sum_t |a_t| |g_t| too), and
+    the caller adds them apart in float64."""
     raised = torch.where(bound > VOUCHED * norms, norms + bound, norms)
     if again is None:
         return raised
     rows = (bound > LOST * norms).nonzero()[:, 0]
     if not len(rows):
         return raised
+    if lost is not None:
+        lost.append(rows)
     exact, exact_bound = again(rows)
     return raised.index_put((rows,), exact + exact_bound)
 
@@ -303,15 +312,16 @@ def conv_ghost_norm_squared(inputs: torch.Tensor, output_grads: torch.Tensor, ke
 
 def conv_ghost_norms(inputs: torch.Tensor, output_grads: torch.Tensor, kernel: list[int], strides: list[int],
                      pads: list[int], dilations: list[int], groups: int, *, clipping: bool = False,
-                     may_sync: bool = True) -> torch.Tensor:
+                     may_sync: bool = True, lost: Optional[list] = None) -> torch.Tensor:
     """:func:`conv_ghost_norm_squared` of arguments it has checked, the sizes as one int per
     spatial dim (book-keeping's convolution layers call it with their modules' own); ``clipping``
-    and ``may_sync`` as :func:`ghost_norms`'s, each group's norm vouched for."""
+    and ``may_sync`` as :func:`ghost_norms`'s, each group's norm vouched for; ``lost`` as
+    :class:`GhostNormInputs`', its rows (sample, group) sample-major."""
     x, g, *geometry = conv_grads.folded(inputs, output_grads, kernel, strides, pads, dilations, groups)
     norms = torch.ops.privleak.conv_ghost_norm(x, g, *geometry)
     if clipping:
         again = None if x.dtype == torch.float64 or not may_sync else functools.partial(_conv_again, x, g, geometry)
-        norms = vouched(norms, _conv_bound(x, g, geometry), again)
+        norms = vouched(norms, _conv_bound(x, g, geometry), again, lost)
     return group_totals(norms, groups)
 
 

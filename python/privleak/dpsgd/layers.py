@@ -231,6 +231,7 @@ class Layer:
         self.grads: list = []  # per call, the gradients of its recorded outputs (None until they come)
         self.reduced = 0  # calls that reduce() replaced by per-sample gradients
         self.per_sample: dict = {}  # per parameter id, the (B, *shape) per-sample gradients formed
+        self.lost: dict = {}  # per ghost norm, the rows computed again in float64 (weight_norms' lost)
         self.versions: list = []  # (recorded input, its version counter then), to find in-place changes
         self.sources: list = []  # per call, the autograd node that made the recorded input (None: a leaf)
         self.flattened: dict = {}  # call: batch size, for calls whose input was the batch flattened with its positions
@@ -509,7 +510,8 @@ def _formed_weight_grads(a: torch.Tensor, g: torch.Tensor):
     return (lambda samples: {None: torch.bmm(g[samples].transpose(1, 2), a[samples])}), step
 
 
-def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: bool = False, may_sync: bool = True):
+def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: bool = False, may_sync: bool = True,
+                 lost: Optional[list] = None):
     """(N,) norms of the per-sample gradient sum_t g_t a_t^T for a (N, T, d), g (N, T, p): the
     ghost norm or the per-sample gradient, whichever :func:`forms_weight_grads` says; the clipped
     sum, :func:`clipped_weight_sum`, follows the same rule. At T = 1 the gradient g a^T has rank
@@ -517,26 +519,44 @@ def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: 
     ghost-norm kernel, whose panels are 8 or 16 positions, was 10-30x slower there: B 64, d 512,
     p 32). With ``deferred``, a ghost norm is returned as its inputs
     (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for the caller to compute with other
-    layers' in one kernel call; ``may_sync``: as :func:`~privleak.dpsgd.ghost_norm.ghost_norms`'s."""
+    layers' in one kernel call; ``may_sync``: as :func:`~privleak.dpsgd.ghost_norm.ghost_norms`'s;
+    ``lost``: where a ghost norm's samples are computed again in float64, their rows are appended
+    to it (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for :func:`clipped_weight_sum`."""
     if a.shape[1] == 1:
         return row_norms(a, norm_type) * row_norms(g, norm_type)
     if not forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
         # A layer's own a and g (one dtype, as bmm below needs too) go to the kernel's op
         # unchecked: ghost_norm_squared's checks cost twice the kernel on a small layer.
-        inputs = ghost_norm.GhostNormInputs(a, g)
+        inputs = ghost_norm.GhostNormInputs(a, g, lost)
         return inputs if deferred else ghost_norm.ghost_norms([inputs], clipping=True, may_sync=may_sync)[0]
     return formed_norms(*_formed_weight_grads(a, g), a.shape[0], norm_type)[None]
 
 
 def clipped_weight_sum(a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, keep: Optional[torch.Tensor],
-                       norm_type: int, *, transposed: bool = False) -> torch.Tensor:
+                       norm_type: int, *, transposed: bool = False, lost: Optional[list] = None) -> torch.Tensor:
     """sum_i f_i sum_t g_{i,t} a_{i,t}^T, (p, d) ((d, p) ``transposed``), for a (B, T, d), g (B, T, p)
     whose norms :func:`weight_norms` gave: where it formed the per-sample gradients, the sum of
-    the same ones (:func:`formed_sums`); else one GEMM (:func:`clipped_product`)."""
+    the same ones (:func:`formed_sums`); else one GEMM (:func:`clipped_product`), the samples in
+    ``lost`` (those whose ghost norms were computed again in float64) added apart by a float64 one.
+    A float32 sum's error is relative to sum_t |a_t| |g_t|, like the ghost norm's: where that
+    passed the norm, the sample's share came out of the GEMM rounded as much as its norm."""
     if forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
         total = formed_sums(*_formed_weight_grads(a, g), a.shape[0], {None: factors}, keep)[None]
         return total.T.contiguous() if transposed else total  # .grad as a GEMM leaves it, contiguous
-    return clipped_product(*((a, g) if transposed else (g, a)), factors, keep)
+    if not lost:
+        return clipped_product(*((a, g) if transposed else (g, a)), factors, keep)
+    rest, rows = _taken_apart(lost, keep, a.shape[0])
+    total = clipped_product(*((a, g) if transposed else (g, a)), factors, rest)
+    a, g = a[rows].double(), g[rows].double()
+    return total + clipped_product(*((a, g) if transposed else (g, a)), factors[rows].double(), None).to(total.dtype)
+
+
+def _taken_apart(lost: list, keep: Optional[torch.Tensor], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) bool, the samples a float32 clipped sum keeps, and the rows it leaves to a float64 one:
+    those in ``lost`` (row tensors, a row possibly in several), both within ``keep``."""
+    rows = torch.cat(lost).unique()
+    apart = torch.zeros(batch, dtype=torch.bool, device=rows.device).index_fill_(0, rows, True)
+    return (~apart if keep is None else keep & ~apart), (rows if keep is None else rows[keep[rows]])
 
 
 def clipped_product(left: torch.Tensor, right: torch.Tensor, factors: torch.Tensor,
@@ -611,12 +631,13 @@ class LinearLayer(Layer):
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         if not self.trains(self.module.weight):
             return {}
-        a, g = self._sites()
-        return {id(self.module.weight): weight_norms(a, g, norm_type, deferred=True)}
+        key = id(self.module.weight)
+        return {key: weight_norms(*self._sites(), norm_type, deferred=True, lost=self.lost.setdefault(key, []))}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         key = id(self.module.weight)
-        return {key: clipped_weight_sum(*self._sites(), factors[key], keep, norm_type, transposed=self.transposed)}
+        return {key: clipped_weight_sum(*self._sites(), factors[key], keep, norm_type, transposed=self.transposed,
+                                        lost=self.lost.get(key))}
 
 
 @layer_kind("transformers.pytorch_utils.Conv1D")
@@ -800,10 +821,19 @@ class ConvLayer(Layer):
     def _pixel_ghost_norms(self, samples: slice) -> torch.Tensor:
         """Ghost norms of the weight for a slice of the batch, from the pixel Gram
         (:func:`~privleak.dpsgd.ghost_norm.conv_ghost_norms`)."""
-        m = self.module
+        m, lost = self.module, []
         x, padding = _conv_padding(m, self.calls[0][samples])
-        return ghost_norm.conv_ghost_norms(x, self.grads[0][samples], list(m.kernel_size), list(m.stride), padding,
-                                           list(m.dilation), m.groups, clipping=True, may_sync=self.may_sync)
+        norms = ghost_norm.conv_ghost_norms(x, self.grads[0][samples], list(m.kernel_size), list(m.stride), padding,
+                                            list(m.dilation), m.groups, clipping=True, may_sync=self.may_sync,
+                                            lost=lost)
+        self._lose(lost, samples)
+        return norms
+
+    def _lose(self, lost: list, samples: slice) -> None:
+        """Keeps for :meth:`sums_by_parameter` the samples of a chunk whose groups' ghost norms were
+        computed again in float64 (``lost``: rows (sample, group) of the chunk, sample-major)."""
+        self.lost.setdefault(id(self.module.weight), []).extend(
+            rows // self.module.groups + samples.start for rows in lost)
 
     def _ghost_norms(self, samples: slice) -> torch.Tensor:
         """Ghost norms of the weight for a slice of the batch, from the patches."""
@@ -812,7 +842,10 @@ class ConvLayer(Layer):
         a = [self._patches(x[samples]) for x in self.calls]
         g = [y[samples].reshape(-1, outputs, math.prod(y.shape[2:])).transpose(1, 2) for y in self.grads]
         a, g = _common(*((a[0], g[0]) if len(a) == 1 else (torch.cat(a, 1), torch.cat(g, 1))))
-        norms = ghost_norm.ghost_norms([ghost_norm.GhostNormInputs(a, g)], clipping=True, may_sync=self.may_sync)
+        lost: list = []
+        norms = ghost_norm.ghost_norms([ghost_norm.GhostNormInputs(a, g, lost)], clipping=True,
+                                       may_sync=self.may_sync)
+        self._lose(lost, samples)
         return ghost_norm.group_totals(norms[0], m.groups)
 
     def _formed_step(self) -> int:
@@ -826,14 +859,20 @@ class ConvLayer(Layer):
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """The weight, never formed whole: on the ghost side the convolution's weight gradient of
-        the scaled output gradients; else the per-sample gradients whose norms were taken, formed
-        again in the same chunks (:func:`formed_sums`)."""
+        the scaled output gradients, the samples whose norms were computed again in float64 by a
+        float64 one (:func:`clipped_weight_sum`'s reason); else the per-sample gradients whose
+        norms were taken, formed again in the same chunks (:func:`formed_sums`)."""
         if not self._ghost(norm_type):
             return formed_sums(self._formed_weight_grads, self._formed_step(), len(self.calls[0]), factors, keep)
-        f = factors[id(self.module.weight)]
-        sums = (self._weight_grad(_zero_dropped(x, keep), _scaled(_zero_dropped(y, keep), f))
-                for x, y in zip(self.calls, self.grads))
-        return {id(self.module.weight): total(sums)}
+        key, f = id(self.module.weight), factors[id(self.module.weight)]
+        lost = self.lost.get(key)
+        rest, rows = _taken_apart(lost, keep, len(f)) if lost else (keep, None)
+        sums = total(self._weight_grad(_zero_dropped(x, rest), _scaled(_zero_dropped(y, rest), f))
+                     for x, y in zip(self.calls, self.grads))
+        if rows is not None:  # the samples whose norms were computed again in float64: their sum so too
+            sums = sums + total(self._weight_grad(x[rows].double(), _scaled(y[rows].double(), f[rows].double()))
+                                for x, y in zip(self.calls, self.grads)).to(sums.dtype)
+        return {key: sums}
 
 
 @layer_kind(nn.ConvTranspose1d, nn.ConvTranspose2d)

@@ -173,12 +173,14 @@ class RecurrentLayer(FunctionalLayer):
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         if not self._unrolled:
             return super().norms_by_parameter(batch, norm_type)
-        return {key: weight_norms(a, g, norm_type, deferred=True) for key, (g, a) in self.sites.items()}
+        return {key: weight_norms(a, g, norm_type, deferred=True, lost=self.lost.setdefault(key, []))
+                for key, (g, a) in self.sites.items()}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         if not self._unrolled:
             return super().sums_by_parameter(factors, keep, norm_type)
-        return {key: clipped_weight_sum(a, g, factors[key], keep, norm_type) for key, (g, a) in self.sites.items()}
+        return {key: clipped_weight_sum(a, g, factors[key], keep, norm_type, lost=self.lost.get(key))
+                for key, (g, a) in self.sites.items()}
 
     def random_replay(self) -> str:
         return (f"{self.describe()} has dropout={self.module.dropout} between its layers in training mode, which its "
