@@ -50,7 +50,8 @@ class Forming(enum.Enum):
 
     DURING = "in the backward pass, in place of its inputs and output gradients, which are freed"
     AFTER = "after the backward pass, from the inputs and output gradients it kept"
-    NEVER = "never whole: norms a few samples at a time, the clipped sum by forming them again in the same chunks"
+    NEVER = ("never whole: norms a few samples at a time (the per-sample gradients' formed again in the same chunks "
+             "for the clipped sum; ghost norms' sum by one weight-gradient pass)")
 
 
 def when_to_form(per_sample: int, held: int) -> Forming:
