@@ -910,10 +910,15 @@ class TransposedConvLayer(ConvLayer):
 
 @layer_kind(nn.Embedding)
 class EmbeddingLayer(Layer):
-    """nn.Embedding: the input is one-hot, so the ghost norm needs only token equality
-    (:func:`~privleak.dpsgd.ghost_norm.embedding_ghost_norm_squared`) and the clipped sum is the
-    Embedding's weight gradient of the scaled output gradients. Positions at ``padding_idx`` get
-    no gradient."""
+    """nn.Embedding: the input is one-hot, so a sample's gradient has one row per token it holds,
+    the sum of that token's output gradients. Those rows are formed, each at its token's first
+    position (:meth:`_token_rows`: as large as the output gradients, which they replace), and the
+    norm and the clipped sum both come from them: the clipped sum, the Embedding's weight gradient
+    of the rows scaled by f, adds the very vectors whose norms were clipped. The ghost norm from
+    token equality (:func:`~privleak.dpsgd.ghost_norm.embedding_ghost_norm_squared`) took each
+    row's sum in float64, the clipped sum in float32 over the batch: on a token repeated with
+    output gradients that cancel (entries up to 1.7e7), a sample's share reached 4.1 times C.
+    Positions at ``padding_idx`` get no gradient."""
 
     rows_are_samples = broadcast_calls = True
 
@@ -925,7 +930,7 @@ class EmbeddingLayer(Layer):
 
     def clear(self) -> None:
         super().clear()
-        self._l1_rows: Optional[torch.Tensor] = None  # under L1, the per-sample rows whose norms were taken
+        self._rows: Optional[torch.Tensor] = None  # the per-sample rows whose norms were taken (_token_rows)
 
     def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (B, T) and g (B, T, p), positions at padding_idx zeroed, the calls laid end to end."""
@@ -946,29 +951,31 @@ class EmbeddingLayer(Layer):
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         ids, g = self._sites()
-        if norm_type == 2:  # the kernel's op itself, as for a Linear layer (:func:`weight_norms`)
-            return {id(self.module.weight): torch.ops.privleak.embedding_ghost_norm(ids.to(torch.int64), g)}
-        # L1 needs the rows of the per-sample gradient: the g of equal tokens summed at the
-        # position of the token's first occurrence in its sample.
+        self._rows = self._token_rows(ids, g)
+        return {id(self.module.weight): row_norms(self._rows, norm_type)}
+
+    @staticmethod
+    def _token_rows(ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(B, T, p), float32 at least: each sample's rows of its gradient, the output gradients of
+        equal tokens added at the position of the token's first occurrence (0 elsewhere). The first
+        occurrences come from a stable sort of each sample's ids, whose shapes are fixed (a CUDA
+        graph can capture it; comparing every pair of positions took B T^2 bytes)."""
         batch, length = ids.shape
-        if length == 0:  # no tokens: argmax has no dim to reduce
-            return {id(self.module.weight): torch.zeros(batch, dtype=torch.float64, device=g.device)}
-        # Kept for the clipped sum, which adds these very rows (formed_sums' reason): the output
-        # gradients scaled and added over the batch rounded their own way, and a token repeated
-        # with output gradients that cancel was released at up to 1.84 times C (T 4-64).
-        first = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(torch.uint8).argmax(2)
-        first += torch.arange(0, batch * length, length, device=ids.device).unsqueeze(1)
-        self._l1_rows = _rows_added(g, first, batch * length).view(g.shape)
-        return {id(self.module.weight): row_norms(self._l1_rows, 1)}
+        ordered, order = ids.sort(dim=1, stable=True)
+        starts = torch.ones_like(ordered, dtype=torch.bool)
+        starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        places = torch.arange(length, device=ids.device).expand(batch, length)
+        first = order.gather(1, torch.where(starts, places, 0).cummax(1).values)  # in sorted order
+        first = torch.empty_like(first).scatter_(1, order, first)
+        first += torch.arange(batch, device=ids.device).unsqueeze(1) * length
+        return _rows_added(g, first, batch * length).view(batch, length, g.shape[-1])
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
-        """The Embedding's weight gradient of the output gradients scaled by f; under L1, of the
-        per-sample rows whose norms were taken (at each token's first position, 0 elsewhere)."""
+        """The Embedding's weight gradient of the rows whose norms were taken, scaled by f."""
         weight = self.module.weight
-        ids, g = self._sites()
-        if norm_type == 1 and ids.shape[1]:
-            g, self._l1_rows = self._l1_rows, None
-        scaled = _scaled(_zero_dropped(g, keep), factors[id(weight)])
+        ids, _ = self._sites()
+        rows, self._rows = self._rows, None
+        scaled = _scaled(_zero_dropped(rows, keep), factors[id(weight)])
         return {id(weight): _rows_added(scaled.to(torch.promote_types(scaled.dtype, weight.dtype)), ids,
                                         weight.shape[0])}
 
