@@ -296,7 +296,7 @@ class _Groups:
         return forms_weight_grads(self.length, a.shape[-1], g.shape[-1], norm_type)
 
     def _step(self, a: torch.Tensor, g: torch.Tensor) -> int:
-        """Groups a time whose gradients are formed, for padded a (G, n, d), g (G, n, p)."""
+        """Groups at a time whose gradients are formed, for padded a (G, n, d), g (G, n, p)."""
         return samples_per_chunk(self.length * (a.shape[-1] + g.shape[-1]), a.shape[-1] * g.shape[-1], at_least=1)
 
     def formed_sums(self, a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, keep: Optional[torch.Tensor],
