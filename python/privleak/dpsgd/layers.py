@@ -912,8 +912,8 @@ class TransposedConvLayer(ConvLayer):
 class EmbeddingLayer(Layer):
     """nn.Embedding: the input is one-hot, so a sample's gradient has one row per token it holds,
     the sum of that token's output gradients. Those rows are formed, each at its token's first
-    position (:meth:`_token_rows`: as large as the output gradients, which they replace), and the
-    norm and the clipped sum both come from them: the clipped sum, the Embedding's weight gradient
+    position (:meth:`_token_rows`: as large as the output gradients, held beside them until the
+    sum), and the norm and the clipped sum both come from them: the clipped sum, the Embedding's weight gradient
     of the rows scaled by f, adds the very vectors whose norms were clipped. The ghost norm from
     token equality (:func:`~privleak.dpsgd.ghost_norm.embedding_ghost_norm_squared`) took each
     row's sum in float64, the clipped sum in float32 over the batch: on a token repeated with
@@ -934,13 +934,17 @@ class EmbeddingLayer(Layer):
 
     def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (B, T) and g (B, T, p), positions at padding_idx zeroed, the calls laid end to end."""
-        batch, pad = self.calls[0].shape[0], self.module.padding_idx
-        ids = [i.reshape(batch, -1) for i in self.calls]
+        batch, pad, ids = self.calls[0].shape[0], self.module.padding_idx, self._ids()
         g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
-        ids, g = (ids[0], g[0]) if len(ids) == 1 else (torch.cat(ids, 1), torch.cat(g, 1))
+        g = g[0] if len(g) == 1 else torch.cat(g, 1)
         if pad is not None:
             g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
         return ids, g
+
+    def _ids(self) -> torch.Tensor:
+        """ids (B, T), the calls laid end to end."""
+        ids = [i.reshape(self.calls[0].shape[0], -1) for i in self.calls]
+        return ids[0] if len(ids) == 1 else torch.cat(ids, 1)
 
     def can_tie(self, parameter: torch.Tensor) -> bool:
         return parameter is self.module.weight
@@ -972,8 +976,7 @@ class EmbeddingLayer(Layer):
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """The Embedding's weight gradient of the rows whose norms were taken, scaled by f."""
-        weight = self.module.weight
-        ids, _ = self._sites()
+        weight, ids = self.module.weight, self._ids()
         rows, self._rows = self._rows, None
         scaled = _scaled(_zero_dropped(rows, keep), factors[id(weight)])
         return {id(weight): _rows_added(scaled.to(torch.promote_types(scaled.dtype, weight.dtype)), ids,
