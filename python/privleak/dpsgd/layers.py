@@ -544,12 +544,14 @@ def clipped_weight_sum(a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, 
     if forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
         total = formed_sums(*_formed_weight_grads(a, g), a.shape[0], {None: factors}, keep)[None]
         return total.T.contiguous() if transposed else total  # .grad as a GEMM leaves it, contiguous
-    if not lost:
+    def product(a, g, factors, keep):
         return clipped_product(*((a, g) if transposed else (g, a)), factors, keep)
+
+    if not lost:
+        return product(a, g, factors, keep)
     rest, rows = _taken_apart(lost, keep, a.shape[0])
-    total = clipped_product(*((a, g) if transposed else (g, a)), factors, rest)
-    a, g = a[rows].double(), g[rows].double()
-    return total + clipped_product(*((a, g) if transposed else (g, a)), factors[rows].double(), None).to(total.dtype)
+    total = product(a, g, factors, rest)
+    return total + product(a[rows].double(), g[rows].double(), factors[rows].double(), None).to(total.dtype)
 
 
 def _taken_apart(lost: list, keep: Optional[torch.Tensor], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -619,15 +621,15 @@ class LinearLayer(Layer):
         """a (B, T, d) and g (B, T, p) of the calls (:meth:`finish`), in one dtype."""
         return _common(self.calls[0], self.grads[0])
 
-    def weight_factors(self, a: torch.Tensor, g: torch.Tensor) -> Factors:
-        """The weight's per-sample gradient sum_t L_t R_t^T: (p, d), L = g, R = a."""
-        return Factors(g, a)
-
     def can_tie(self, parameter: torch.Tensor) -> bool:
         return parameter is self.module.weight
 
     def factors(self, parameter: torch.Tensor) -> Optional[Factors]:
-        return self.weight_factors(*self._sites()) if self.calls else None
+        """The weight's per-sample gradient sum_t L_t R_t^T: (p, d), L = g, R = a; (d, p) ``transposed``."""
+        if not self.calls:
+            return None
+        a, g = self._sites()
+        return Factors(a, g) if self.transposed else Factors(g, a)
 
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         if not self.trains(self.module.weight):
@@ -648,10 +650,6 @@ class TransposedLinearLayer(LinearLayer):
     transformers to import; the rule is nn.Linear's with the factors' roles swapped."""
 
     transposed = True
-
-    def weight_factors(self, a: torch.Tensor, g: torch.Tensor) -> Factors:
-        """(d, p): L = a, R = g."""
-        return Factors(a, g)
 
 
 def _conv_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
