@@ -635,10 +635,16 @@ class BookKeeping:
         backward pass, to check the layers' against (:meth:`_check_first_sample`)."""
         config, norm_type = self.config, self.config.mechanism.clip_norm_type
         rows, norms = self._rows_and_norms(batch, norm_type, synced)
+        apart = {}  # by slot, a tied parameter's samples summed in float64 (tied.clipped_sum), and its factors
         for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
-            found = [f for f in (layer.factors(self.params[self._slots[key]]) for layer in sharing) if f is not None]
+            slot = self._slots[key]
+            found = [f for f in (layer.factors(self.params[slot]) for layer in sharing) if f is not None]
             if len(found) > 1:
-                norms[self._slots[key]] = tied.tied_norms(norms[self._slots[key]], found, may_sync=synced)
+                # the layers' own lost samples too: float64 sums of each layer's, rounded apart, cancel no better
+                lost = [r for layer in sharing for r in layer.lost.pop(key, [])]
+                norms[slot] = tied.tied_norms(norms[slot], found, may_sync=synced, lost=lost)
+                if lost:
+                    apart[slot] = (torch.cat(lost).unique(), found)
         order = sorted(rows) + sorted(norms)  # the kernel's columns
         if sorted(order) != list(range(len(self.params))):
             raise RuntimeError("book-keeping: the layers' rows and norms do not cover each parameter once")
@@ -666,6 +672,10 @@ class BookKeeping:
             column = dict.fromkeys(sorted(norms), columns[:, 0] if scale == 1.0 else columns[:, 0] * scale)
         else:
             column = dict(zip(sorted(norms), (columns if scale == 1.0 else columns * scale).unbind(1)))
+        for slot, (lost, found) in apart.items():  # those samples' factors 0 in their layers' float32 sums
+            lost = lost if keep is None else lost[keep[lost]]
+            apart[slot] = tied.clipped_sum(found, column[slot], lost, self.params[slot])
+            column[slot] = column[slot].index_fill(0, lost, 0.0)
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
         # it can reuse: one buffer for the whole update, allocated up front, would add a model's
         # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).
@@ -677,6 +687,8 @@ class BookKeeping:
                     slot = self._slots[key]
                     sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
             layer.clear()
+        for slot, total in apart.items():
+            sums[slot] += total.to(sums[slot].dtype)
         return sums, norm_sums
 
     def _rows_and_norms(self, batch: int, norm_type: int, synced: bool) -> tuple[dict, dict]:

@@ -26,7 +26,7 @@ and is refused for a tied parameter.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -84,7 +84,7 @@ def cross_terms(factors: list) -> torch.Tensor:
     return 2 * sum(pairs[1:], pairs[0])
 
 
-def tied_norms(own: torch.Tensor, factors: list, *, may_sync: bool = True) -> torch.Tensor:
+def tied_norms(own: torch.Tensor, factors: list, *, may_sync: bool = True, lost: Optional[list] = None) -> torch.Tensor:
     """(B,) float64 |sum_k G^k_i|^2: the layers' own squared norms ``own`` (added; each one
     vouched for by its layer) plus :func:`cross_terms`, vouched for as the ghost norms are
     (:func:`~privleak.dpsgd.ghost_norm.vouched`) by their rounding bound, 2 sum_{k<l} c_kl S^k S^l
@@ -94,11 +94,29 @@ def tied_norms(own: torch.Tensor, factors: list, *, may_sync: bool = True) -> to
     that float32 could not hold, and a sample unclipped at 2.8 times its clip norm. Past the
     bound's 2^-4 of the total, those samples' totals are computed again from float64 factors,
     sum_{k,l} <G^k, G^l> (``may_sync``: a host read may wait for the rows, unlike in a CUDA
-    graph's capture, where the total is only raised)."""
+    graph's capture, where the total is only raised). Their rows are appended to ``lost`` where
+    given, for :func:`clipped_sum`."""
     total = own + cross_terms(factors)
     exact = all(f.right.dtype == torch.float64 for f in factors)
     again = None if exact or not may_sync else functools.partial(_again, factors)
-    return ghost_norm.vouched(total, _cross_bound(factors), again)
+    return ghost_norm.vouched(total, _cross_bound(factors), again, lost)
+
+
+def clipped_sum(factors: list, weights: torch.Tensor, rows: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """float64, ``parameter``'s shape: sum_{i in rows} w_i sum_k G^k_i, the layers' gradients of
+    samples ``rows`` added in float64 before one rounding. For the samples whose totals were
+    computed again (:func:`tied_norms`' ``lost``): their layers' gradients cancel, and each
+    layer's float32 sum rounds its own gradient, which is far larger than the total; the
+    update released one at 1 + 1.7e-5 times its clip norm."""
+    total = torch.zeros(parameter.shape, dtype=torch.float64, device=parameter.device)
+    scale = weights[rows].double().view(-1, 1, 1)
+    for factor in factors:
+        right = (factor.right[rows].double() * scale).flatten(0, 1)
+        if factor.one_hot:
+            total.index_add_(0, factor.left[rows].flatten(), right)
+        else:
+            total.addmm_(factor.left[rows].double().flatten(0, 1).T, right)
+    return total
 
 
 def _spread(factor: Factors) -> torch.Tensor:
