@@ -335,6 +335,30 @@ def test_an_expert_gradient_formed_for_its_norm_is_the_one_its_sum_adds():
     assert sum(share > 0.5 for share in shares) >= len(shares) // 2
 
 
+def test_an_expert_group_whose_ghost_norm_cancels_is_summed_apart_in_float64():
+    """Four alike samples of two equal tokens, their outputs weighed by scale c and -(scale + 1) c
+    in the loss (test_bookkeeping's RepeatedInput, routed to experts 0 and 1): each (sample,
+    expert) group's gradient is the difference, which its ghost norm's sum over the pairs of
+    tokens loses to cancellation, and the norm is computed again in float64. The group's pairs
+    are then summed in float64 too, where the float32 product per expert, which cancels as the
+    norm does, released 1 + 9.3e-4 times C in these seeds; now C."""
+    config = dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0)
+    released = []
+    for seed in range(3):
+        for scale in (1e2, 1e3, 1e4, 1e5, 1e6):
+            generator = torch.Generator().manual_seed(seed)
+            x = torch.randn(1, 1, 16, generator=generator).expand(4, 2, 16).contiguous()
+            c = torch.randn(1, 1, 16, generator=generator)
+            w = torch.cat([scale * c, -(scale + 1) * c], 1).expand(4, 2, 16)
+            torch.manual_seed(seed)
+            model = CancellingExperts()
+            bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), config, expected_batch_size=4,
+                                   check_first_sample=False)
+            released.append(float(torch.cat([u.flatten() for u in bk.step(model(x.requires_grad_(), w))]).double()
+                                  .norm()))
+    assert 1 - 2.0**-4 <= min(released) and max(released) <= 1 + 2.0**-20, (min(released), max(released))
+
+
 def keep_pairs(monkeypatch, kept):
     """Whether the experts keep their recomputed pairs from the norms for the sums (where they are
     no larger than the parameters), or make them again, whatever their size."""

@@ -220,7 +220,8 @@ class ExpertsLayer(Layer):
         norms = {}
         for (weight, bias), (a, g) in zip(self.projections, self._factors(routed)):
             if self.trains(weight):
-                norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type, self.may_sync), batch)
+                lost = self.lost.setdefault(id(weight), [])
+                norms[id(weight)] = groups.per_sample(groups.weight_norms(a, g, norm_type, self.may_sync, lost), batch)
             if self.trains(bias):
                 self.bias_rows[id(bias)] = rows = groups.sums(g)
                 norms[id(bias)] = groups.per_sample(row_norms(rows, norm_type), batch)
@@ -228,11 +229,13 @@ class ExpertsLayer(Layer):
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """Per expert, sum_r f_{i(r)} g_r a_r^T, one matrix product over its pairs where the norms
-        were ghost norms; where they came from each group's gradients formed, those formed again,
-        weighted and added into their experts (:func:`~privleak.dpsgd.layers.formed_sums`' reason);
-        a bias's, its groups' rows as the norms had them. The pairs are the norms' (kept, or
-        recomputed by the same calls), a dropped sample's zeroed rather than left out, so that the
-        groups stay the norms'."""
+        were ghost norms (the pairs of groups whose ghost norms were computed again in float64 left
+        out of it and added by a float64 one:
+        :func:`~privleak.dpsgd.layers.clipped_weight_sum`'s reason); where they came from each
+        group's gradients formed, those formed again, weighted and added into their experts
+        (:func:`~privleak.dpsgd.layers.formed_sums`' reason); a bias's, its groups' rows as the
+        norms had them. The pairs are the norms' (kept, or recomputed by the same calls), a dropped
+        sample's zeroed rather than left out, so that the groups stay the norms'."""
         routed, self.kept_rows = self.kept_rows, None
         routed = self._routed() if routed is None else routed
         groups, rows_kept = self.groups, None if keep is None else keep[routed.samples]
@@ -245,21 +248,36 @@ class ExpertsLayer(Layer):
                 total = groups.formed_sums(a, g, f[groups.samples], groups_kept, experts)
                 sums[id(weight)] = total.transpose(1, 2).contiguous() if self.module.is_transposed else total
             elif self.trains(weight):
-                left = _zero_dropped(g * f[routed.samples][:, None].to(g.dtype), rows_kept)
-                a = _zero_dropped(a, rows_kept)
-                total = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                start = 0
-                for e, n in enumerate(routed.counts):
-                    if n:
-                        g_e, a_e = left[start:start + n], a[start:start + n]
-                        total[e] = (a_e.T @ g_e) if self.module.is_transposed else (g_e.T @ a_e)
-                        start += n
+                lost = self.lost.get(id(weight))
+                apart = torch.zeros(len(groups.samples), dtype=torch.bool, device=a.device).index_fill_(
+                    0, torch.cat(lost), True)[groups.group] if lost else None  # per pair
+                summed = rows_kept if apart is None else ~apart if rows_kept is None else rows_kept & ~apart
+                left = _zero_dropped(g * f[routed.samples][:, None].to(g.dtype), summed)
+                total = self._per_expert(left, _zero_dropped(a, summed), routed.counts, weight, torch.float32)
+                if apart is not None:
+                    pairs = (apart if rows_kept is None else apart & rows_kept).nonzero()[:, 0]
+                    left = g[pairs].double() * f[routed.samples[pairs]][:, None].double()
+                    counts = torch.bincount(routed.experts[pairs], minlength=experts).tolist()
+                    total += self._per_expert(left, a[pairs].double(), counts, weight, torch.float64).float()
                 sums[id(weight)] = total
             if self.trains(bias):
                 rows = _zero_dropped(self.bias_rows.pop(id(bias)), groups_kept)
                 sums[id(bias)] = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).index_add_(
                     0, groups.experts, rows.float() * factors[id(bias)][groups.samples][:, None])
         return sums
+
+    def _per_expert(self, left: torch.Tensor, right: torch.Tensor, counts: list, weight: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """(E, p, d) (transposed: (E, d, p)) in ``dtype``: per expert e, sum_r L_r R_r^T over its
+        ``counts[e]`` pairs, which follow those of the experts before it."""
+        total = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                left_e, right_e = left[start:start + n], right[start:start + n]
+                total[e] = (right_e.T @ left_e) if self.module.is_transposed else (left_e.T @ right_e)
+                start += n
+        return total
 
 
 class _Groups:
@@ -281,15 +299,19 @@ class _Groups:
         out[self.group, self.place] = rows
         return out
 
-    def weight_norms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int, may_sync: bool) -> torch.Tensor:
+    def weight_norms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int, may_sync: bool,
+                     lost: list) -> torch.Tensor:
         """Each group's norm of sum_r g_r a_r^T (:func:`~privleak.dpsgd.layers.weight_norms`: the
-        ghost norm or the gradient, a few groups at a time where the gradients are formed)."""
+        ghost norm, the groups whose norms are computed again in float64 appended to ``lost``; or
+        the gradient, a few groups at a time where the gradients are formed)."""
         if not len(self.samples):
             return torch.zeros(0, dtype=torch.float64, device=a.device)
         a, g = self.padded(a), self.padded(g)
-        step = self._step(a, g) if self.forms(a, g, norm_type) else len(a)
-        return torch.cat([weight_norms(a[i:i + step], g[i:i + step], norm_type, may_sync=may_sync)
-                          for i in range(0, len(a), step)])
+        if self.forms(a, g, norm_type):
+            step = self._step(a, g)
+            return torch.cat([weight_norms(a[i:i + step], g[i:i + step], norm_type, may_sync=may_sync)
+                              for i in range(0, len(a), step)])
+        return weight_norms(a, g, norm_type, may_sync=may_sync, lost=lost)
 
     def forms(self, a: torch.Tensor, g: torch.Tensor, norm_type: int) -> bool:
         """Whether :meth:`weight_norms` forms the groups' gradients, for rows a (R, d), g (R, p)."""
