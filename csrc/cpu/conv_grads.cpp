@@ -16,7 +16,11 @@
 // faster).
 //
 // The two copies in and the permutation out are transposes, done in 8 x 8 register blocks on the
-// SIMD paths (float inputs): as scalar loops they took half of the 12-channel layers' time.
+// SIMD paths (float inputs): as scalar loops they took half of the 12-channel layers' time. The
+// permutation is one transpose of the tile's rows gathered in the weight's order, each output
+// row written whole: one transpose per channel wrote runs of k_h k_w elements to O rows C k_h k_w
+// elements apart, which share a few cache sets, and took half of the time of a 128-channel layer
+// at 8 x 8 pixels (B = 8, one thread, AVX-512: 0.32 -> 0.20 ms a sample).
 //
 // Paths: vectors of 16 floats (AVX-512, up to 6 rows by 4 vectors), 8 floats (AVX2, up to 6 by
 // 2), and portable loops over 8 lanes (any CPU, and float64 inputs). Every path computes each
@@ -76,6 +80,16 @@ inline bool consecutive_rows(const int64_t* offsets, int64_t r0, int rows) {
     if (offsets[r0 + i] != offsets[r0] + i) return false;
   return true;
 }
+
+// The rows of a matrix to transpose: row i at base + i stride, or at base + gathered[i] (the
+// gradient tile's rows in the weight's order, which a stride cannot step through).
+template <class T>
+struct SourceRows {
+  const T* base;
+  int64_t stride;
+  const int64_t* gathered = nullptr;
+  const T* operator()(int64_t i) const { return base + (gathered ? gathered[i] : i * stride); }
+};
 
 // ------------------------------------------------------------------------------------- portable
 
@@ -162,51 +176,61 @@ PRIVLEAK_CONV_TILE(tile_avx512, PRIVLEAK_CONV_AVX512, __m512, 16, _mm512_setzero
                    _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
 #undef PRIVLEAK_CONV_TILE
 
-// dst[j dst_stride + i] = src[i src_stride + j] for i < rows and j < cols, in 8 x 8 blocks
+// dst[j dst_stride + i] = src(i)[j] for i < rows and j < cols, in 8 x 8 blocks
 // transposed in registers (canonical: NaNs stored as conv_result stores them). The scalar form,
 // transpose_into below, moved one element per 3 cycles: the output permutation and the two
 // input copies took half the paper CNN's 12-channel layers' time, as much as the fma chains
 // (B = 64, one thread: 0.13 / 0.28 / 0.26 -> 0.10 / 0.19 / 0.18 ms; CIFAR's layers 12-17%).
+// Block (i0, j0) of transpose_avx2 (inlined: a call a block made the paper CNN's first layer,
+// 25 x 12 elements a sample, 10% slower).
 template <bool Canonical>
-PRIVLEAK_CONV_AVX2 void transpose_avx2(const float* src, int64_t rows, int64_t cols, int64_t src_stride, float* dst,
-                                       int64_t dst_stride) {
+__attribute__((target("avx2,fma"), always_inline)) inline void transpose_block_avx2(SourceRows<float> src, int64_t rows, int64_t cols, float* dst,
+                                                    int64_t dst_stride, int64_t i0, int64_t j0) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int n = static_cast<int>(std::min<int64_t>(8, rows - i0)), m = static_cast<int>(std::min<int64_t>(8, cols - j0));
+  const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), lane);
+  __m256 r[8];
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < 8; ++i)
+    r[i] = i >= n ? _mm256_setzero_ps()
+           : m == 8 ? _mm256_loadu_ps(src(i0 + i) + j0)
+                    : _mm256_maskload_ps(src(i0 + i) + j0, load_mask);
+  __m256 t[8], u[8];
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  PRIVLEAK_UNROLL
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  const __m256i store_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
   const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
-  for (int64_t i0 = 0; i0 < rows; i0 += 8)
-    for (int64_t j0 = 0; j0 < cols; j0 += 8) {
-      const int n = static_cast<int>(std::min<int64_t>(8, rows - i0)), m = static_cast<int>(std::min<int64_t>(8, cols - j0));
-      const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), lane);
-      const float* from = src + i0 * src_stride + j0;
-      __m256 r[8];
-      PRIVLEAK_UNROLL
-      for (int i = 0; i < 8; ++i)
-        r[i] = i >= n ? _mm256_setzero_ps()
-               : m == 8 ? _mm256_loadu_ps(from + i * src_stride)
-                        : _mm256_maskload_ps(from + i * src_stride, load_mask);
-      __m256 t[8], u[8];
-      PRIVLEAK_UNROLL
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      PRIVLEAK_UNROLL
-      for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      const __m256i store_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-      float* to = dst + j0 * dst_stride + i0;
-      PRIVLEAK_UNROLL
-      for (int j = 0; j < 8; ++j) {
-        if (j >= m) break;
-        __m256 v = _mm256_permute2f128_ps(u[j % 4], u[j % 4 + 4], j < 4 ? 0x20 : 0x31);
-        if (Canonical) v = _mm256_blendv_ps(v, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        if (n == 8) _mm256_storeu_ps(to + j * dst_stride, v);
-        else _mm256_maskstore_ps(to + j * dst_stride, store_mask, v);
-      }
-    }
+  float* to = dst + j0 * dst_stride + i0;
+  PRIVLEAK_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    if (j >= m) break;
+    __m256 v = _mm256_permute2f128_ps(u[j % 4], u[j % 4 + 4], j < 4 ? 0x20 : 0x31);
+    if (Canonical) v = _mm256_blendv_ps(v, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (n == 8) _mm256_storeu_ps(to + j * dst_stride, v);
+    else _mm256_maskstore_ps(to + j * dst_stride, store_mask, v);
+  }
+}
+
+template <bool Canonical, bool RowsWhole>
+PRIVLEAK_CONV_AVX2 void transpose_avx2(SourceRows<float> src, int64_t rows, int64_t cols, float* dst,
+                                       int64_t dst_stride) {
+  if (RowsWhole) {
+    for (int64_t j0 = 0; j0 < cols; j0 += 8)
+      for (int64_t i0 = 0; i0 < rows; i0 += 8) transpose_block_avx2<Canonical>(src, rows, cols, dst, dst_stride, i0, j0);
+  } else {
+    for (int64_t i0 = 0; i0 < rows; i0 += 8)
+      for (int64_t j0 = 0; j0 < cols; j0 += 8) transpose_block_avx2<Canonical>(src, rows, cols, dst, dst_stride, i0, j0);
+  }
 }
 
 // The tile of rows r0 .. r0 + MR - 1, by constants from one pointer where they are consecutive.
@@ -263,25 +287,30 @@ struct Avx512 {
 
 // ------------------------------------------------------------------------------------ one sample
 
-// dst[j dst_stride + i] = src[i src_stride + j], widened (canonical: NaNs as conv_result stores
-// them), for i < rows and j < cols: in 16 x 16 blocks, so that the reads are runs and each line
-// written is filled while in L1 (a plain loop wrote one element per line and took a sixth of the
-// kernel's time at C = O = 32). A SIMD path transposes float blocks in registers instead.
-template <class P, bool Canonical = false, class In, class Acc>
-void transpose_into(const In* src, int64_t rows, int64_t cols, int64_t src_stride, Acc* dst, int64_t dst_stride) {
+// dst[j dst_stride + i] = src(i)[j], widened (canonical: NaNs as conv_result stores them), for
+// i < rows and j < cols: in 16 x 16 blocks, so that the reads are runs and each line written is
+// filled while in L1 (a plain loop wrote one element per line and took a sixth of the kernel's
+// time at C = O = 32). A SIMD path transposes float blocks in registers instead. The blocks go
+// along src's rows, or with ``RowsWhole`` down them, each of dst's rows written whole before
+// the next: rows of dst a near power of two apart (the weight's C k of 128 x 9 floats) share a
+// few cache sets, and a pass along src's rows wrote a block to each of them in turn.
+template <class P, bool Canonical = false, bool RowsWhole = false, class In, class Acc>
+void transpose_into(SourceRows<In> src, int64_t rows, int64_t cols, Acc* dst, int64_t dst_stride) {
 #if defined(PRIVLEAK_X86_AVX2)
   if constexpr (P::simd_transpose && std::is_same_v<In, float> && std::is_same_v<Acc, float>)
-    return transpose_avx2<Canonical>(src, rows, cols, src_stride, dst, dst_stride);
+    return transpose_avx2<Canonical, RowsWhole>(src, rows, cols, dst, dst_stride);
 #endif
-  for (int64_t i0 = 0; i0 < rows; i0 += 16)
-    for (int64_t j0 = 0; j0 < cols; j0 += 16) {
-      const int64_t i1 = std::min(rows, i0 + 16), j1 = std::min(cols, j0 + 16);
-      for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = j0; j < j1; ++j) {
-          const Acc v = static_cast<Acc>(Element<In>::load(src[i * src_stride + j]));
-          dst[j * dst_stride + i] = Canonical ? conv_result(v) : v;
-        }
-    }
+  const int64_t blocks_down = (rows + 15) / 16, blocks_along = (cols + 15) / 16;
+  for (int64_t b = 0; b < blocks_down * blocks_along; ++b) {  // a division a block of 256 elements
+    const int64_t i0 = 16 * (RowsWhole ? b % blocks_down : b / blocks_along);
+    const int64_t j0 = 16 * (RowsWhole ? b / blocks_down : b % blocks_along);
+    const int64_t i1 = std::min(rows, i0 + 16), j1 = std::min(cols, j0 + 16);
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t j = j0; j < j1; ++j) {
+        const Acc v = static_cast<Acc>(Element<In>::load(src(i)[j]));
+        dst[j * dst_stride + i] = Canonical ? conv_result(v) : v;
+      }
+  }
 }
 
 // What every sample of a call shares: the scratch sizes and each gradient row's offset into xp
@@ -290,7 +319,7 @@ void transpose_into(const In* src, int64_t rows, int64_t cols, int64_t src_strid
 template <class P>
 struct Layout {
   int64_t hp, wp, positions, out_pad, rows, row, cs, rows_pad;
-  std::vector<int64_t> offsets, corners;
+  std::vector<int64_t> offsets, corners, weight_rows;
 
   explicit Layout(const ConvGeometry& c)
       : hp(c.padded_height()),
@@ -302,7 +331,8 @@ struct Layout {
         cs(spread_stride(c.channels)),  // xp's pixel stride
         rows_pad(rows + kMaxRows),  // tiles run up to kMaxRows past the last row: those repeat it, unread
         offsets(static_cast<size_t>(rows_pad)),
-        corners(static_cast<size_t>(positions)) {
+        corners(static_cast<size_t>(positions)),
+        weight_rows(static_cast<size_t>(rows)) {
     for (int64_t r = 0; r < rows_pad; ++r) {
       const int64_t entry = std::min(r, rows - 1), ch = entry % c.channels, k = entry / c.channels;
       offsets[r] = ((k / c.kernel_w) * c.dilation_h * wp + (k % c.kernel_w) * c.dilation_w) * cs + ch;
@@ -311,6 +341,9 @@ struct Layout {
     // a tile's registers were reloaded every 7 positions.
     for (int64_t t = 0; t < positions; ++t)
       corners[t] = ((t / c.out_width) * c.stride_h * wp + (t % c.out_width) * c.stride_w) * cs;
+    // Column (ch, k) of the weight's rows (o, ch, k) is row k C + ch of the tile.
+    const int64_t kernel = c.kernel_size();
+    for (int64_t e = 0; e < rows; ++e) weight_rows[e] = ((e % kernel) * c.channels + e / kernel) * row;
   }
 };
 
@@ -332,9 +365,9 @@ template <class P, class In, class Out>
 void sample_grads(const In* x, const In* g, const ConvGeometry& c, const Layout<P>& l, Workspace<P>& ws, Out* out) {
   using Acc = typename P::Acc;
   for (int64_t i = 0; i < c.height; ++i)  // the image into xp's interior, transposed row by row
-    transpose_into<P>(x + i * c.width, c.channels, c.width, c.height * c.width,
+    transpose_into<P>(SourceRows<In>{x + i * c.width, c.height * c.width}, c.channels, c.width,
                       ws.xp.data() + ((i + c.pad_h) * l.wp + c.pad_w) * l.cs, l.cs);
-  transpose_into<P>(g, c.outputs, l.positions, l.positions, ws.gt.data(), l.row);
+  transpose_into<P>(SourceRows<In>{g, l.positions}, c.outputs, l.positions, ws.gt.data(), l.row);
   const Sample<Acc> s{ws.xp.data(), ws.gt.data(), l.offsets.data(), l.corners.data(), l.row, l.positions};
   for (int64_t o0 = 0; o0 < l.out_pad; o0 += int64_t(P::max_vectors) * P::lanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(P::max_vectors, (l.out_pad - o0) / P::lanes));
@@ -347,11 +380,11 @@ void sample_grads(const In* x, const In* g, const ConvGeometry& c, const Layout<
     }
     for (; r0 < l.rows; r0 += kShortRows) P::short_tile(s, r0, o0, vectors, ws.tile.data());
   }
-  // tile[(k C + ch), o] -> out[o, ch, k]: per channel, a transpose of a kernel x outputs matrix.
-  const int64_t kernel = c.kernel_size();
-  for (int64_t ch = 0; ch < c.channels; ++ch)
-    transpose_into<P, true>(ws.tile.data() + ch * l.row, kernel, c.outputs, c.channels * l.row, out + ch * kernel,
-                            c.channels * kernel);
+  // tile[(k C + ch), o] -> out[o, ch, k]: one transpose of the tile's rows gathered in the
+  // weight's order, each row of out written whole (a transpose per channel of its k x O matrix
+  // wrote runs of k elements: at C = O = 128, 8 x 8 pixels, it took half of the kernel's time).
+  transpose_into<P, true, true>(SourceRows<Acc>{ws.tile.data(), 0, l.weight_rows.data()}, l.rows, c.outputs, out,
+                                l.rows);
 }
 
 template <class P, class In, class Out>
