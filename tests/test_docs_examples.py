@@ -28,7 +28,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = {
     ("README.md", 4): "processes of torch.distributed (tests/test_bookkeeping_distributed.py)",
     ("README.md", 5): "a CUDA graph, on a GPU (tests/test_graphed_step.py)",
-    ("capacity.md", 2): "10^9 exponents, about 30 s on 2 cores (tests/test_estimator.py)",
+    ("capacity.md", 2): "10^9 exponents, 5 s on 2 cores (tests/test_estimator.py)",
     ("federated.md", 2): "Flower's simulation, tens of seconds (tests/test_flower.py)",
     ("federated.md", 4): "a record a deployed run wrote (tests/test_flower_deployment.py)",
     ("federated.md", 5): "two files of a Flower App, with the user's attack and data (tests/test_flower.py)",

@@ -6,7 +6,9 @@ and :class:`VMFNoise` (named apart from the DP-SGD mechanisms of :mod:`privleak.
 """
 from __future__ import annotations
 
+import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Optional
 
@@ -15,6 +17,7 @@ from scipy.spatial.distance import cdist
 from scipy.special import ndtri
 
 from privleak import validation
+from privleak._backend import num_threads
 
 # A noise family gives log f(x)(y) = log Z + e(x, y), with the normaliser Z the same for every
 # input, so that sup_x f(x)(y) / q(y) for a mixture q of the family depends on exponents only.
@@ -176,7 +179,8 @@ def estimate(
     V the sample variance and alpha = 1 - confidence, clipped to [1, N]. Its second term grows
     with N: it suits a few inputs (the case above: 0 misses in 100 seeds), and is loose for many.
 
-    Cost: n_samples x (N + M) x p for the kernel and the mixture. For a huge input set, pass a
+    Cost: n_samples x (N + M) x p for the kernel and the mixture, on privleak's threads
+    (:func:`privleak.set_num_threads`; the estimate does not depend on them). For a huge input set, pass a
     smaller ``proposal`` (e.g. a random subset of the inputs): the estimate stays unbiased for
     any proposal points (the families have full support), but the weights are no longer
     bounded and the interval needs more samples to be trusted.
@@ -219,31 +223,22 @@ def estimate(
     centres64 = centres.astype(np.float64)
     chunk = max(1, 2**22 // batch)  # proposal points per logsumexp step: about 4M exponents
     log_weights = []
-    for start in range(0, n, batch):
-        count = min(batch, n - start)
-        outputs = mechanism.sample(centres64[rng.integers(len(centres), size=count)], rng).astype(points.dtype)
-        outputs64 = outputs.astype(np.float64)
-        # The mixture's logsumexp is kept as (top exponent, log of the sum relative to it), so that
-        # log w = (sup - top) - log(sum) + log M never subtracts two huge exponents: at kappa = 1e200
-        # both are about 1e200 and their difference would round away.
-        top = np.full(count, -np.inf)
-        log_sum = np.full(count, -np.inf)
-        for first in range(0, len(centres), chunk):
-            exponents = mechanism.pairwise_exponents(outputs64, centres64[first:first + chunk])
-            new_top = np.maximum(top, exponents.max(axis=1))
-            # exp(e - top) in place, each <= 1: scipy's logsumexp shifts by its own max again, and
-            # took 17 of the 29 s of docs/capacity.md's example (20x numpy's exp and sum here). A
-            # chunk whose terms all underflow beside the top adds log 0 = -inf, which is their value.
-            exponents -= new_top[:, None]
-            np.exp(exponents, out=exponents)
-            with np.errstate(divide="ignore"):
-                log_sum = np.logaddexp(log_sum + (top - new_top), np.log(exponents.sum(axis=1)))
-            top = new_top
-        if proposal is None:  # the proposal points are the inputs: the sup is the top exponent itself
-            sup_minus_top = 0.0
-        else:
-            sup_minus_top = mechanism.exponent(nearest(outputs, points, mechanism.metric).value) - top
-        log_weights.append(sup_minus_top - log_sum + math.log(len(centres)))
+    with ThreadPoolExecutor(num_threads()) as pool:
+        for start in range(0, n, batch):
+            count = min(batch, n - start)
+            outputs = mechanism.sample(centres64[rng.integers(len(centres), size=count)], rng).astype(points.dtype)
+            outputs64 = outputs.astype(np.float64)
+            # The outputs' rows are independent: each thread takes a slice of them (scipy's cdist
+            # and numpy's ufuncs let go of the GIL), and the bits do not depend on the threads.
+            bounds = np.linspace(0, count, min(num_threads(), count) + 1).astype(int)
+            parts = list(pool.map(functools.partial(_mixture, mechanism, centres=centres64, chunk=chunk),
+                                  [outputs64[a:b] for a, b in zip(bounds[:-1], bounds[1:])]))
+            top, log_sum = (np.concatenate(column) for column in zip(*parts))
+            if proposal is None:  # the proposal points are the inputs: the sup is the top exponent itself
+                sup_minus_top = 0.0
+            else:
+                sup_minus_top = mechanism.exponent(nearest(outputs, points, mechanism.metric).value) - top
+            log_weights.append(sup_minus_top - log_sum + math.log(len(centres)))
     log_w = np.concatenate(log_weights)
 
     top = float(log_w.max())
@@ -258,6 +253,27 @@ def estimate(
         bounds = _bounded_weights_interval(top, mean, spread, n, len(points), level)
     return CapacityEstimate(log_c, log_c / math.log(2.0), bounds,
                             (bounds[0] / math.log(2.0), bounds[1] / math.log(2.0)), std_error, n)
+
+
+def _mixture(mechanism: Any, outputs: np.ndarray, centres: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top, log_sum) per row of ``outputs`` (float64): the mixture's log sum_m exp(e(z_m, y)) as
+    top + log_sum, top the largest exponent, over ``chunk`` proposal points at a time. Kept apart,
+    log w = (sup - top) - log_sum + log M never subtracts two huge exponents: at kappa = 1e200
+    both are about 1e200 and their difference would round away."""
+    top = np.full(len(outputs), -np.inf)
+    log_sum = np.full(len(outputs), -np.inf)
+    for first in range(0, len(centres), chunk):
+        exponents = mechanism.pairwise_exponents(outputs, centres[first:first + chunk])
+        new_top = np.maximum(top, exponents.max(axis=1))
+        # exp(e - top) in place, each <= 1: scipy's logsumexp shifts by its own max again, and
+        # took 17 of the 29 s of docs/capacity.md's example (20x numpy's exp and sum here). A
+        # chunk whose terms all underflow beside the top adds log 0 = -inf, which is their value.
+        exponents -= new_top[:, None]
+        np.exp(exponents, out=exponents)
+        with np.errstate(divide="ignore"):
+            log_sum = np.logaddexp(log_sum + (top - new_top), np.log(exponents.sum(axis=1)))
+        top = new_top
+    return top, log_sum
 
 
 def _check_points(points: Any, name: str, mechanism: Any) -> np.ndarray:
