@@ -176,16 +176,11 @@ PRIVLEAK_CONV_TILE(tile_avx512, PRIVLEAK_CONV_AVX512, __m512, 16, _mm512_setzero
                    _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
 #undef PRIVLEAK_CONV_TILE
 
-// dst[j dst_stride + i] = src(i)[j] for i < rows and j < cols, in 8 x 8 blocks
-// transposed in registers (canonical: NaNs stored as conv_result stores them). The scalar form,
-// transpose_into below, moved one element per 3 cycles: the output permutation and the two
-// input copies took half the paper CNN's 12-channel layers' time, as much as the fma chains
-// (B = 64, one thread: 0.13 / 0.28 / 0.26 -> 0.10 / 0.19 / 0.18 ms; CIFAR's layers 12-17%).
-// Block (i0, j0) of transpose_avx2 (inlined: a call a block made the paper CNN's first layer,
-// 25 x 12 elements a sample, 10% slower).
+// Block (i0, j0) of transpose_avx2, inlined there (a call per block of 64 elements is overhead
+// on small layers: the paper CNN's first one has 25 x 12 elements a sample).
 template <bool Canonical>
-__attribute__((target("avx2,fma"), always_inline)) inline void transpose_block_avx2(SourceRows<float> src, int64_t rows, int64_t cols, float* dst,
-                                                    int64_t dst_stride, int64_t i0, int64_t j0) {
+PRIVLEAK_CONV_AVX2 __attribute__((always_inline)) inline void transpose_block_avx2(
+    SourceRows<float> src, int64_t rows, int64_t cols, float* dst, int64_t dst_stride, int64_t i0, int64_t j0) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int n = static_cast<int>(std::min<int64_t>(8, rows - i0)), m = static_cast<int>(std::min<int64_t>(8, cols - j0));
   const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), lane);
@@ -221,6 +216,12 @@ __attribute__((target("avx2,fma"), always_inline)) inline void transpose_block_a
   }
 }
 
+// dst[j dst_stride + i] = src(i)[j] for i < rows and j < cols, in 8 x 8 blocks transposed in
+// registers (canonical: NaNs stored as conv_result stores them), in transpose_into's order of
+// blocks. The scalar form, transpose_into below, moved one element per 3 cycles: the output
+// permutation and the two input copies took half the paper CNN's 12-channel layers' time, as much
+// as the fma chains (B = 64, one thread: 0.13 / 0.28 / 0.26 -> 0.10 / 0.19 / 0.18 ms; CIFAR's
+// layers 12-17%).
 template <bool Canonical, bool RowsWhole>
 PRIVLEAK_CONV_AVX2 void transpose_avx2(SourceRows<float> src, int64_t rows, int64_t cols, float* dst,
                                        int64_t dst_stride) {

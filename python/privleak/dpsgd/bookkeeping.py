@@ -635,7 +635,7 @@ class BookKeeping:
         backward pass, to check the layers' against (:meth:`_check_first_sample`)."""
         config, norm_type = self.config, self.config.mechanism.clip_norm_type
         rows, norms = self._rows_and_norms(batch, norm_type, synced)
-        apart = {}  # by slot, a tied parameter's samples summed in float64 (tied.clipped_sum), and its factors
+        apart = {}  # by slot, a tied parameter's samples to sum in float64 (tied.clipped_sum), and its factors
         for key, sharing in self._tied.items():  # |sum_k G^k|^2 = sum_k |G^k|^2 + 2 sum_{k<l} <G^k, G^l>
             slot = self._slots[key]
             found = [f for f in (layer.factors(self.params[slot]) for layer in sharing) if f is not None]
@@ -672,9 +672,10 @@ class BookKeeping:
             column = dict.fromkeys(sorted(norms), columns[:, 0] if scale == 1.0 else columns[:, 0] * scale)
         else:
             column = dict(zip(sorted(norms), (columns if scale == 1.0 else columns * scale).unbind(1)))
+        summed_apart = {}
         for slot, (lost, found) in apart.items():  # those samples' factors 0 in their layers' float32 sums
             lost = lost if keep is None else lost[keep[lost]]
-            apart[slot] = tied.clipped_sum(found, column[slot], lost, self.params[slot])
+            summed_apart[slot] = tied.clipped_sum(found, column[slot], lost, self.params[slot])
             column[slot] = column[slot].index_fill(0, lost, 0.0)
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
         # it can reuse: one buffer for the whole update, allocated up front, would add a model's
@@ -687,7 +688,7 @@ class BookKeeping:
                     slot = self._slots[key]
                     sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
             layer.clear()
-        for slot, total in apart.items():
+        for slot, total in summed_apart.items():
             sums[slot] += total.to(sums[slot].dtype)
         return sums, norm_sums
 
