@@ -49,7 +49,7 @@ from privleak.dpsgd import attention, computed_weight, distributed, experts, rec
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
-from privleak.dpsgd.layers import Layer, layer_for, total
+from privleak.dpsgd.layers import Layer, ieee_float32, layer_for, total
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 from privleak.mechanisms import SecureNoiseGenerator
 
@@ -308,25 +308,30 @@ class BookKeeping:
 
     def _accumulate(self, per_sample_losses: torch.Tensor) -> None:
         losses = check_losses(per_sample_losses)
-        averaged = self._accumulated[1] if self._accumulated is not None else self._averages_in_clip()
-        clipped = self._clipped_batch(losses, averaged)
+        so_far, averaged, samples = self._accumulated or (None, self._averages_in_clip(), 0)
+        samples += losses.shape[0]
+        clipped = self._clipped_batch(losses, averaged, samples)
         if clipped is None:
             return
         sums, norm_sums = clipped
         # Raising for a non-finite sample waits (a host sync on a GPU) until the sums are queued,
         # so the GPU runs the backward pass meanwhile.
         self._check_finite(norm_sums, losses.shape[0])
-        if self._accumulated is None:
-            self._accumulated = (sums, averaged)
-        else:
-            for total, s in zip(self._accumulated[0], sums):
-                total.add_(s)
+        if so_far is not None:
+            sums = [total.add_(s) for total, s in zip(so_far, sums)]
+        self._accumulated = (sums, averaged, samples)
 
-    def _clipped_batch(self, losses: torch.Tensor, averaged: bool, *, synced: bool = True) -> Optional[tuple]:
+    def _clipped_batch(self, losses: torch.Tensor, averaged: bool, samples: int, *,
+                       synced: bool = True) -> Optional[tuple]:
         """:meth:`_clipped_sums` of the batch recorded since the last step, its sums divided by L
-        if ``averaged``; the layers' records let go after."""
+        if ``averaged``; the layers' records let go after. ``samples``: how many the step's
+        release will have summed with these (refused where their release could overflow float32,
+        as the materialised path refuses it)."""
         self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
         try:
+            self._check_trainable()
+            self.config.mechanism.check_release_range(samples, self.config.clipping(len(self.params)),
+                                                      self._dp.expected_batch_size, self._dp.generator)
             return self._clipped_sums(losses, 1.0 / self._dp.expected_batch_size if averaged else 1.0, synced=synced)
         finally:
             self._recording = True
@@ -365,9 +370,10 @@ class BookKeeping:
                                  "evaluation under torch.no_grad())")
         accumulated, self._accumulated = self._accumulated, None
         if accumulated is None:  # an empty batch
-            accumulated = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params], \
-                self._averages_in_clip()
-        return self._release(*accumulated)
+            self._check_trainable()
+            return self._release([torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params],
+                                 self._averages_in_clip())
+        return self._release(*accumulated[:2])
 
     def graphed(self, loss_fn, *example_inputs: torch.Tensor, max_batch: Optional[int] = None,
                 warmup: int = 2) -> "GraphedStep":
@@ -451,6 +457,10 @@ class BookKeeping:
         for the device (a CUDA graph captures it), so samples to drop are masked, not looked up."""
         batch = losses.shape[0]
         if batch == 0:
+            if losses.grad_fn is not None:  # layers that saw samples raise: these losses are not their batch's
+                parents: dict = {}
+                self._check_uses(losses, parents)
+                self._shared_outputs(batch, parents)
             return None
         if losses.grad_fn is None:
             raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
@@ -680,14 +690,15 @@ class BookKeeping:
         # Each sum is allocated as the layer before frees its inputs and output gradients, which
         # it can reuse: one buffer for the whole update, allocated up front, would add a model's
         # size to the peak (69M transformer, B 8: 1061 MiB peak RSS growth against 852).
-        for layer in self.layers:
-            wanted = {key: column[self._slots[key]] for key in (id(p) for p in layer.parameters)
-                      if self._slots[key] in norms}
-            if wanted:
-                for key, total in layer.clipped_sums(wanted, keep, norm_type).items():
-                    slot = self._slots[key]
-                    sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
-            layer.clear()
+        with ieee_float32():
+            for layer in self.layers:
+                wanted = {key: column[self._slots[key]] for key in (id(p) for p in layer.parameters)
+                          if self._slots[key] in norms}
+                if wanted:
+                    for key, total in layer.clipped_sums(wanted, keep, norm_type).items():
+                        slot = self._slots[key]
+                        sums[slot] = total if sums[slot] is None else sums[slot].add_(total)
+                layer.clear()
         for slot, total in summed_apart.items():
             sums[slot] += total.to(sums[slot].dtype)
         return sums, norm_sums
@@ -736,7 +747,7 @@ class BookKeeping:
                 found = [shared_output_uses(edge, parents, batch) for edge in edges]
                 if layer.broadcast_calls and found and all(uses is not None for uses in found):
                     shared.append((layer, call, found))
-                elif (size != batch and layer.flattened_batch_calls and size % batch == 0
+                elif (size != batch and layer.flattened_batch_calls and batch and size % batch == 0
                       and flattened_batch(layer.sources[call], size, batch)):
                     layer.unflatten(call, batch)
                 elif size != batch:
@@ -785,6 +796,21 @@ class BookKeeping:
                                  f"its module's forward recorded {recorded}: it is used where the book-keeping hooks "
                                  "cannot see (outside its module's forward, e.g. functionally or by weight tying); "
                                  "use it through its module, or make that code a module of its own")
+
+    def _check_trainable(self) -> None:
+        """The model's trainable parameters must still be the ones this was built for (its layers'
+        records, the optimizer's groups and the processes' agreement are made for them): a
+        parameter frozen or unfrozen since (gradual unfreezing) is named, with the way out."""
+        change = ("the trainable parameters are fixed when BookKeeping is built, as its optimizer's are: to train "
+                  "another set, call remove() and build a new BookKeeping with an optimizer of the new set "
+                  "(state_dict() and load_state_dict() carry the steps and the noise stream over)")
+        if frozen := [slot for slot, p in enumerate(self.params) if not p.requires_grad]:
+            raise ValueError(f"parameter '{self._owner(frozen[0])}' was frozen (requires_grad=False) after "
+                             f"BookKeeping was built; {change}")
+        if unfrozen := [name for name, p in self._module.named_parameters()
+                        if p.requires_grad and id(p) not in self._slots]:
+            raise ValueError(f"parameter '{unfrozen[0]}' was unfrozen (requires_grad=True) after BookKeeping was "
+                             f"built without it; {change}")
 
     def _owner(self, slot: int) -> str:
         """The name of the parameter in ``slot``, for messages."""

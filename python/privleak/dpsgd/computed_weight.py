@@ -560,8 +560,9 @@ class ComputedWeightConvLayer(FunctionalLayer):
         for c, (g,) in zip(self.convolutions, self.grads):
             x, g = _common(_zero_dropped(c.input, keep), _zero_dropped(g, keep))
             for f, params in _by_factors(self._weight_parameters(c), factors):
+                scaled, x_like = _common(_scaled(g, f), x)
                 weight_grad = torch.ops.aten.convolution_backward(
-                    _scaled(g, f), x, c.weight.detach().to(x.dtype), None, c.stride, c.padding, c.dilation, False,
+                    scaled, x_like, c.weight.detach().to(x_like.dtype), None, c.stride, c.padding, c.dilation, False,
                     [0] * len(c.stride), c.groups, [False, True, False])[1]
                 self._add_pulled(sums, c, params, weight_grad)
             if c.bias is not None:

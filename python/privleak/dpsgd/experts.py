@@ -39,6 +39,7 @@ from privleak.dpsgd.layers import (
     _common,
     _formed_weight_grads,
     _input_nodes,
+    _scaled,
     _zero_dropped,
     formed_sums,
     forms_weight_grads,
@@ -252,8 +253,8 @@ class ExpertsLayer(Layer):
                 apart = torch.zeros(len(groups.samples), dtype=torch.bool, device=a.device).index_fill_(
                     0, torch.cat(lost), True)[groups.group] if lost else None  # per pair
                 summed = rows_kept if apart is None else ~apart if rows_kept is None else rows_kept & ~apart
-                left = _zero_dropped(g * f[routed.samples][:, None].to(g.dtype), summed)
-                total = self._per_expert(left, _zero_dropped(a, summed), routed.counts, weight, torch.float32)
+                left, right = _common(_zero_dropped(_scaled(g, f[routed.samples]), summed), _zero_dropped(a, summed))
+                total = self._per_expert(left, right, routed.counts, weight, torch.float32)
                 if apart is not None:
                     pairs = (apart if rows_kept is None else apart & rows_kept).nonzero()[:, 0]
                     left = g[pairs].double() * f[routed.samples[pairs]][:, None].double()

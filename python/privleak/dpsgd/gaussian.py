@@ -9,7 +9,7 @@ import torch
 
 from privleak import mechanisms as _noise
 from privleak import validation
-from privleak.dpsgd.clip import clip_and_accumulate
+from privleak.dpsgd.clip import _check_release_range, clip_and_accumulate
 from privleak.dpsgd.mechanism import Clipping, DPSGDMechanism, Sampling, register
 
 
@@ -44,6 +44,11 @@ class Gaussian(DPSGDMechanism):
         return clip_and_accumulate(per_sample_grads, list(clipping.norms), per_layer=clipping.per_layer,
                                    noise_std=self.noise_std(clipping), batch_size=batch_size, generator=generator,
                                    non_finite=non_finite).grads
+
+    def check_release_range(self, batch: int, clipping: Clipping, batch_size: float, generator) -> None:
+        std = self.noise_std(clipping)
+        _check_release_range(batch, list(clipping.norms), std, batch_size,
+                             std > 0 and isinstance(generator, _noise.SecureNoiseGenerator))
 
     def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
               inplace: bool = False) -> list:

@@ -112,17 +112,43 @@ VOUCHED, LOST = 2.0**-7, 2.0**-4
 
 
 def rounding_bound(activation_norms: torch.Tensor, grad_norms: torch.Tensor, *, d: int, p: int, positions: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, activation_terms: Optional[int] = None) -> torch.Tensor:
     """(N,) float64: the module docstring's bound on the kernel's error,
     ((min(d, 128) + min(p, 128)) u + (T + T / 64 + 67) 2^-53) (sum_t |a_t| |g_t|)^2, from the
     rows' norms |a_t| and |g_t|, (N, T) (for a convolution, its patches' and output positions');
     d and p the lengths of the kernel's Gram entries' float32 chains (a convolution's: its pixels'
     channels and its output channels, a group's), T = ``positions`` the terms of its sums, u from
     the inputs' ``dtype``. Raised by 3%: room for the rounding of the norms (float32 at least) and
-    of the bound's second-order terms."""
+    of the bound's second-order terms. Plus :func:`underflow_bound`'s term, with
+    ``activation_terms`` (default d) the roundings of an activations' Gram entry (a convolution's
+    patch: its kernel's offsets times d) and p those of an output gradients'."""
     u = 2.0**-53 if dtype == torch.float64 else 2.0**-24
     coefficient = ((min(d, 128) + min(p, 128)) * u + (positions + positions / 64 + 67) * 2.0**-53) * 1.03
-    return coefficient * torch.linalg.vecdot(activation_norms.double(), grad_norms.double()).square()
+    a, g = activation_norms.double(), grad_norms.double()
+    return (coefficient * torch.linalg.vecdot(a, g).square()
+            + underflow_bound(a.sum(-1), g.sum(-1), d if activation_terms is None else activation_terms, p, dtype))
+
+
+def underflow_bound(activation_spread: torch.Tensor, grad_spread: torch.Tensor, activation_terms: int,
+                    grad_terms: int, dtype: torch.dtype) -> torch.Tensor:
+    """(N,) float64: what the Gram entries' roundings below the normal range can lose from a sum
+    sum_{t,s} (a_t . a_s)(g_t . g_s), tiny (n_a S_g^2 + n_g S_a^2), from S_a = sum_t |a_t| and
+    S_g = sum_t |g_t| (``*_spread``, (N,) float64) and the roundings n_a, n_g of one Gram entry
+    (``*_terms``). The relative bound u |x| |y| of a dot product fails there: a rounding loses up
+    to ``tiny``, float32's 2^-126 (its smallest normal: a flush to zero loses that much; gradual
+    underflow, 2^-150), float64's 2^-1022, whatever the size of the inputs. So a sample with
+    activations of 1e-24 and output gradients of 1e18 had a ghost norm of 0 (every a_t . a_s
+    underflowed), and its gradient of norm 1e-6 went out unclipped at 13 times C = 1e-7. For
+    ordinary data this term is some 1e-36 of a norm; where it is not, :func:`vouched` computes
+    the norm again in float64."""
+    return smallest_normal(dtype) * (activation_terms * grad_spread.square() + grad_terms * activation_spread.square())
+
+
+def smallest_normal(dtype: torch.dtype) -> float:
+    """The most a rounding of the kernels' arithmetic for inputs of ``dtype`` loses below the
+    normal range: float64's smallest normal for float64, float32's for the others (widened to
+    float32 exactly first)."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny
 
 
 def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable],
@@ -137,7 +163,9 @@ def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable],
     most 3% more than it needs); past that, ``again(rows)`` computes those samples' norms and
     bounds once more from float64 inputs (the kernel's float64 arithmetic: 2^-53 for 2^-24), and
     their bound is added (``again`` None: the inputs were float64, or no host read of the rows may
-    wait for the device, as in a CUDA graph's capture: only raised by the bound). Where nothing
+    wait for the device, as in a CUDA graph's capture: only raised by the bound). A norm that is
+    not finite is computed again too: a float32 Gram entry overflows (a row of norm past 1.8e19)
+    where the gradient need not (activations of 1e20, output gradients of 1e-10). Where nothing
     cancels, the bound is about 256 T u of the norm (d, p >= 128): it is added from T of about 500
     on (2% T / 1300 of the norm), and the norm computed again past T 4000. The rows computed again
     are appended to ``lost`` where given: their gradients cancel so far that a float32 clipped sum
@@ -146,13 +174,17 @@ def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable],
     raised = torch.where(bound > VOUCHED * norms, norms + bound, norms)
     if again is None:
         return raised
-    rows = (bound > LOST * norms).nonzero()[:, 0]
+    rows = ((bound > LOST * norms) | ~torch.isfinite(norms)).nonzero()[:, 0]
     if not len(rows):
         return raised
-    if lost is not None:
-        lost.append(rows)
-    exact, exact_bound = again(rows)
-    return raised.index_put((rows,), exact + exact_bound)
+    norms_again, bounds_again = again(rows)
+    exact = norms_again + bounds_again
+    # A row whose float64 norm and bound are both under float32's smallest normal (a gradient of
+    # norm under 2^-63, as a sample whose output gradients are 0, which the underflow term sends
+    # here) is one a float32 sum errs on by less than that: no float64 sum apart.
+    if lost is not None and len(significant := (exact >= smallest_normal(torch.float32)).nonzero()[:, 0]):
+        lost.append(rows[significant])
+    return raised.index_put((rows,), exact)
 
 
 @_ops.operator("ghost_norm")
@@ -332,7 +364,8 @@ def _conv_bound(x: torch.Tensor, g: torch.Tensor, geometry: list) -> torch.Tenso
     pixels = float_norms(x, 1, keepdim=True).square()
     patches = torch.conv2d(pixels, pixels.new_ones(1, 1, *kernel), None, strides, pads, dilations).clamp_min(0).sqrt()
     return rounding_bound(patches.flatten(1), float_norms(g, 1).flatten(1), d=x.shape[1], p=g.shape[1],
-                          positions=patches[0].numel() * math.prod(kernel), dtype=x.dtype)
+                          positions=patches[0].numel() * math.prod(kernel), dtype=x.dtype,
+                          activation_terms=x.shape[1] * math.prod(kernel))
 
 
 def _conv_again(x: torch.Tensor, g: torch.Tensor, geometry: list, rows: torch.Tensor) -> tuple:

@@ -135,7 +135,7 @@ class GraphedStep:
             raise ValueError(f"loss_fn must return the per-sample losses, shape ({self.max_batch},) for inputs of "
                              f"{self.max_batch} rows, got {tuple(losses.shape)}")
         losses = losses * (self._positions < self._count).to(losses.dtype)
-        return self._bk._clipped_batch(losses, self._averaged, synced=False)
+        return self._bk._clipped_batch(losses, self._averaged, self.max_batch, synced=False)
 
     def _capture(self, warmup: int) -> tuple:
         """Warm up on a side stream (lazy state: the clip norms' tensor, cuBLAS's workspace), as

@@ -90,6 +90,25 @@ def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
     return norm.double().square() if norm_type == 2 else norm.double()
 
 
+def factor_norms(rows: torch.Tensor, norm_type: int, may_sync: bool) -> torch.Tensor:
+    """:func:`row_norms` of one factor of a rank-one gradient (a or g of g a^T), whose product
+    with the other's is the gradient's norm: the rows whose float32 norms leave the range where
+    float32 computes them to its rounding (squared L2 or L1 norms in [2^-80, 2^120]) computed
+    again in float64. A gradient's own elements are its size, but a factor can be far from it:
+    a sample's input of 1e-24 under output gradients of 1e18 had a norm of 0 (its squares
+    underflowed), its gradient of norm 1e-6 going out unclipped at 13 times C = 1e-7, and an
+    input of 1e20 overflowed to a norm of inf, a gradient of norm 1e10 refused as not finite.
+    Without ``may_sync`` (no host read of the rows may wait for the device) every row is taken
+    in float64 where it is out of range."""
+    norms = row_norms(rows, norm_type)
+    outside = ~((norms >= 2.0**-80) & (norms <= 2.0**120))
+    if not may_sync:
+        return torch.where(outside, row_norms(rows.double(), norm_type), norms)
+    if len(again := outside.nonzero()[:, 0]):
+        norms = norms.index_put((again,), row_norms(rows[again].double(), norm_type))
+    return norms
+
+
 def formed_norms(form, step: int, batch: int, norm_type: int) -> dict:
     """By key, the :func:`row_norms` of per-sample gradients that ``form(samples)`` forms, a dict
     of (n, ...) by key, ``step`` samples at a time."""
@@ -152,8 +171,31 @@ def _common(*tensors: torch.Tensor) -> tuple:
     return tuple(t.to(dtype) for t in tensors)
 
 
+@contextlib.contextmanager
+def ieee_float32():
+    """float32 matrix products and convolutions computed in float32 while a step's clipped sums
+    are formed, whatever the user chose for speed elsewhere: cuDNN's convolutions take TF32 by
+    default, and ``torch.set_float32_matmul_precision("high")`` sends cuBLAS's GEMMs there, which
+    round the inputs to 10 bits (2^-11 of each sample's share), or oneDNN's to bfloat16. A norm
+    from the ghost-norm kernel and a sum rounded so far would release a sample past C."""
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul,
+                torch.backends.mkldnn.conv)
+    saved = [backend.fp32_precision for backend in backends]
+    try:
+        for backend in backends:
+            backend.fp32_precision = "ieee"
+        yield
+    finally:
+        for backend, precision in zip(backends, saved):
+            backend.fp32_precision = precision
+
+
 def _scaled(g: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    return g * factors.to(g.dtype).view(-1, *[1] * (g.ndim - 1))
+    """g_i f_i for each sample i (dim 0), in float32 at least, as every clipped sum is formed: a
+    bfloat16 product rounds each sample's share by up to 2^-9 of itself, and a Linear's clipped
+    sum in bfloat16 released a sample at 1.0044 times C (1.0004 in float16)."""
+    dtype = torch.promote_types(g.dtype, factors.dtype)
+    return g.to(dtype) * factors.to(dtype).view(-1, *[1] * (g.ndim - 1))
 
 
 class Layer:
@@ -524,7 +566,7 @@ def weight_norms(a: torch.Tensor, g: torch.Tensor, norm_type: int, *, deferred: 
     ``lost``: where a ghost norm's samples are computed again in float64, their rows are appended
     to it (:class:`~privleak.dpsgd.ghost_norm.GhostNormInputs`), for :func:`clipped_weight_sum`."""
     if a.shape[1] == 1:
-        return row_norms(a, norm_type) * row_norms(g, norm_type)
+        return factor_norms(a, norm_type, may_sync) * factor_norms(g, norm_type, may_sync)
     if not forms_weight_grads(a.shape[1], a.shape[2], g.shape[2], norm_type):
         # A layer's own a and g (one dtype, as bmm below needs too) go to the kernel's op
         # unchecked: ghost_norm_squared's checks cost twice the kernel on a small layer.
@@ -572,6 +614,7 @@ def clipped_product(left: torch.Tensor, right: torch.Tensor, factors: torch.Tens
         right = _scaled(right, factors)
     else:
         left = _scaled(left, factors)
+    left, right = _common(left, right)
     return left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1])
 
 
@@ -635,7 +678,8 @@ class LinearLayer(Layer):
         if not self.trains(self.module.weight):
             return {}
         key = id(self.module.weight)
-        return {key: weight_norms(*self._sites(), norm_type, deferred=True, lost=self.lost.setdefault(key, []))}
+        return {key: weight_norms(*self._sites(), norm_type, deferred=True, may_sync=self.may_sync,
+                                  lost=self.lost.setdefault(key, []))}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         key = id(self.module.weight)

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 import torch
 
 from privleak import validation
-from privleak.dpsgd.clip import clip_and_accumulate
+from privleak.dpsgd.clip import _check_release_range, clip_and_accumulate
 
 
 class Clipping(NamedTuple):
@@ -76,6 +76,13 @@ class DPSGDMechanism(ABC):
                                       batch_size=batch_size, non_finite=non_finite,
                                       norm_type=self.clip_norm_type).grads
         return self.noise(average, clipping, batch_size, generator, inplace=True)  # the average is ours
+
+    def check_release_range(self, batch: int, clipping: Clipping, batch_size: float, generator) -> None:
+        """Refuse a ``batch`` of samples whose release, as :meth:`release` forms it, could overflow
+        float32 (the clipped sum over ``batch_size``, the noise): the materialised path's check
+        (:func:`~privleak.dpsgd.clip.clip_and_accumulate`), for a caller that forms the clipped
+        sum itself (book-keeping)."""
+        _check_release_range(batch, list(clipping.norms), 0.0, batch_size, False, self.clip_norm_type)
 
     @abstractmethod
     def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,

@@ -173,7 +173,8 @@ class RecurrentLayer(FunctionalLayer):
     def norms_by_parameter(self, batch: int, norm_type: int) -> dict:
         if not self._unrolled:
             return super().norms_by_parameter(batch, norm_type)
-        return {key: weight_norms(a, g, norm_type, deferred=True, lost=self.lost.setdefault(key, []))
+        return {key: weight_norms(a, g, norm_type, deferred=True, may_sync=self.may_sync,
+                                  lost=self.lost.setdefault(key, []))
                 for key, (g, a) in self.sites.items()}
 
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:

@@ -119,30 +119,39 @@ def clipped_sum(factors: list, weights: torch.Tensor, rows: torch.Tensor, parame
     return total
 
 
-def _spread(factor: Factors) -> torch.Tensor:
-    """(B,) float64 S = sum_s |L_s| |R_s| (|L_s| = 1 for a one-hot row)."""
+def _row_norms(factor: Factors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) float64 |L_s| and |R_s| (|L_s| = 1 for a one-hot row)."""
     right = ghost_norm.float_norms(factor.right, 2).double()
     if factor.one_hot:
-        return right.sum(1)
-    return torch.linalg.vecdot(ghost_norm.float_norms(factor.left, 2).double(), right)
+        return torch.ones_like(right), right
+    return ghost_norm.float_norms(factor.left, 2).double(), right
 
 
 def _cross_bound(factors: list, *, pairs_only: bool = True) -> torch.Tensor:
     """(B,) float64: the bound on the rounding of 2 sum_{k<l} <G^k, G^l> (with ``pairs_only``
     False, of sum_{k,l}: the pairs k = l too), 3% of room as the ghost norms' bound has. Not
     :func:`~privleak.dpsgd.ghost_norm.rounding_bound`'s coefficient: torch's bmm chains run the
-    Grams' whole lengths (no chunks of 128), and a one-hot side's Gram is exact."""
-    spreads = [_spread(f) for f in factors]
+    Grams' whole lengths (no chunks of 128), and a one-hot side's Gram is exact. Plus what the
+    roundings below the normal range lose (:func:`~privleak.dpsgd.ghost_norm.underflow_bound`'s
+    reason), tiny (n_L S_R^k S_R^l + n_R S_L^k S_L^l + S T) with S_L = sum_s |L_s|, S_R likewise,
+    the last term the float32 products of the two Grams' S T entries."""
+    norms = [_row_norms(f) for f in factors]
+    spreads = [torch.linalg.vecdot(left, right) for left, right in norms]
+    sums = [(left.sum(1), right.sum(1)) for left, right in norms]
     bound = torch.zeros_like(spreads[0])
     for k, first in enumerate(factors):
         for other in range(k if not pairs_only else k + 1, len(factors)):
             second = factors[other]
             exact = all(f.right.dtype == torch.float64 for f in (first, second))
             u = 2.0**-53 if exact else 2.0**-24
-            lengths = first.right.shape[2] + (0 if first.one_hot or second.one_hot else first.left.shape[2])
+            left_length = 0 if first.one_hot or second.one_hot else first.left.shape[2]
+            lengths = first.right.shape[2] + left_length
             terms = first.right.shape[1] * second.right.shape[1]
             coefficient = (lengths * u + (terms + 67) * 2.0**-53) * 1.03
-            bound = bound + (1 if k == other else 2) * coefficient * spreads[k] * spreads[other]
+            (left_k, right_k), (left_l, right_l) = sums[k], sums[other]
+            underflow = ghost_norm.smallest_normal(torch.float64 if exact else torch.float32) * (
+                left_length * right_k * right_l + first.right.shape[2] * left_k * left_l + terms)
+            bound = bound + (1 if k == other else 2) * (coefficient * spreads[k] * spreads[other] + underflow)
     return bound
 
 
