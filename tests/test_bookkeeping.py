@@ -1378,6 +1378,45 @@ def test_losses_that_are_not_per_sample_are_refused():
         bk.step(regression(model(x), target).detach())
     with pytest.raises(ValueError, match="per_sample_losses has 3 samples, but module '0' .* saw a batch of 6"):
         bk.step(regression(model(x), target)[:3])
+    with pytest.raises(ValueError, match="per_sample_losses has 0 samples, but module '0' .* saw a batch of 6"):
+        bk.step(regression(model(x), target)[:0])
+    assert bk.steps == 0
+
+
+def test_a_release_that_would_overflow_float32_is_refused_as_the_materialised_path_refuses_it():
+    model, x, target = setting("linear")
+    config = dpsgd.DPSGDConfig(1e10, noise_multiplier=0.0)
+    grads = materialised_grads(model, x, target)
+    with pytest.raises(ValueError, match="overflow float32"):
+        dpsgd.privatize(grads, config, 1e-30)
+    bk = make(model, config, expected_batch_size=1e-30)
+    with pytest.raises(ValueError, match=r"noise_std = 0.0 and batch_size = 1e-30 overflow float32"):
+        bk.step(regression(model(x), target))
+    assert bk.steps == 0 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_parameter_frozen_or_unfrozen_after_the_build_is_named():
+    """Gradual unfreezing: the error names the parameter and the way out, which works: a new
+    BookKeeping of the new set, the steps and the noise stream carried over."""
+    model, x, target = setting("linear")
+    model[0].bias.requires_grad_(False)
+    bk = make(model, generator=M.NoiseGenerator(3))
+    bk.step(regression(model(x), target))
+    model[0].bias.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"parameter '0.bias' was unfrozen \(requires_grad=True\) after BookKeeping "
+                                         r"was built.*call remove\(\) and build a new BookKeeping"):
+        bk.step(regression(model(x), target))
+    bk.remove()
+    unfrozen = make(model, generator=M.NoiseGenerator(0))
+    unfrozen.load_state_dict(bk.state_dict())
+    unfrozen.step(regression(model(x), target))
+    assert unfrozen.steps == 2
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' was frozen \(requires_grad=False\) after"):
+        unfrozen.step(regression(model(x), target))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' was frozen"):
+        unfrozen.step()  # an empty batch: the frozen parameter would be stepped with the noise
+    assert unfrozen.steps == 2
 
 
 def test_a_model_without_trainable_parameters_is_refused():
@@ -2426,6 +2465,130 @@ def test_tied_layers_whose_gradients_cancel_in_a_graph_s_capture_have_their_norm
     bk = make(model, dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0), expected_batch_size=1, check_first_sample=False)
     _, norm_sums = bk._clipped_sums(forward(), 1.0, synced=False)
     assert norm_sums[0, 0] >= exact**2 * (1 - 2.0**-7)
+
+
+def released_norm(model, per_sample_losses, clip_norm, per_layer=False) -> list:
+    """The norms of one sample's update (L = 1, no noise): its clipped gradient, flat or per tensor."""
+    bk = make(model, dpsgd.DPSGDConfig(clip_norm, noise_multiplier=0.0, per_layer=per_layer), expected_batch_size=1,
+              check_first_sample=False)
+    update = [u.double() for u in bk.step(per_sample_losses(model))]
+    return [u.norm() for u in update] if per_layer else [torch.cat([u.flatten() for u in update]).norm()]
+
+
+EXTREME_SCALES = {  # (layer, input shape, input scale, output-gradient scale); their gradients are of norm 1e-6 to 1e12
+    "linear-tiny-input": (lambda: nn.Linear(4, 3, bias=False), (1, 4), 1e-24, 1e18),
+    "linear-tiny-gradient": (lambda: nn.Linear(4, 3, bias=False), (1, 4), 1e18, 1e-24),
+    "linear-huge-input": (lambda: nn.Linear(4, 3, bias=False), (1, 4), 1e20, 1e-10),
+    "sequence-tiny-input": (lambda: nn.Linear(4, 3, bias=False), (1, 2, 4), 1e-24, 1e18),
+    "sequence-tiny-gradient": (lambda: nn.Linear(4, 3, bias=False), (1, 2, 4), 1e18, 1e-24),
+    "sequence-huge-input": (lambda: nn.Linear(4, 3, bias=False), (1, 2, 4), 1e20, 1e-10),
+    "conv-tiny-input": (lambda: nn.Conv2d(16, 32, 3, bias=False), (1, 16, 5, 5), 1e-24, 1e18),
+    "conv-tiny-gradient": (lambda: nn.Conv2d(16, 32, 3, bias=False), (1, 16, 5, 5), 1e18, 1e-24),
+    "conv-huge-input": (lambda: nn.Conv2d(16, 32, 3, bias=False), (1, 16, 5, 5), 1e20, 1e-10),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXTREME_SCALES))
+def test_a_sample_is_clipped_to_c_whatever_the_scales_of_its_factors(case):
+    """A gradient g a^T of ordinary size whose input a and output gradient g are not: at 1e-24,
+    a's squares underflow float32, and the ghost norm (and a rank-one norm |a| |g|) came out 0, the
+    sample released unclipped at 13 to 2245 times C; at 1e20 they overflow, and a gradient of norm
+    1e10 was refused as not finite. Clipped to C, as the materialised path clips it."""
+    build, shape, input_scale, gradient_scale = EXTREME_SCALES[case]
+    generator = torch.Generator().manual_seed(0)
+    model = build()
+    x = torch.randn(shape, generator=generator) * input_scale
+    with torch.no_grad():
+        weights = torch.randn(model(x).shape, generator=generator) * gradient_scale
+    grads = dpsgd.per_sample_gradients(model, lambda out, w: (out * w).sum(), x, weights)
+    norm = float(torch.cat([g.double().flatten() for g in grads]).norm())
+    assert 1e-7 < norm < 1e13  # within float32's range, whatever its factors
+    clip_norm = norm / 10
+    assert float(dpsgd.privatize(grads, dpsgd.DPSGDConfig(clip_norm, noise_multiplier=0.0), 1)[0].double().norm()) \
+        == pytest.approx(clip_norm, rel=1e-6)  # the reference: the materialised path
+    (released,) = released_norm(model, lambda m: (m(x) * weights).flatten(1).sum(1), clip_norm)
+    assert clip_norm * (1 - 2.0**-5) <= released <= clip_norm * (1 + 2.0**-20), (released / clip_norm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16-autocast", torch.bfloat16, torch.float16], ids=str)
+def test_a_half_precision_sample_is_clipped_to_c(dtype):
+    """One sample, each tensor clipped to C (per layer): a Linear on a sequence and a convolution
+    in half precision, or under autocast. Their clipped sums had been bfloat16 products and GEMMs,
+    rounding the sample's share by up to 2^-9 of itself: released at 1.0044 times C (1.0004 in
+    float16), where the materialised path's float32 sum stays at C."""
+    worst = 0.0
+    for seed in range(6):
+        generator = torch.Generator().manual_seed(seed)
+        for model, x in ((nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)), torch.randn(1, 5, 8,
+                                                                                                     generator=generator)),
+                         (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GELU(), nn.Conv2d(8, 4, 3)), torch.randn(1, 3, 8, 8,
+                                                                                                       generator=generator))):
+            autocast = dtype == "bfloat16-autocast"
+            if not autocast:
+                model, x = model.to(dtype), x.to(dtype)
+            with torch.no_grad():
+                weights = torch.randn(model(x).shape, generator=generator)
+
+            def losses(m, x=x, weights=weights, autocast=autocast):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out = m(x)
+                return (out.float() * weights).flatten(1).sum(1)
+
+            worst = max(worst, *(float(n) / 0.01 for n in released_norm(model, losses, 0.01, per_layer=True)))
+    assert 1 - 2.0**-5 <= worst <= 1 + 2.0**-20, worst
+
+
+def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept():
+    """TF32 (cuDNN's convolutions by default, cuBLAS's GEMMs under set_float32_matmul_precision
+    ("high")) or oneDNN's bfloat16 would round a clipped sum's inputs to 10 or 7 bits, past C: the
+    sums are formed with every float32 precision flag "ieee", and the user's flags are as they
+    were after the step."""
+    backends = {"cuda.matmul": torch.backends.cuda.matmul, "cudnn.conv": torch.backends.cudnn.conv,
+                "mkldnn.matmul": torch.backends.mkldnn.matmul, "mkldnn.conv": torch.backends.mkldnn.conv}
+    saved = {name: backend.fp32_precision for name, backend in backends.items()}
+    seen = []
+    clipped_product = layers.clipped_product
+
+    def spy(*args):
+        seen.append({name: backend.fp32_precision for name, backend in backends.items()})
+        return clipped_product(*args)
+
+    model, x, target = setting("linear")  # T = 1: each weight's clipped sum one GEMM
+    try:
+        for name, precision in zip(backends, ("tf32", "tf32", "bf16", "bf16")):
+            backends[name].fp32_precision = precision
+        chosen = {name: backend.fp32_precision for name, backend in backends.items()}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(layers, "clipped_product", spy)
+            make(model).step(regression(model(x), target))
+        assert seen and all(flags == dict.fromkeys(backends, "ieee") for flags in seen)
+        assert {name: backend.fp32_precision for name, backend in backends.items()} == chosen
+    finally:
+        for name, precision in saved.items():
+            backends[name].fp32_precision = precision
+
+
+@requires_cuda
+def test_a_sample_is_clipped_to_c_with_tf32_on():
+    """On a GPU with TF32 on for cuDNN's convolutions (torch's default) and cuBLAS's GEMMs: one
+    sample of a Linear on a sequence and of a convolution, each tensor clipped to C, never past it."""
+    matmul, conv = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+    try:
+        worst = 0.0
+        for seed in range(6):
+            generator = torch.Generator().manual_seed(seed)
+            for model, x in ((nn.Linear(64, 64), torch.randn(1, 16, 64, generator=generator)),
+                             (nn.Conv2d(32, 32, 3), torch.randn(1, 32, 12, 12, generator=generator))):
+                model, x = model.cuda(), x.cuda()
+                with torch.no_grad():
+                    weights = torch.randn(model(x).shape, generator=generator).cuda()
+                norms = released_norm(model, lambda m, x=x, w=weights: (m(x) * w).flatten(1).sum(1), 0.01,
+                                      per_layer=True)
+                worst = max(worst, *(float(n) / 0.01 for n in norms))
+        assert 1 - 2.0**-5 <= worst <= 1 + 2.0**-20, worst
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = matmul, conv
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
