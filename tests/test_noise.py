@@ -300,6 +300,18 @@ def test_cuda_noise_of_many_tensors_in_one_call_is_the_cpus(distribution, dtype)
     assert all(torch.equal(c, g.cpu()) for c, g in zip(cpu, gpu))
 
 
+@requires_cuda
+def test_one_call_over_tensors_on_the_cpu_and_a_gpu_gives_each_its_share_of_the_stream():
+    """The op called directly with tensors on two devices: a kernel per run of one device, each on
+    its own (one kernel for all had written the GPU's memory from the CPU, or faulted)."""
+    gen = torch.Generator().manual_seed(3)
+    cpu = [torch.randn(n, generator=gen) for n in (1001, 37, 4096)]
+    mixed = [cpu[0].clone(), cpu[1].cuda(), cpu[2].clone()]
+    torch.ops.privleak.add_noise_many_(cpu, "gaussian", 1.5, [99, 3], 5, 0)
+    torch.ops.privleak.add_noise_many_(mixed, "gaussian", 1.5, [99, 3], 5, 0)
+    assert all(torch.equal(c, m.cpu()) for c, m in zip(cpu, mixed))
+
+
 # ------------------------------------------------------------------ counter space and output range
 
 

@@ -353,10 +353,12 @@ def _(size, distribution, scale, key, offset, grid_exponent, dtype, device):
 
 def _add_into(xs: list, distribution: str, scale: float, key: Sequence[int], offset: int,
               grid_exponent: int) -> None:
-    """xs (one stream, laid end to end) += noise; a kernel call per run of tensors of one dtype."""
+    """xs (one stream, laid end to end) += noise; a kernel call per run of tensors of one dtype and
+    device (the op called directly, past the public functions' checks, may mix devices: one
+    kernel on one device writing another's memory faults)."""
     # Noise element i goes to a strided x's i-th element in row-major order, as for a contiguous x.
     dense = [x if x.is_contiguous() else x.contiguous() for x in xs]
-    for _, run in itertools.groupby(dense, key=lambda x: x.dtype):
+    for _, run in itertools.groupby(dense, key=lambda x: (x.dtype, x.device)):
         run = list(run)
         _apply(run, distribution, scale, list(key), offset, grid_exponent, add=True)
         offset += sum(x.numel() for x in run)
