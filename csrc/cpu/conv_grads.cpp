@@ -209,7 +209,10 @@ PRIVLEAK_CONV_AVX2 __attribute__((always_inline)) inline void transpose_block_av
   PRIVLEAK_UNROLL
   for (int j = 0; j < 8; ++j) {
     if (j >= m) break;
-    __m256 v = _mm256_permute2f128_ps(u[j % 4], u[j % 4 + 4], j < 4 ? 0x20 : 0x31);
+    // The immediates literal: a conditional one is constant only once the loop is unrolled, which
+    // -O1 (the sanitizer build) and -O0 do not do, and the build failed there.
+    __m256 v = j < 4 ? _mm256_permute2f128_ps(u[j % 4], u[j % 4 + 4], 0x20)
+                     : _mm256_permute2f128_ps(u[j % 4], u[j % 4 + 4], 0x31);
     if (Canonical) v = _mm256_blendv_ps(v, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     if (n == 8) _mm256_storeu_ps(to + j * dst_stride, v);
     else _mm256_maskstore_ps(to + j * dst_stride, store_mask, v);

@@ -15,6 +15,7 @@
 // them. Their functions carry target attributes: the rest of the build targets baseline x86-64.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PRIVLEAK_X86_AVX2 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -122,7 +123,8 @@ inline CpuFeatures detect_cpu_features() {
   __builtin_cpu_init();
   f.avx2 = __builtin_cpu_supports("avx2");
   f.fma = __builtin_cpu_supports("fma");
-  f.f16c = __builtin_cpu_supports("f16c");
+  unsigned eax, ebx, ecx, edx;  // CPUID leaf 1: clang 14's __builtin_cpu_supports knows no "f16c"
+  f.f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
   f.avx512f = __builtin_cpu_supports("avx512f");
   f.avx512bw = __builtin_cpu_supports("avx512bw");
   f.avx512dq = __builtin_cpu_supports("avx512dq");
