@@ -75,7 +75,11 @@ def call(name: str, on: Any, *args: Any, cuda_args: Sequence[Any] = (),
         nbytes = workspace(module)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)  # alive until the call returns
         scratch = (buffer.data_ptr() if nbytes else 0,)
-    return getattr(module, name)(*args, *cuda_args, *scratch, index, stream)
+    # The device made current by torch's guard, whose restore makes no context on a device that had
+    # none (a fresh thread's cudaGetDevice answers 0: the kernel's own guard would restore GPU 0
+    # and so make its context, for a call on GPU 1).
+    with torch.cuda.device(index):
+        return getattr(module, name)(*args, *cuda_args, *scratch, index, stream)
 
 
 def set_num_threads(threads: int) -> None:
