@@ -1383,6 +1383,25 @@ def test_losses_that_are_not_per_sample_are_refused():
     assert bk.steps == 0
 
 
+def test_losses_no_layer_recorded_are_refused_with_the_reason():
+    """Losses of a forward pass run before the build, of a batch already taken, or after remove():
+    each error says which (all had said a parameter was used outside its module's forward)."""
+    model, x, target = setting("linear")
+    early = regression(model(x), target)
+    bk = make(model)
+    no_record = r"no layer of the model recorded a forward pass with grad since the last step"
+    with pytest.raises(ValueError, match=no_record):
+        bk.step(early)
+    losses = regression(model(x), target)
+    bk.step(losses)
+    with pytest.raises(ValueError, match=no_record):
+        bk.step(losses)
+    bk.remove()
+    with pytest.raises(ValueError, match=r"this BookKeeping was removed \(remove\(\) took its hooks off"):
+        bk.step(regression(model(x), target))
+    assert bk.steps == 1
+
+
 def test_a_release_that_would_overflow_float32_is_refused_as_the_materialised_path_refuses_it():
     model, x, target = setting("linear")
     config = dpsgd.DPSGDConfig(1e10, noise_multiplier=0.0)

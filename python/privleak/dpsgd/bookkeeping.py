@@ -456,6 +456,9 @@ class BookKeeping:
         samples (:meth:`_check_finite`); None for no samples. ``synced=False``: nothing in it waits
         for the device (a CUDA graph captures it), so samples to drop are masked, not looked up."""
         batch = losses.shape[0]
+        if not self._hooks:
+            raise ValueError("per_sample_losses: this BookKeeping was removed (remove() took its hooks off the model); "
+                             "build a new one")
         if batch == 0:
             if losses.grad_fn is not None:  # layers that saw samples raise: these losses are not their batch's
                 parents: dict = {}
@@ -465,6 +468,10 @@ class BookKeeping:
         if losses.grad_fn is None:
             raise ValueError("per_sample_losses must come from the model's forward with grad enabled "
                              "(it has no autograd graph)")
+        if not any(layer.calls for layer in self.layers):  # else the uses' count below names a parameter
+            raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
+                             "last step or accumulate() (the losses of a batch already taken, or of a forward pass "
+                             "run before BookKeeping was built or under torch.no_grad())")
         parents: dict = {}
         self._check_uses(losses, parents)
         shared = self._shared_outputs(batch, parents)
