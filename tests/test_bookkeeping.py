@@ -2560,17 +2560,19 @@ def test_a_half_precision_sample_is_clipped_to_c(dtype):
 def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept():
     """TF32 (cuDNN's convolutions by default, cuBLAS's GEMMs under set_float32_matmul_precision
     ("high")) or oneDNN's bfloat16 would round a clipped sum's inputs to 10 or 7 bits, past C: the
-    sums are formed with every float32 precision flag "ieee", and the user's flags are as they
+    norms and the sums are formed with every float32 precision flag "ieee" (a gradient formed for
+    its norm is formed again for its sum, under the same flags), and the user's flags are as they
     were after the step."""
     backends = {"cuda.matmul": torch.backends.cuda.matmul, "cudnn.conv": torch.backends.cudnn.conv,
                 "mkldnn.matmul": torch.backends.mkldnn.matmul, "mkldnn.conv": torch.backends.mkldnn.conv}
     saved = {name: backend.fp32_precision for name, backend in backends.items()}
     seen = []
-    clipped_product = layers.clipped_product
 
-    def spy(*args):
-        seen.append({name: backend.fp32_precision for name, backend in backends.items()})
-        return clipped_product(*args)
+    def spy(function):
+        def spied(*args):
+            seen.append((function.__name__, {name: backend.fp32_precision for name, backend in backends.items()}))
+            return function(*args)
+        return spied
 
     model, x, target = setting("linear")  # T = 1: each weight's clipped sum one GEMM
     try:
@@ -2578,9 +2580,11 @@ def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept():
             backends[name].fp32_precision = precision
         chosen = {name: backend.fp32_precision for name, backend in backends.items()}
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(layers, "clipped_product", spy)
+            patch.setattr(layers, "clipped_product", spy(layers.clipped_product))
+            patch.setattr(layers, "row_norms", spy(layers.row_norms))
             make(model).step(regression(model(x), target))
-        assert seen and all(flags == dict.fromkeys(backends, "ieee") for flags in seen)
+        assert {name for name, _ in seen} == {"clipped_product", "row_norms"}
+        assert all(flags == dict.fromkeys(backends, "ieee") for _, flags in seen)
         assert {name: backend.fp32_precision for name, backend in backends.items()} == chosen
     finally:
         for name, precision in saved.items():

@@ -173,11 +173,12 @@ def _common(*tensors: torch.Tensor) -> tuple:
 
 @contextlib.contextmanager
 def ieee_float32():
-    """float32 matrix products and convolutions computed in float32 while a step's clipped sums
-    are formed, whatever the user chose for speed elsewhere: cuDNN's convolutions take TF32 by
-    default, and ``torch.set_float32_matmul_precision("high")`` sends cuBLAS's GEMMs there, which
-    round the inputs to 10 bits (2^-11 of each sample's share), or oneDNN's to bfloat16. A norm
-    from the ghost-norm kernel and a sum rounded so far would release a sample past C."""
+    """float32 matrix products and convolutions computed in float32 while a step's norms and
+    clipped sums are formed after its backward pass, whatever the user chose for speed elsewhere:
+    cuDNN's convolutions take TF32 by default, and ``torch.set_float32_matmul_precision("high")``
+    sends cuBLAS's GEMMs there, which round the inputs to 10 bits (2^-11 of each sample's share),
+    or oneDNN's to bfloat16. A norm from the ghost-norm kernel and a sum rounded so far would
+    release a sample past C."""
     backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul,
                 torch.backends.mkldnn.conv)
     saved = [backend.fp32_precision for backend in backends]
