@@ -5,6 +5,7 @@ import copy
 import itertools
 import math
 import re
+import threading
 import warnings
 import weakref
 
@@ -1422,8 +1423,9 @@ def test_a_parameter_frozen_or_unfrozen_after_the_build_is_named():
     bk = make(model, generator=M.NoiseGenerator(3))
     bk.step(regression(model(x), target))
     model[0].bias.requires_grad_(True)
-    with pytest.raises(ValueError, match=r"parameter '0.bias' was unfrozen \(requires_grad=True\) after BookKeeping "
-                                         r"was built.*call remove\(\) and build a new BookKeeping"):
+    with pytest.raises(ValueError, match=r"parameter '0.bias' is trainable but was not among the model's trainable "
+                                         r"parameters when BookKeeping was built \(unfrozen, replaced or added since\)"
+                                         r".*call remove\(\) and build a new BookKeeping"):
         bk.step(regression(model(x), target))
     bk.remove()
     unfrozen = make(model, generator=M.NoiseGenerator(0))
@@ -2589,6 +2591,78 @@ def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept():
     finally:
         for name, precision in saved.items():
             backends[name].fp32_precision = precision
+
+
+def test_steps_in_threads_share_the_ieee_flags_and_the_last_out_puts_them_back():
+    """Two threads' steps overlapping: the first out leaves the flags "ieee" for the other, still
+    forming its sums (putting back its saved TF32 there let that step clip under it), and the last
+    out puts back the user's flags (not the "ieee" that the second in had saved)."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with layers.ieee_float32():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with layers.ieee_float32():
+            second_in.set()
+            first_out.wait(10)
+            seen["inside after the first left"] = matmul.fp32_precision
+
+    try:
+        matmul.fp32_precision = "tf32"
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert seen == {"inside after the first left": "ieee"}
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = saved
+
+
+def test_a_sample_whose_gradient_is_zero_is_not_computed_again_in_float64(monkeypatch):
+    """A sample fitted exactly (or masked) has a ghost norm of 0 and a bound of the underflow term
+    alone, below RAISED_ONLY: added, not computed again in float64 at every step, and the update
+    is the materialised one."""
+    again = []
+    dense_again = ghost_norm._dense_again
+    monkeypatch.setattr(ghost_norm, "_dense_again", lambda *args: again.append(args) or dense_again(*args))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))  # T 3: ghost norms (2 T^2 < d p)
+    x, target = torch.randn(6, 3, 16), torch.randn(6, 3, 4)
+    with torch.no_grad():  # fitted exactly by the step's own (batched) forward: their output gradients are 0
+        target[[2, 4]] = model(x)[[2, 4]]
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.3)
+    want = dpsgd.privatize(grads, config, 6.0, M.NoiseGenerator(2))
+    assert_same_update(book_kept(model, x, target, config, 6.0, M.NoiseGenerator(2)), want)
+    assert again == []
+    monkeypatch.setattr(ghost_norm, "RAISED_ONLY", 0.0)  # the check sees the recomputation where it would run
+    book_kept(model, x, target, config, 6.0, M.NoiseGenerator(2))
+    assert again
+
+
+@requires_cuda
+def test_a_graph_replay_refuses_a_parameter_frozen_after_the_capture():
+    """A replay runs none of the captured part's Python: the step checks the trainable parameters
+    itself (a frozen weight had been stepped with the update)."""
+    model, x, target = setting("linear")
+    model, x, target = model.cuda(), x.cuda(), target.cuda()
+    bk = make(model)
+    step = bk.graphed(lambda x, t: regression(model(x), t), x, target)
+    before = model[0].weight.detach().clone()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' was frozen"):
+        step(x, target)
+    assert torch.equal(model[0].weight.detach(), before)
 
 
 @requires_cuda

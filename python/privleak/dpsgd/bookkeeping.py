@@ -818,8 +818,8 @@ class BookKeeping:
                              f"BookKeeping was built; {change}")
         if unfrozen := [name for name, p in self._module.named_parameters()
                         if p.requires_grad and id(p) not in self._slots]:
-            raise ValueError(f"parameter '{unfrozen[0]}' was unfrozen (requires_grad=True) after BookKeeping was "
-                             f"built without it; {change}")
+            raise ValueError(f"parameter '{unfrozen[0]}' is trainable but was not among the model's trainable "
+                             f"parameters when BookKeeping was built (unfrozen, replaced or added since); {change}")
 
     def _owner(self, slot: int) -> str:
         """The name of the parameter in ``slot``, for messages."""

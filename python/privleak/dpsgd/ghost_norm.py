@@ -109,6 +109,13 @@ def _dense_again(layer: GhostNormInputs, rows: torch.Tensor) -> tuple[torch.Tens
 #: :func:`vouched` adds it (a norm clipped below its exact value by at most half of that, 0.4%),
 #: and the share past which it computes the norm again in float64.
 VOUCHED, LOST = 2.0**-7, 2.0**-4
+#: A bound under this (a squared norm; a norm of 2^-30) is added, never computed again, however
+#: it compares with the norm: such a raise moves a clip factor of a clip norm of 2^-20 (1e-6) or
+#: more by 2^-21 a layer at most, and that to the safe side. It keeps the float64 recomputation
+#: off a sample whose gradient is 0 (a masked sample, a saturated loss, a graph's padding), whose
+#: norm, 0, the underflow term of its bound (:func:`underflow_bound`: 3e-27 for a sample of unit
+#: activations at T 512, d = p = 1024; 1.3e-23 at T 4096, d = p = 8192) would otherwise exceed.
+RAISED_ONLY = 2.0**-60
 
 
 def rounding_bound(activation_norms: torch.Tensor, grad_norms: torch.Tensor, *, d: int, p: int, positions: int,
@@ -163,9 +170,10 @@ def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable],
     most 3% more than it needs); past that, ``again(rows)`` computes those samples' norms and
     bounds once more from float64 inputs (the kernel's float64 arithmetic: 2^-53 for 2^-24), and
     their bound is added (``again`` None: the inputs were float64, or no host read of the rows may
-    wait for the device, as in a CUDA graph's capture: only raised by the bound). A norm that is
-    not finite is computed again too: a float32 Gram entry overflows (a row of norm past 1.8e19)
-    where the gradient need not (activations of 1e20, output gradients of 1e-10). Where nothing
+    wait for the device, as in a CUDA graph's capture: only raised by the bound; a bound under
+    :data:`RAISED_ONLY` is only added). A norm that is not finite is computed again too: a float32
+    Gram entry overflows (a row of norm past 1.8e19) where the gradient need not (activations of
+    1e20, output gradients of 1e-10; in a graph's capture, such a sample stays not finite). Where nothing
     cancels, the bound is about 256 T u of the norm (d, p >= 128): it is added from T of about 500
     on (2% T / 1300 of the norm), and the norm computed again past T 4000. The rows computed again
     are appended to ``lost`` where given: their gradients cancel so far that a float32 clipped sum
@@ -174,17 +182,13 @@ def vouched(norms: torch.Tensor, bound: torch.Tensor, again: Optional[Callable],
     raised = torch.where(bound > VOUCHED * norms, norms + bound, norms)
     if again is None:
         return raised
-    rows = ((bound > LOST * norms) | ~torch.isfinite(norms)).nonzero()[:, 0]
+    rows = (((bound > LOST * norms) & (bound > RAISED_ONLY)) | ~torch.isfinite(norms)).nonzero()[:, 0]
     if not len(rows):
         return raised
-    norms_again, bounds_again = again(rows)
-    exact = norms_again + bounds_again
-    # A row whose float64 norm and bound are both under float32's smallest normal (a gradient of
-    # norm under 2^-63, as a sample whose output gradients are 0, which the underflow term sends
-    # here) is one a float32 sum errs on by less than that: no float64 sum apart.
-    if lost is not None and len(significant := (exact >= smallest_normal(torch.float32)).nonzero()[:, 0]):
-        lost.append(rows[significant])
-    return raised.index_put((rows,), exact)
+    if lost is not None:
+        lost.append(rows)
+    exact, exact_bound = again(rows)
+    return raised.index_put((rows,), exact + exact_bound)
 
 
 @_ops.operator("ghost_norm")

@@ -20,6 +20,7 @@ import enum
 import fnmatch
 import functools
 import math
+import threading
 import warnings
 from typing import Any, ClassVar, NamedTuple, Optional
 
@@ -98,11 +99,12 @@ def factor_norms(rows: torch.Tensor, norm_type: int, may_sync: bool) -> torch.Te
     a sample's input of 1e-24 under output gradients of 1e18 had a norm of 0 (its squares
     underflowed), its gradient of norm 1e-6 going out unclipped at 13 times C = 1e-7, and an
     input of 1e20 overflowed to a norm of inf, a gradient of norm 1e10 refused as not finite.
-    Without ``may_sync`` (no host read of the rows may wait for the device) every row is taken
-    in float64 where it is out of range."""
+    On a GPU, or without ``may_sync`` (no host read of the rows may wait for the device), all
+    rows are taken in float64 too and the out-of-range ones chosen: a host read of which rows are
+    would wait for the device at every such layer of every step."""
     norms = row_norms(rows, norm_type)
     outside = ~((norms >= 2.0**-80) & (norms <= 2.0**120))
-    if not may_sync:
+    if rows.is_cuda or not may_sync:
         return torch.where(outside, row_norms(rows.double(), norm_type), norms)
     if len(again := outside.nonzero()[:, 0]):
         norms = norms.index_put((again,), row_norms(rows[again].double(), norm_type))
@@ -178,17 +180,37 @@ def ieee_float32():
     cuDNN's convolutions take TF32 by default, and ``torch.set_float32_matmul_precision("high")``
     sends cuBLAS's GEMMs there, which round the inputs to 10 bits (2^-11 of each sample's share),
     or oneDNN's to bfloat16. A norm from the ghost-norm kernel and a sum rounded so far would
-    release a sample past C."""
+    release a sample past C.
+
+    The flags are the process's: steps in several threads (one a GPU) share one setting, made by
+    the first to enter and put back by the last to leave, so that none clips under another's
+    restored TF32 and the user's flags come back as they were."""
     backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul,
                 torch.backends.mkldnn.conv)
-    saved = [backend.fp32_precision for backend in backends]
+    with _IEEE_FLOAT32.lock:
+        if _IEEE_FLOAT32.entered == 0:
+            _IEEE_FLOAT32.saved = [backend.fp32_precision for backend in backends]
+            for backend in backends:
+                backend.fp32_precision = "ieee"
+        _IEEE_FLOAT32.entered += 1
     try:
-        for backend in backends:
-            backend.fp32_precision = "ieee"
         yield
     finally:
-        for backend, precision in zip(backends, saved):
-            backend.fp32_precision = precision
+        with _IEEE_FLOAT32.lock:
+            _IEEE_FLOAT32.entered -= 1
+            if _IEEE_FLOAT32.entered == 0:
+                for backend, precision in zip(backends, _IEEE_FLOAT32.saved):
+                    backend.fp32_precision = precision
+
+
+class _SharedFlags:
+    """The process's :func:`ieee_float32` state: how many steps are inside it, and the flags to put back."""
+
+    def __init__(self):
+        self.lock, self.entered, self.saved = threading.Lock(), 0, []
+
+
+_IEEE_FLOAT32 = _SharedFlags()
 
 
 def _scaled(g: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
