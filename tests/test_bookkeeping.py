@@ -1400,6 +1400,8 @@ def test_losses_no_layer_recorded_are_refused_with_the_reason():
     bk.remove()
     with pytest.raises(ValueError, match=r"this BookKeeping was removed \(remove\(\) took its hooks off"):
         bk.step(regression(model(x), target))
+    with pytest.raises(ValueError, match=r"this BookKeeping was removed"):
+        bk.step()  # no losses: it had released the noise and stepped
     assert bk.steps == 1
 
 

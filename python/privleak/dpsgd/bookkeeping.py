@@ -329,7 +329,7 @@ class BookKeeping:
         as the materialised path refuses it)."""
         self._recording = False  # the fallback's per-sample recomputation runs the hooked modules again
         try:
-            self._check_trainable()
+            self._check_model()
             self.config.mechanism.check_release_range(samples, self.config.clipping(len(self.params)),
                                                       self._dp.expected_batch_size, self._dp.generator)
             return self._clipped_sums(losses, 1.0 / self._dp.expected_batch_size if averaged else 1.0, synced=synced)
@@ -370,7 +370,7 @@ class BookKeeping:
                                  "evaluation under torch.no_grad())")
         accumulated, self._accumulated = self._accumulated, None
         if accumulated is None:  # an empty batch
-            self._check_trainable()
+            self._check_model()
             return self._release([torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params],
                                  self._averages_in_clip())
         return self._release(*accumulated[:2])
@@ -456,9 +456,6 @@ class BookKeeping:
         samples (:meth:`_check_finite`); None for no samples. ``synced=False``: nothing in it waits
         for the device (a CUDA graph captures it), so samples to drop are masked, not looked up."""
         batch = losses.shape[0]
-        if not self._hooks:
-            raise ValueError("per_sample_losses: this BookKeeping was removed (remove() took its hooks off the model); "
-                             "build a new one")
         if batch == 0:
             if losses.grad_fn is not None:  # layers that saw samples raise: these losses are not their batch's
                 parents: dict = {}
@@ -806,10 +803,13 @@ class BookKeeping:
                                  "cannot see (outside its module's forward, e.g. functionally or by weight tying); "
                                  "use it through its module, or make that code a module of its own")
 
-    def _check_trainable(self) -> None:
-        """The model's trainable parameters must still be the ones this was built for (its layers'
-        records, the optimizer's groups and the processes' agreement are made for them): a
-        parameter frozen or unfrozen since (gradual unfreezing) is named, with the way out."""
+    def _check_model(self) -> None:
+        """The hooks must still be on the model (not :meth:`remove`-d), and its trainable parameters
+        the ones this was built for (its layers' records, the optimizer's groups and the processes'
+        agreement are made for them): a parameter frozen or unfrozen since (gradual unfreezing) is
+        named, with the way out."""
+        if not self._hooks:
+            raise ValueError("this BookKeeping was removed (remove() took its hooks off the model); build a new one")
         change = ("the trainable parameters are fixed when BookKeeping is built, as its optimizer's are: to train "
                   "another set, call remove() and build a new BookKeeping with an optimizer of the new set "
                   "(state_dict() and load_state_dict() carry the steps and the noise stream over)")
