@@ -377,6 +377,65 @@ def test_ghost_clipping_inside_opacus_gets_privleak_noise_on_the_clipped_sum():
         ghost_step({"mechanism": "laplace"}, 1.3, x, y)
 
 
+def opacus_ghost(x, y):
+    """(model, Opacus's ghost-clipping optimizer, its loss wrapper) for a step of all of (x, y)."""
+    from opacus import PrivacyEngine
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    model = small_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer, criterion, _ = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+            criterion=torch.nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=0.5,
+            grad_sample_mode="ghost", poisson_sampling=False)
+    return model, optimizer, criterion
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("ours", [False, True], ids=["opacus", "privleak"])
+def test_ghost_clipping_accumulates_physical_batches_as_opacus_does(ours):
+    """A logical batch of 24 in three physical batches (signal_skip_step, as BatchMemoryManager
+    does) gives the update of one batch: make_private's loss wrapper calls the zero_grad of the
+    optimizer it was made with between its two backward passes, which had dropped privleak's sums
+    of the skipped batches."""
+    x, y = data()
+    x = x * 5
+    whole, split = [], []
+    for out, parts in ((whole, [slice(0, 24)]), (split, [slice(0, 8), slice(8, 16), slice(16, 24)])):
+        model, optimizer, criterion = opacus_ghost(x, y)
+        if ours:
+            optimizer = PrivleakDPOptimizer.from_opacus(optimizer)
+        optimizer.zero_grad()
+        for k, part in enumerate(parts):
+            optimizer.signal_skip_step(do_skip=k < len(parts) - 1)
+            criterion(model(x[part]), y[part]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out.extend(p.detach().clone() for p in model.parameters())
+    assert any(float((p - small_model().state_dict()[name]).abs().max()) > 1e-3
+               for p, name in zip(whole, small_model().state_dict()))  # the step moved the model
+    for a, b in zip(split, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_keywords_that_opacus_would_drop_and_a_mechanism_off_the_accountant_are_refused():
+    """Opacus's DPOptimizer swallows unknown keywords: a misspelt noise_generator made a seeded run
+    unseeded. And a mechanism object whose noise differs from the engine's left Opacus's
+    accountant counting the engine's (epsilon 0.94 reported for noise 0.01)."""
+    x, y = data()
+    for keywords in ({"noise_generater": M.NoiseGenerator(1)}, {"kappa": 3.0}, {"max_grad_norms": [1.0]},
+                     {"non_finite": "drop"}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument\\(s\\) '{next(iter(keywords))}'"):
+            PrivleakDPOptimizer.from_opacus(opacus_ghost(x, y)[1], **keywords)
+    optimizer = opacus_ghost(x, y)[1]  # noise_multiplier 0
+    with pytest.raises(ValueError, match=r"mechanism: its noise_multiplier 0.01 is not the optimizer's "
+                                         r"noise_multiplier 0.0, which Opacus's accountant records"):
+        PrivleakDPOptimizer.from_opacus(optimizer, mechanism=dpsgd.Gaussian(noise_multiplier=0.01))
+    assert PrivleakDPOptimizer.from_opacus(optimizer, mechanism=dpsgd.Gaussian(noise_multiplier=0.0)).mechanism \
+        == dpsgd.Gaussian(0.0)
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook")  # Opacus's hooks on a model whose inputs need no grad
 @pytest.mark.parametrize("mechanism, kwargs, learning_rate", [
     ("gaussian", {}, 0.5), ("vmf", {"kappa": 200.0}, 0.05), ("laplace", {}, 1.5)])  # L1 clipping shrinks more

@@ -72,6 +72,9 @@ from privleak import dpsgd, validation
 from privleak import mechanisms as _mechanisms
 from privleak.dpsgd import distributed
 
+#: The keywords of Opacus's DPOptimizer that its **kwargs do not swallow.
+_OPACUS_KEYWORDS = frozenset({"generator", "secure_mode"})
+
 
 class PrivleakDPOptimizer(DPOptimizer):
     """An Opacus ``DPOptimizer`` whose clipping and noise are privleak's (module docstring).
@@ -99,6 +102,15 @@ class PrivleakDPOptimizer(DPOptimizer):
             if "noise_multiplier" in fields:
                 parameters["noise_multiplier"] = noise_multiplier
             mechanism = dpsgd.mechanism.create(mechanism, parameters)
+        elif getattr(mechanism, "noise_multiplier", noise_multiplier) != noise_multiplier:
+            # Opacus's accountant records the optimizer's noise_multiplier for every step.
+            raise ValueError(f"mechanism: its noise_multiplier {mechanism.noise_multiplier!r} is not the optimizer's "
+                             f"noise_multiplier {noise_multiplier!r}, which Opacus's accountant records; give the "
+                             "mechanism by name (it takes the optimizer's), or make the engine with that noise")
+        if unknown := sorted(set(kwargs) - _OPACUS_KEYWORDS):
+            # Opacus's DPOptimizer takes **kwargs and drops them: a misspelt noise_generator would go unseeded.
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))} for the "
+                            f"{mechanism.name} mechanism and Opacus's optimizer")
         self._check_mechanism(mechanism)
         mechanism.check_generator(noise_generator)
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
@@ -135,6 +147,11 @@ class PrivleakDPOptimizer(DPOptimizer):
                           secure_mode=optimizer.secure_mode, **kwargs)
         if isinstance(new.mechanism, dpsgd.Gaussian):  # Opacus's accountants model Gaussian noise only
             new.attach_step_hook(optimizer.step_hook)
+        if isinstance(optimizer, DPOptimizerFastGradientClipping):
+            # make_private's ghost loss wrapper still holds the Opacus optimizer and calls its zero_grad
+            # between its two backward passes; that one never hears of a skipped step (gradient
+            # accumulation, BatchMemoryManager), so it dropped the sums accumulated so far.
+            optimizer.zero_grad = new.zero_grad
         return new
 
     @staticmethod
