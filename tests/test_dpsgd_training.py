@@ -436,6 +436,22 @@ def test_keywords_that_opacus_would_drop_and_a_mechanism_off_the_accountant_are_
         == dpsgd.Gaussian(0.0)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_a_ghost_clipped_sum_that_is_not_finite_is_refused():
+    """A NaN in one sample's input: Opacus's ghost clipping makes the clipped sum NaN (it cannot say
+    which sample), which Gaussian noise had carried into the parameters silently."""
+    x, y = data()
+    x[3, 0] = float("nan")
+    model, optimizer, criterion = opacus_ghost(x, y)
+    optimizer = PrivleakDPOptimizer.from_opacus(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    with pytest.raises(ValueError, match="the clipped sum of Opacus's ghost clipping is not finite"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook")  # Opacus's hooks on a model whose inputs need no grad
 @pytest.mark.parametrize("mechanism, kwargs, learning_rate", [
     ("gaussian", {}, 0.5), ("vmf", {"kappa": 200.0}, 0.05), ("laplace", {}, 1.5)])  # L1 clipping shrinks more

@@ -223,6 +223,16 @@ class PrivleakGhostClippingDPOptimizer(PrivleakDPOptimizer, DPOptimizerFastGradi
 
     clip_and_accumulate = DPOptimizerFastGradientClipping.clip_and_accumulate
 
+    def _released(self, sums: list) -> list:
+        """Raise for a clipped sum that is not finite (Opacus's ghost norms of a sample with a NaN
+        or inf in it make its clip factor NaN), as privleak's kernel raises for such a sample:
+        Gaussian noise had carried the NaN into the parameters silently."""
+        if not bool(torch.stack([s.isfinite().all() for s in sums]).all()):
+            raise ValueError("the clipped sum of Opacus's ghost clipping is not finite: a sample's gradient is "
+                             "(a NaN or inf in its input or loss); ghost clipping cannot tell which sample, so "
+                             "the step is refused")
+        return super()._released(sums)
+
 
 class _AcrossProcesses:
     """The clipped sums of Opacus's processes (``DifferentiallyPrivateDistributedDataParallel``,
