@@ -2561,36 +2561,62 @@ def test_a_half_precision_sample_is_clipped_to_c(dtype):
     assert 1 - 2.0**-5 <= worst <= 1 + 2.0**-20, worst
 
 
-def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept():
+def _legacy_precision_flags() -> tuple:
+    """torch's legacy float32 precision getters, "raises" where they refuse a mix of the APIs."""
+    flags = []
+    for getter in (torch.get_float32_matmul_precision, lambda: torch.backends.cudnn.allow_tf32,
+                   lambda: torch.backends.cuda.matmul.allow_tf32):
+        try:
+            flags.append(getter())
+        except RuntimeError:
+            flags.append("raises")
+    return tuple(flags)
+
+
+@pytest.mark.parametrize("api", ["new", "legacy"])
+def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept(api):
     """TF32 (cuDNN's convolutions by default, cuBLAS's GEMMs under set_float32_matmul_precision
     ("high")) or oneDNN's bfloat16 would round a clipped sum's inputs to 10 or 7 bits, past C: the
     norms and the sums are formed with every float32 precision flag "ieee" (a gradient formed for
     its norm is formed again for its sum, under the same flags), and the user's flags are as they
-    were after the step."""
+    were after the step. Set through torch's legacy API, the legacy getters read IEEE inside (a
+    module replayed by the sums may read them; they raised for the mix of APIs)."""
     backends = {"cuda.matmul": torch.backends.cuda.matmul, "cudnn.conv": torch.backends.cudnn.conv,
-                "mkldnn.matmul": torch.backends.mkldnn.matmul, "mkldnn.conv": torch.backends.mkldnn.conv}
+                "cudnn.rnn": torch.backends.cudnn.rnn, "mkldnn.matmul": torch.backends.mkldnn.matmul,
+                "mkldnn.conv": torch.backends.mkldnn.conv}
     saved = {name: backend.fp32_precision for name, backend in backends.items()}
+    saved_matmul = torch.get_float32_matmul_precision()
     seen = []
+
+    def flags():
+        return {name: backend.fp32_precision for name, backend in backends.items()}, _legacy_precision_flags()
 
     def spy(function):
         def spied(*args):
-            seen.append((function.__name__, {name: backend.fp32_precision for name, backend in backends.items()}))
+            seen.append((function.__name__, *flags()))
             return function(*args)
         return spied
 
     model, x, target = setting("linear")  # T = 1: each weight's clipped sum one GEMM
     try:
-        for name, precision in zip(backends, ("tf32", "tf32", "bf16", "bf16")):
-            backends[name].fp32_precision = precision
-        chosen = {name: backend.fp32_precision for name, backend in backends.items()}
+        if api == "new":
+            for name, precision in zip(backends, ("tf32", "tf32", "ieee", "bf16", "bf16")):
+                backends[name].fp32_precision = precision
+        else:
+            torch.set_float32_matmul_precision("medium")  # oneDNN's matmul in bfloat16, cuBLAS's in TF32
+        chosen = flags()
+        assert "tf32" in chosen[0].values() and "bf16" in chosen[0].values()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(layers, "clipped_product", spy(layers.clipped_product))
             patch.setattr(layers, "row_norms", spy(layers.row_norms))
             make(model).step(regression(model(x), target))
-        assert {name for name, _ in seen} == {"clipped_product", "row_norms"}
-        assert all(flags == dict.fromkeys(backends, "ieee") for _, flags in seen)
-        assert {name: backend.fp32_precision for name, backend in backends.items()} == chosen
+        assert {name for name, _, _ in seen} == {"clipped_product", "row_norms"}
+        assert all(flags == dict.fromkeys(backends, "ieee") for _, flags, _ in seen)
+        inside = {legacy for _, _, legacy in seen}
+        assert inside == {("highest", False, False) if api == "legacy" else ("highest", "raises", False)}
+        assert flags() == chosen
     finally:
+        torch.set_float32_matmul_precision(saved_matmul)
         for name, precision in saved.items():
             backends[name].fp32_precision = precision
 

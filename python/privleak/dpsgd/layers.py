@@ -182,16 +182,20 @@ def ieee_float32():
     or oneDNN's to bfloat16. A norm from the ghost-norm kernel and a sum rounded so far would
     release a sample past C.
 
+    Each backend's ``fp32_precision`` is set to "ieee", and torch's legacy flags (the matmul
+    precision, cuDNN's ``allow_tf32``) to the same where the user's could be read: torch's legacy
+    getters raise where the two APIs disagree, and a module replayed by the sums may read them.
+    Where they could not be read (the user set a mix through the new API), they raise inside as
+    they did outside, and are left alone.
+
     The flags are the process's: steps in several threads (one a GPU) share one setting, made by
     the first to enter and put back by the last to leave, so that none clips under another's
     restored TF32 and the user's flags come back as they were."""
-    backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul,
-                torch.backends.mkldnn.conv)
     with _IEEE_FLOAT32.lock:
         if _IEEE_FLOAT32.entered == 0:
-            _IEEE_FLOAT32.saved = [backend.fp32_precision for backend in backends]
-            for backend in backends:
-                backend.fp32_precision = "ieee"
+            _IEEE_FLOAT32.saved = _precision_flags()
+            _set_precision_flags([(setter, None if value is None else ieee)
+                                  for (setter, value), ieee in zip(_IEEE_FLOAT32.saved, _IEEE_VALUES)])
         _IEEE_FLOAT32.entered += 1
     try:
         yield
@@ -199,8 +203,38 @@ def ieee_float32():
         with _IEEE_FLOAT32.lock:
             _IEEE_FLOAT32.entered -= 1
             if _IEEE_FLOAT32.entered == 0:
-                for backend, precision in zip(backends, _IEEE_FLOAT32.saved):
-                    backend.fp32_precision = precision
+                _set_precision_flags(_IEEE_FLOAT32.saved)
+
+
+def _fp32_backends() -> tuple:
+    return (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
+            torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+
+
+def _legacy_flag(getter):
+    try:
+        return getter()
+    except RuntimeError:  # the new API's flags set to a mix the legacy flag cannot say
+        return None
+
+
+def _precision_flags() -> list:
+    """[(setter, value)] of torch's float32 precision flags, the legacy ones first (setting them
+    sets the backends' flags too, which come after) and None where unreadable."""
+    legacy = [(torch.set_float32_matmul_precision, _legacy_flag(torch.get_float32_matmul_precision)),
+              (functools.partial(setattr, torch.backends.cudnn, "allow_tf32"),
+               _legacy_flag(lambda: torch.backends.cudnn.allow_tf32))]
+    return legacy + [(functools.partial(setattr, backend, "fp32_precision"), backend.fp32_precision)
+                     for backend in _fp32_backends()]
+
+
+_IEEE_VALUES = ("highest", False) + ("ieee",) * 5  # in _precision_flags' order
+
+
+def _set_precision_flags(flags: list) -> None:
+    for setter, value in flags:
+        if value is not None:
+            setter(value)
 
 
 class _SharedFlags:
