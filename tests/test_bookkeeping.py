@@ -2409,29 +2409,34 @@ def _cancelling(kind, size, magnitude, generator):
         q = torch.linalg.qr(x[0])[0]
         w[0] -= q @ (q.T @ w[0])
         return CancellingLinear(d, p), x.float(), w.float()
-    x = torch.zeros(8, 32, 6, 6)
-    x[0] = (torch.randn(32, 1, 1, generator=generator) * magnitude).expand(32, 6, 6)
-    w = torch.randn(8, 32, 4, 4, generator=generator, dtype=torch.float64)
+    pixels = 12 if kind == "standardised" else 6  # at 12 x 12 the standardised form's G_i(w) come in chunks
+    x = torch.zeros(8, 32, pixels, pixels)
+    x[0] = (torch.randn(32, 1, 1, generator=generator) * magnitude).expand(32, pixels, pixels)
+    w = torch.randn(8, 32, pixels - 2, pixels - 2, generator=generator, dtype=torch.float64)
     model = CancellingConv()
     if kind == "computed-weight":
         model.conv = TanhConv(32, 32, 3, bias=False)
+    if kind == "standardised":  # its bias's gradient, the output gradients summed, cancels too
+        model.conv = StandardizedConv2d(32, 32, 3)
     return model, x, (w - w.mean((2, 3), keepdim=True)).float()
 
 
 @pytest.mark.parametrize("kind, mechanism", [("linear", "gaussian"), ("linear", "laplace"), ("conv", "laplace"),
-                                             ("computed-weight", "gaussian"), ("embedding", "gaussian"),
-                                             ("embedding", "laplace")])
+                                             ("computed-weight", "gaussian"), ("standardised", "gaussian"),
+                                             ("embedding", "gaussian"), ("embedding", "laplace")])
 def test_a_gradient_formed_for_its_norm_is_the_one_its_sum_adds(kind, mechanism):
     """Where a layer's norms come from its per-sample gradients formed (a Linear at 2 T^2 >= d p
-    or under L1 norms; a convolution's, or a computed weight's J^T G_i(w), a few samples at a time;
-    an Embedding's rows), its clipped sum adds the same ones
-    (:func:`privleak.dpsgd.layers.formed_sums`), so a sample's share of the update is at most C
-    whatever cancels in its gradient. The sum was one GEMM over the batch (the convolution's
-    weight gradient, J^T of it, the Embedding's of the scaled output gradients), which rounds its
-    own way: on gradients that are float32 rounding alone (:func:`_cancelling`) sample 0's share
-    reached 1.75 times C (Linear, L2), 2.19 times (L1), 1.19 times (convolution, L1), 1.30 times
-    (tanh weight, L2) and 1.43 times (Embedding, L1) in these seeds; an Embedding's L2 norm was
-    its ghost norm, the rows summed in float64, and its share reached 2.74 times C."""
+    or under L1 norms; a convolution's, or a computed weight's J^T G_i(w) or its standardised
+    form's G_i(w), a few samples at a time; an Embedding's rows; a bias's rows), its clipped sum
+    adds the same ones (:func:`privleak.dpsgd.layers.formed_sums`), so a sample's share of the
+    update is at most C whatever cancels in its gradient. The sum was one GEMM over the batch (the
+    convolution's weight gradient, J^T of it, the Embedding's of the scaled output gradients, the
+    scaled output gradients summed), which rounds its own way: on gradients that are float32
+    rounding alone (:func:`_cancelling`) sample 0's share reached 1.75 times C (Linear, L2), 2.19
+    times (L1), 1.19 times (convolution, L1), 1.30 times (tanh weight, L2), 1.13 times
+    (standardised weight with its gain and bias, L2) and 1.43 times (Embedding, L1) in these seeds;
+    an Embedding's L2 norm was its ghost norm, the rows summed in float64, and its share reached
+    2.74 times C."""
     shapes = [(2, 2, 4), (4, 4, 8), (8, 8, 16), (64, 64, 128)] if kind == "linear" else [None]
     config = dpsgd.DPSGDConfig(1.0, noise_multiplier=1e-12 if mechanism == "laplace" else 0.0, mechanism=mechanism)
     shares = []

@@ -40,7 +40,8 @@ norm of the output gradients scaled by r, and the parts along 1 and u_o are sums
 of the output gradients times a convolution of x with ones and the call's own output
 (:meth:`ComputedWeightConvLayer._ghost_norms`). Elsewhere G_i(w) is formed, whole in place of the
 layer's inputs and output gradients where no larger than those (its clipped sum then one pass
-over it), or a few samples at a time, and reduced (:func:`standardised_squared_norms`).
+over it), or a few samples at a time (formed again for the sum), and reduced
+(:func:`standardised_squared_norms`).
 
 The rule does not take the form on trust: each step (not in a step a CUDA graph captures, whose
 syncs it refuses) it reads r, lambda1, lambdau and the gains' a_o from J^T applied to 1, to u and
@@ -81,6 +82,7 @@ from privleak.dpsgd.layers import (
     _scaled,
     _zero_dropped,
     bias_rows,
+    formed_sums,
     row_norms,
     samples_per_chunk,
     use_ghost_norm,
@@ -334,7 +336,9 @@ class ComputedWeightConvLayer(FunctionalLayer):
         self.convolutions: list = []  # per call, its Convolution, or None where the call does not fit
         self.jacobian: Optional[RowJacobian] = None  # this step's, where the standardised form holds
         self.jacobian_checked = False
-        self.formed: Optional[tuple] = None  # (G_i(w), the bias's rows or None) where the standardised form formed them
+        self.formed: Optional[torch.Tensor] = None  # G_i(w), where the standardised form formed it whole
+        self.formed_chunk: Optional[int] = None  # samples a chunk, where it formed G_i(w) a few samples at a time
+        self.bias_rows: Optional[torch.Tensor] = None  # the bias's per-sample gradients whose norms it took
 
     def forward_mode(self) -> _Recorder:
         return _Recorder()
@@ -424,10 +428,10 @@ class ComputedWeightConvLayer(FunctionalLayer):
 
     def _forming(self, batch: int) -> Forming:
         """Whole where no larger than the inputs and output gradients the layer holds, else a few
-        samples at a time for the norms: the second pass that then makes the clipped sum is one
-        weight-gradient convolution and one vector-Jacobian product, not a replay, so it pays to
-        hold less (WRN-16-4 weight-standardised, B 64: the 16 x 16 stage's 147k weights a sample
-        formed whole held 4 x 38 MB past the non-private peak)."""
+        samples at a time for the norms: the second pass that then makes the clipped sum forms the
+        same chunks by the convolution kernel again, not a replay, so it pays to hold less
+        (WRN-16-4 weight-standardised, B 64: the 16 x 16 stage's 147k weights a sample formed
+        whole held 4 x 38 MB past the non-private peak)."""
         if not self._fits():
             return super()._forming(batch)
         if self._standardising() is not None:  # norms without J^T (L1 norms: a few samples at a time)
@@ -458,27 +462,28 @@ class ComputedWeightConvLayer(FunctionalLayer):
         the call kept its output (:meth:`_ghost_norms`) and it is unchanged; else from G_i(w), formed
         whole in place of the call's input and output gradients, which go, and kept for the clipped
         sum (sum_i f_i G_i(w), one pass over them, in place of a weight-gradient convolution) where
-        no larger than those, or a few samples at a time; otherwise the fallback's."""
+        no larger than those, or a few samples at a time (formed again in the same chunks for the
+        sum); otherwise the fallback's. The bias's rows are kept for its sum."""
         jacobian = self._standardising()
         if norm_type != 2 or jacobian is None:
             return super().norms_by_parameter(batch, norm_type)
         (c,), ((g,),) = self.convolutions, self.grads
         params = self._form_parameters(c)
         held, size = self._held_per_sample(batch), params[0].numel()
-        bias = None if c.bias is None else bias_rows([g], channels_last=False)
+        bias = self.bias_rows = None if c.bias is None else bias_rows([g], channels_last=False)
         if c.output is not None and c.output.value._version == c.output.version:
             pixels = math.prod(c.input.shape[2:])
             chunk = samples_per_chunk(held, c.groups * 2 * pixels * pixels + math.prod(g.shape[1:]),
                                       at_least=self.chunk_at_least)
             parts = [self._ghost_norms(c, g, jacobian, slice(i, i + chunk)) for i in range(0, batch, chunk)]
         elif size <= held:
-            self.formed = (self._weight_grads(c, g, slice(None)), bias)
+            self.formed = self._weight_grads(c, g, slice(None))
             self.convolutions[0] = c._replace(input=None, output=None)
             self.calls[0] = ([None] * len(self.calls[0][0]), *self.calls[0][1:])
             self.grads[0] = [None]
-            parts = [standardised_squared_norms(self.formed[0], jacobian)]
+            parts = [standardised_squared_norms(self.formed, jacobian)]
         else:
-            chunk = samples_per_chunk(held, 3 * size, at_least=self.chunk_at_least)
+            chunk = self.formed_chunk = samples_per_chunk(held, 3 * size, at_least=self.chunk_at_least)
             parts = [standardised_squared_norms(self._weight_grads(c, g, slice(i, i + chunk)), jacobian)
                      for i in range(0, batch, chunk)]
         norms = {id(p): torch.cat(column) for p, column in zip(params, zip(*parts))}
@@ -549,12 +554,13 @@ class ComputedWeightConvLayer(FunctionalLayer):
     def sums_by_parameter(self, factors: dict, keep: Optional[torch.Tensor], norm_type: int) -> dict:
         """J^T of the convolution's weight gradient of x and f g per call: one of each per distinct
         tensor of factors (flat clipping gives every parameter the same one, per-layer clipping each
-        its own; told apart by identity, as the fallback's); where the standardised form formed
-        G_i(w), J^T of sum_i f_i G_i(w). Where the norms came from the fallback's chunks (L1 norms, or
-        a weight not standardised), the same chunks formed again (:func:`~privleak.dpsgd.layers.formed_sums`)."""
+        its own; told apart by identity, as the fallback's); where the standardised form's norms came
+        from G_i(w), J^T of sum_i f_i G_i(w) of the very G_i(w) (:meth:`_formed_sums`). Where the norms
+        came from the fallback's chunks (L1 norms, or a weight not standardised), the same chunks
+        formed again (:func:`~privleak.dpsgd.layers.formed_sums`)."""
         if not self._fits() or (self.chunked and (norm_type != 2 or self._standardising() is None)):
             return super().sums_by_parameter(factors, keep, norm_type)
-        if self.formed is not None:
+        if self.formed is not None or self.formed_chunk is not None:
             return self._formed_sums(factors, keep)
         sums: dict = {}
         for c, (g,) in zip(self.convolutions, self.grads):
@@ -565,21 +571,36 @@ class ComputedWeightConvLayer(FunctionalLayer):
                     scaled, x_like, c.weight.detach().to(x_like.dtype), None, c.stride, c.padding, c.dilation, False,
                     [0] * len(c.stride), c.groups, [False, True, False])[1]
                 self._add_pulled(sums, c, params, weight_grad)
-            if c.bias is not None:
-                term = bias_rows([_scaled(g, factors[id(c.bias)])], channels_last=False).sum(0)
-                sums[id(c.bias)] = term if id(c.bias) not in sums else sums[id(c.bias)] + term
-        return sums
+        return self._bias_sum(sums, factors, keep)
 
     def _formed_sums(self, factors: dict, keep: Optional[torch.Tensor]) -> dict:
-        """J^T sum_i f_i G_i(w) per distinct tensor of factors and the bias's sum_i f_i rows_i, one
-        pass over the formed tensors for each."""
-        (c,), (grads, bias) = self.convolutions, self.formed
-        grads = _zero_dropped(grads, keep)
+        """J^T sum_i f_i G_i(w) per distinct tensor of factors, of the G_i(w) whose norms were taken:
+        one pass over them where formed whole, else formed again in the same chunks
+        (:func:`~privleak.dpsgd.layers.formed_sums`). A weight gradient by the convolution's backward
+        beside them rounds its own way, and where a sample's G_i(w) cancels (constant pixels under
+        output gradients of mean 0) its share of the update reached 1.43 times C."""
+        (c,) = self.convolutions
+        groups = _by_factors(self._weight_parameters(c), factors)
+        by_group = {k: f for k, (f, _) in enumerate(groups)}
+        if self.formed is not None:
+            grads = _zero_dropped(self.formed, keep)
+            weight_sums = {k: torch.tensordot(f.to(grads.dtype), grads, 1) for k, f in by_group.items()}
+        else:
+            (g,), = self.grads
+            weight_sums = formed_sums(lambda samples: dict.fromkeys(by_group, self._weight_grads(c, g, samples)),
+                                      self.formed_chunk, g.shape[0], by_group, keep)
         sums: dict = {}
-        for f, params in _by_factors(self._weight_parameters(c), factors):
-            self._add_pulled(sums, c, params, torch.tensordot(f.to(grads.dtype), grads, 1))
+        for k, (_, params) in enumerate(groups):
+            self._add_pulled(sums, c, params, weight_sums[k])
+        return self._bias_sum(sums, factors, keep)
+
+    def _bias_sum(self, sums: dict, factors: dict, keep: Optional[torch.Tensor]) -> dict:
+        """``sums`` with the bias's sum_i f_i rows_i, of the rows whose norms were taken: a sum of the
+        scaled output gradients rounds its own way, and a sample whose output gradients cancel over
+        the positions was released at 1.17 times C."""
+        bias, rows = self.convolutions[0].bias, self.bias_rows
         if bias is not None:
-            sums[id(c.bias)] = torch.tensordot(factors[id(c.bias)].to(bias.dtype), _zero_dropped(bias, keep), 1)
+            sums[id(bias)] = torch.tensordot(factors[id(bias)].to(rows.dtype), _zero_dropped(rows, keep), 1)
         return sums
 
     @staticmethod
