@@ -1,6 +1,7 @@
 """dpsgd.BookKeeping on recurrent modules (nn.RNN, nn.LSTM, nn.GRU) in the forms torch.func cannot
 vmap, packed sequences of different lengths above all, against each sample's own backward pass."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -87,6 +88,35 @@ class WeightNormed(nn.Module):
         return out.transpose(0, 1) + h.sum(0).unsqueeze(1).repeat(1, 1, 2)
 
 
+class TiedBias(nn.Module):
+    """An LSTM whose two biases are one Parameter under two names (``named_parameters`` lists it
+    once: the steps written out read ``bias_hh_l0`` as absent, the gates recomputed without it, an
+    RNN's bias given half its gradient): replayed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 3, batch_first=True)
+        self.lstm.bias_hh_l0 = self.lstm.bias_ih_l0
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+class HookNormed(nn.Module):
+    """A GRU under the deprecated ``torch.nn.utils.weight_norm``, whose forward pre-hook sets
+    ``weight_hh_l0`` as a plain tensor made from ``weight_hh_l0_g`` and ``_v`` (the steps written
+    out found no such parameter and failed): replayed."""
+
+    def __init__(self):
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+            self.gru = nn.utils.weight_norm(nn.GRU(4, 3, batch_first=True), "weight_hh_l0")
+
+    def forward(self, x):
+        return self.gru(x)[0]
+
+
 class Scaled(nn.Module):
     """A GRU whose output alone is used, times a scalar and plus one: its final state, an output of
     the same autograd node, has no use (once taken for the output broadcast over the batch)."""
@@ -106,7 +136,10 @@ CASES = {
     "scaled": (Scaled, lambda generator: torch.randn(6, 5, 4, generator=generator)),
     "weight-normed": (WeightNormed, lambda generator: torch.randn(6, 7, 4, generator=generator)
                       * (torch.arange(7) < torch.tensor(LENGTHS)[:, None])[..., None]),
+    "tied-bias": (TiedBias, lambda generator: torch.randn(6, 5, 4, generator=generator)),
+    "hook-normed": (HookNormed, lambda generator: torch.randn(6, 5, 4, generator=generator)),
 }
+REPLAYED = {"weight-normed", "tied-bias", "hook-normed"}  #: the cases whose weights are not Parameters by name
 
 
 def setting(case):
@@ -138,7 +171,7 @@ def test_a_recurrent_module_gives_the_update_of_each_samples_backward_pass(case,
     config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
     want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
     assert_same_update(book_kept(model, x, target, config, 4.5, M.NoiseGenerator(7)), want)
-    assert bool(replayed) == (case == "weight-normed")
+    assert bool(replayed) == (case in REPLAYED)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -189,6 +222,77 @@ def test_an_output_changed_in_place_is_refused(below):
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
                            expected_batch_size=5)
     with pytest.raises(ValueError, match=r"the output of module 'gru' \(GRU\) was changed in place"):
+        bk.step(model(torch.randn(5, 6, 4)).pow(2).sum((1, 2)))
+
+
+def test_a_weight_changed_in_place_after_the_forward_is_refused():
+    """The steps written out read the weights as they are at the backward pass: one changed in
+    place since the forward is refused by autograd, as torch's fused op refuses it (the update
+    had come silently from the changed weight)."""
+    model = nn.GRU(4, 3, batch_first=True)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=5)
+    losses = model(torch.randn(5, 6, 4))[0].pow(2).sum((1, 2))
+    with torch.no_grad():
+        model.weight_hh_l0.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        bk.step(losses)
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_each_layer_and_direction_s_biases_get_its_own_rows(kind, monkeypatch):
+    """Biases trained beside frozen weights (BitFit) in two bidirectional layers: each layer and
+    direction's biases are its pre-activations' gradients summed. Their rows were cached by the
+    id() of those gradients, and a frozen direction's, freed, left its id to a later one's, whose
+    biases then took the earlier rows (4 of 252 updates of a sweep over T); here every id() is
+    made the same, the worst an allocator can do."""
+    monkeypatch.setattr(recurrent, "id", lambda obj: 0, raising=False)
+    torch.manual_seed(0)
+    model = kind(2, 3, num_layers=2, bidirectional=True, batch_first=True)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("bias"))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 5, 2, generator=generator)
+    target = torch.randn(4, 5, 6, generator=generator)
+
+    class Output(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = model
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    wrapped = Output()
+    grads = one_backward_per_sample(wrapped, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(wrapped, x, target, config, 4.0, M.NoiseGenerator(3)), want)
+
+
+class WeightDropped(nn.Module):
+    """AWD-LSTM's WeightDrop: the parent assigns the LSTM's ``weight_hh_l0``, made from a raw
+    parameter of the LSTM's, before each call (here without dropping any)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 3, batch_first=True)
+        raw = self.lstm.weight_hh_l0
+        del self.lstm._parameters["weight_hh_l0"]
+        self.lstm.register_parameter("weight_hh_l0_raw", nn.Parameter(raw.detach().clone()))
+
+    def forward(self, x):
+        self.lstm.weight_hh_l0 = self.lstm.weight_hh_l0_raw * 1.0
+        return self.lstm(x)[0]
+
+
+def test_a_weight_assigned_from_outside_the_forward_is_found_by_the_first_sample_check():
+    """The replay remakes what the module's forward makes, not a weight its parent made before the
+    call: the raw parameter's per-sample gradients would be 0, and the first sample's check says so."""
+    model = WeightDropped()
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=5)
+    with pytest.raises(ValueError, match=r"'lstm.weight_hh_l0_raw' the norm 0, .* as AWD-LSTM's WeightDrop does"):
         bk.step(model(torch.randn(5, 6, 4)).pow(2).sum((1, 2)))
 
 

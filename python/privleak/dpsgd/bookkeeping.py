@@ -604,7 +604,9 @@ class BookKeeping:
             mine, own = float(mine[column]), float(own[column])
             raise ValueError(f"per_sample_losses: book-keeping gave the first sample's gradient of parameter "
                              f"'{self._owner(order[column])}' the norm {mine:.6g}, but the backward pass of that "
-                             f"sample's loss alone gives it {own:.6g}. {cause}")
+                             f"sample's loss alone gives it {own:.6g}. {cause}; or its module's forward reads a "
+                             "tensor made from it outside that forward (a weight a parent module assigns before "
+                             "the call, as AWD-LSTM's WeightDrop does), which the module's replay cannot remake")
         self._checked = True
 
     def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:

@@ -19,9 +19,12 @@ states (h_0, c_0 in; h_n, c_n out), and a ``PackedSequence`` (sequences of diffe
 holds the samples' steps interleaved in one tensor. Each call is recorded batch first: the input
 padded to (B, T, d) with the lengths (B,) of a packed one, and the initial states as (B, L D, h);
 the output gradients are read the same way. Past its length a sample's state stays as it was,
-so the reverse direction starts at its last step, as the packed op does. A module with a
-parametrized weight (weight_norm on ``weight_hh_l0``) is replayed instead, one sample at a time
-(vmap has no batching rule for the fused ops).
+so the reverse direction starts at its last step, as the packed op does. A module whose weights
+are not each a Parameter under its own name (a parametrization or the deprecated weight_norm on
+``weight_hh_l0``, one Parameter under two names) is replayed instead, one sample at a time (vmap
+has no batching rule for the fused ops). A weight assigned to the module from outside its forward
+(AWD-LSTM's WeightDrop) is not reproduced by the replay either: BookKeeping's check of the first
+sample finds it.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ class RecurrentLayer(FunctionalLayer):
         # step on the CPU), and it cannot batch packed sequences of different lengths at all.
         self._one_at_a_time = True
         # Book-keeping proper needs the weights by name; a parametrized one is replayed.
-        self._unrolled = not computes_parameters(module)
+        self._unrolled = not computes_parameters(module) and _weights_by_name(module)
 
     def clear(self) -> None:
         super().clear()
@@ -267,6 +270,16 @@ def _arguments(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return named["input"], named.get("hx")
 
 
+def _weights_by_name(module: nn.RNNBase) -> bool:
+    """Whether each weight the fused op takes is a Parameter of the module under its own name, as
+    the steps written out read them: not a plain tensor that a forward pre-hook computes (the
+    deprecated ``torch.nn.utils.weight_norm`` on ``weight_hh_l0``, AWD-LSTM's WeightDrop), nor one
+    Parameter under two names (``bias_hh_l0`` set to ``bias_ih_l0``: listed once by
+    ``named_parameters``, the other's gradient was left out). Such a module is replayed."""
+    found = [module._parameters.get(name) for name in module._flat_weights_names]
+    return all(isinstance(p, nn.Parameter) for p in found) and len({id(p) for p in found}) == len(found)
+
+
 class _Unrolled(torch.autograd.Function):
     """A recorded call of a recurrent module in the loss's graph, in place of torch's fused op
     (:meth:`RecurrentLayer.separated`): the same outputs, whose backward is the pass through the
@@ -277,11 +290,15 @@ class _Unrolled(torch.autograd.Function):
                 h0: Optional[torch.Tensor], c0: Optional[torch.Tensor], *parameters: torch.Tensor) -> tuple:
         ctx.layer, ctx.call = layer, call
         ctx.set_materialize_grads(False)
+        # saved (unread) so that autograd refuses a weight changed in place before the backward, as
+        # for the fused op's saved weights: the steps written out read the weights as they are then
+        ctx.save_for_backward(*parameters)
         return tuple(y.detach() for y in outputs)
 
     @staticmethod
     @once_differentiable  # its backward runs without a graph: a second derivative through it is refused
     def backward(ctx, *grads: Optional[torch.Tensor]) -> tuple:
+        ctx.saved_tensors  # noqa: B018 (read for autograd's check of their versions)
         return None, None, None, *ctx.layer.backward_call(ctx.call, grads, ctx.needs_input_grad[3:])
 
 
@@ -318,7 +335,7 @@ def unrolled_sites(module: nn.RNNBase, x: torch.Tensor, lengths: Optional[torch.
     on = None if lengths is None else (torch.arange(steps)[None] < lengths[:, None]).to(x.device)[..., None]
     h0 = states[0] if states else x.new_zeros(batch, layers * directions, width)
     c0 = states[1] if len(states) > 1 else x.new_zeros(batch, layers * directions, module.hidden_size)
-    weights, biases, summed, starts = {}, {}, {}, [None] * (layers * directions)
+    weights, biases, starts = {}, {}, [None] * (layers * directions)
     with torch.no_grad():
         outputs = _layer_outputs(module, x.detach(), lengths, h0, c0, params) + [output]
         dtype = outputs[-1].dtype
@@ -339,11 +356,16 @@ def unrolled_sites(module: nn.RNNBase, x: torch.Tensor, lengths: Optional[torch.
                 for kind, g, a in sites:
                     if f"{kind}_{suffix}" in trained:
                         weights[f"{kind}_{suffix}"] = (g, a)
+                # (g, its rows): an RNN's or LSTM's ih and hh are one tensor, summed once. Told apart by
+                # identity, not id(): a frozen direction's g, freed, left its id to a later one's.
+                summed: list = []
                 for kind, g in (("bias_ih", grads.ih), ("bias_hh", grads.hh)):
                     if f"{kind}_{suffix}" in trained:
-                        if id(g) not in summed:
-                            summed[id(g)] = g.sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
-                        biases[f"{kind}_{suffix}"] = summed[id(g)]
+                        rows = next((rows for other, rows in summed if other is g), None)
+                        if rows is None:
+                            rows = g.sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
+                            summed.append((g, rows))
+                        biases[f"{kind}_{suffix}"] = rows
                 starts[k] = grads.h0, grads.c0
                 if layer or inputs[0]:
                     into = grads.ih @ run.w_ih
