@@ -194,8 +194,8 @@ def ieee_float32():
     with _IEEE_FLOAT32.lock:
         if _IEEE_FLOAT32.entered == 0:
             _IEEE_FLOAT32.saved = _precision_flags()
-            _set_precision_flags([(setter, None if value is None else ieee)
-                                  for (setter, value), ieee in zip(_IEEE_FLOAT32.saved, _IEEE_VALUES)])
+            for flag in _IEEE_FLOAT32.saved:
+                flag.set(flag.ieee)
         _IEEE_FLOAT32.entered += 1
     try:
         yield
@@ -203,15 +203,24 @@ def ieee_float32():
         with _IEEE_FLOAT32.lock:
             _IEEE_FLOAT32.entered -= 1
             if _IEEE_FLOAT32.entered == 0:
-                _set_precision_flags(_IEEE_FLOAT32.saved)
+                for flag in _IEEE_FLOAT32.saved:
+                    flag.set(flag.value)
 
 
-def _fp32_backends() -> tuple:
-    return (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
-            torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+class _PrecisionFlag(NamedTuple):
+    """One of torch's float32 precision flags: its setter, its value (None where its getter
+    refuses to read a mix of the APIs: then it is left alone) and its IEEE float32 value."""
+
+    setter: Any
+    value: Any
+    ieee: Any
+
+    def set(self, value: Any) -> None:
+        if self.value is not None:
+            self.setter(value)
 
 
-def _legacy_flag(getter):
+def _legacy_flag(getter) -> Any:
     try:
         return getter()
     except RuntimeError:  # the new API's flags set to a mix the legacy flag cannot say
@@ -219,22 +228,16 @@ def _legacy_flag(getter):
 
 
 def _precision_flags() -> list:
-    """[(setter, value)] of torch's float32 precision flags, the legacy ones first (setting them
-    sets the backends' flags too, which come after) and None where unreadable."""
-    legacy = [(torch.set_float32_matmul_precision, _legacy_flag(torch.get_float32_matmul_precision)),
-              (functools.partial(setattr, torch.backends.cudnn, "allow_tf32"),
-               _legacy_flag(lambda: torch.backends.cudnn.allow_tf32))]
-    return legacy + [(functools.partial(setattr, backend, "fp32_precision"), backend.fp32_precision)
-                     for backend in _fp32_backends()]
-
-
-_IEEE_VALUES = ("highest", False) + ("ieee",) * 5  # in _precision_flags' order
-
-
-def _set_precision_flags(flags: list) -> None:
-    for setter, value in flags:
-        if value is not None:
-            setter(value)
+    """torch's float32 precision flags, the legacy ones first: setting those sets the backends'
+    flags too, which come after."""
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
+                torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+    return [_PrecisionFlag(torch.set_float32_matmul_precision, _legacy_flag(torch.get_float32_matmul_precision),
+                           "highest"),
+            _PrecisionFlag(functools.partial(setattr, torch.backends.cudnn, "allow_tf32"),
+                           _legacy_flag(lambda: torch.backends.cudnn.allow_tf32), False),
+            *(_PrecisionFlag(functools.partial(setattr, backend, "fp32_precision"), backend.fp32_precision, "ieee")
+              for backend in backends)]
 
 
 class _SharedFlags:
