@@ -2182,6 +2182,92 @@ def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monke
                          r"turned\) .* its layers \(inp, out\) included; put", notes[0])
 
 
+class PositionTables(nn.Module):
+    """A parameter made into a table over the positions, (T, d) or (T, T), with no batch in it,
+    then added to the batch: expanded (p.expand(T, d)), scaling a fixed table (s * table[:T]), a
+    learned distance penalty on attention scores (ALiBi's alpha * -|i - j|), or a learned scale
+    of position embeddings (nanoGPT's wpe(arange(T)) * g)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.wpe = nn.Embedding(8, 4)
+        self.p, self.s, self.g = nn.Parameter(torch.randn(1, 4)), nn.Parameter(torch.ones(())), nn.Parameter(
+            torch.rand(4) + 0.5)
+        self.register_buffer("table", torch.randn(8, 4))
+
+    def forward(self, x):
+        h = self.inp(x)
+        positions = h.shape[1]
+        if self.use == "expanded":
+            h = h + self.p.expand(positions, -1)
+        elif self.use == "scaled table":
+            h = h + self.s * self.table[:positions]
+        elif self.use == "distance penalty":
+            distance = (torch.arange(positions)[None] - torch.arange(positions)[:, None]).abs().float()
+            h = torch.softmax(h @ h.transpose(1, 2) + self.s * -distance, -1) @ h
+        else:
+            h = h + self.wpe(torch.arange(positions)) * self.g
+        return self.out(torch.tanh(h)).mean(1)
+
+
+@pytest.mark.parametrize("use", ["expanded", "scaled table", "distance penalty", "embedding scale"])
+def test_a_parameter_s_table_over_the_positions_is_not_read_as_the_batch_where_t_is_b(use):
+    """Its dim 0 is positions: at T = B the broadcast rule read them as samples (the op that
+    made the table took the use, its output's dim 0 of the batch's size), each position clipped
+    as a sample, and a sample's share of the update reached T times C. Now a use whose output an
+    elementwise op above broadcasts over new leading dims is no broadcast over the batch: the
+    module is replayed, as at every other T."""
+    torch.manual_seed(0)
+    model = PositionTables(use)
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(5, 5, 3, generator=generator), torch.randn(5, 2, generator=generator)
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "module '' .* replay its whole forward")
+        got = book_kept(model, x, target, config, 5.0, M.NoiseGenerator(5))
+    assert_same_update(got, want)
+
+
+class FlattenedScale(nn.Module):
+    """A module's own scale multiplying the batch flattened with its positions, (B T, d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, h):
+        return h * self.gamma
+
+
+def test_a_parameter_broadcast_over_the_flattened_batch_is_replayed():
+    """The broadcast rule's rows of a call on the batch flattened with its positions are B T rows,
+    one a position: the clip kernel refused them with a message of its own (B = 4, 24 rows). The
+    call is replayed, its batch unflattened."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(inp=nn.Linear(3, 4), scale=FlattenedScale(), out=nn.Linear(4, 2)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = model
+
+        def forward(self, x):
+            h = self.layers["scale"](self.layers["inp"](x).reshape(-1, 4)).view(*x.shape[:2], 4)
+            return self.layers["out"](torch.tanh(h)).mean(1)
+
+    whole = Model()
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, 6, 3, generator=generator), torch.randn(4, 2, generator=generator)
+    grads = materialised_grads(whole, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
+    assert_same_update(book_kept(whole, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+
+
 def test_adapters_replay_only_the_module_using_its_parameters_otherwise(monkeypatch):
     """DoRA's magnitude (divided by the detached norms, then viewed as a row) and the
     ParameterList's scales take their ops' output gradients; the LoRA embedding, whose A and B are

@@ -194,10 +194,32 @@ def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -
             return [use._replace(factor=use.factor * factor, scales=use.scales + multipliers) for use in found]
     use = _broadcast_use(node, position, shape, views)
     if use is not None:
-        return [use]
+        return None if _broadcast_again(node, parents) else [use]
     if type(node) not in _VIEWS or not above:
         return None
     return _uses_above(above, tuple(node._input_metadata[0].shape), views + (node,), parents)
+
+
+def _broadcast_again(node, parents: dict) -> bool:
+    """Whether the output of ``node`` (a use) is shown to hold no batch: an elementwise op above it
+    (through such ops of its own output shape) broadcasts it along new leading dims, where the
+    batch is. Its dim 0 is then positions, not samples: a (T, d) position table made from a
+    parameter, added to (B, T, d) inputs, had its rows read as samples at T = B, and a sample's
+    share of the update reached T times C (a review's repros; replayed at T != B). Such a use is
+    of another kind (the module is replayed), as it was at every other T."""
+    shape = tuple(node._input_metadata[0].shape)
+    stack, seen = [node], set()
+    while stack:
+        for parent, _ in parents.get(stack.pop(), []):
+            if parent in seen or type(parent) not in _SAME_DIMS:
+                continue
+            seen.add(parent)
+            out = tuple(parent._input_metadata[0].shape)
+            if len(out) > len(shape):
+                return True
+            if out == shape:
+                stack.append(parent)
+    return False
 
 
 def _uses_above(above: list, shape: tuple, views: tuple, parents: dict) -> Optional[list]:
@@ -298,6 +320,8 @@ _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, t
                                                                        F.silu))))
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
+#: ops whose output's trailing dims are their operands' trailing dims, aligned (broadcasting adds leading dims)
+_SAME_DIMS = _ELEMENTWISE | _ROW_BY_ROW | {_WHERE, _DIV}
 #: ops along dims that they name, each output row from the same input row where dim 0 is not one
 #: of them (a router's softmax, its top-k weights gathered from the scores, and their sum)
 _ALONG_DIMS = frozenset(node_type(op) for op in (

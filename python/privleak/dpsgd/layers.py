@@ -1440,7 +1440,8 @@ class FunctionalLayer(Layer):
     def rows(self, batch: int) -> dict:
         if self.calls and not self.per_sample and not self.chunked:
             broadcasts = [call[4] for call in self.calls]
-            if all(b is not None and b.valid for b in broadcasts):
+            # a call whose batch is flattened with its positions has their rows, B T of them: replayed
+            if not self.flattened and all(b is not None and b.valid for b in broadcasts):
                 self.per_sample = {id(p): total(b.rows(i) for b in broadcasts)
                                    for i, p in enumerate(self.parameters)}
                 return self.per_sample
