@@ -1617,6 +1617,32 @@ def test_a_batch_first_tensor_made_by_a_transpose_and_flattened_is_refused_where
         bk.step(model(torch.randn(4, 4, 3)).pow(2).sum((1, 2)))
 
 
+@pytest.mark.parametrize("select", ["mask", "index", "index_select"])
+def test_tokens_selected_from_the_flattened_batch_are_refused_where_as_many_as_the_samples(select):
+    """A Linear on some tokens of the batch flattened with its positions (those not padding, those
+    routed to an expert): where their count is not the batch's it was refused; where it is, each
+    token was read as a sample (a review's mixture of experts: a sample's share 1.75 times C)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.expert = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x, keep):
+            tokens = self.inp(x).flatten(0, 1)
+            index = keep.nonzero()[:, 0]
+            chosen = {"mask": lambda: tokens[keep], "index": lambda: tokens[index],
+                      "index_select": lambda: tokens.index_select(0, index)}[select]()
+            return torch.zeros(len(tokens)).index_add(0, index, torch.tanh(self.expert(chosen))[:, 0]).view(4, 5)
+
+    model = Model()
+    bk = make(model)
+    keep = torch.zeros(20, dtype=torch.bool)
+    keep[[0, 1, 7, 12]] = True  # four tokens, the batch's four samples' count
+    with pytest.raises(ValueError, match=r"module 'expert' \(Linear\) ran on 4 rows selected from the batch "
+                                         r"flattened with its positions"):
+        bk.step(model(torch.randn(4, 5, 3), keep).pow(2).sum(1))
+
+
 @pytest.mark.parametrize("length", [5, 4], ids=["T-not-B", "T-is-B"])
 def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
     """Hidden states (B, T, d) flattened position by position ((T, B, d) reshaped to (T B, d)) for
@@ -1977,6 +2003,25 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         bk.step(dropped(torch.randn(4, 5, 3)).sum((1, 2)))
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
         make(nn.Embedding(5, 2, scale_grad_by_freq=True))
+    frozen = nn.Sequential(nn.Embedding(5, 2, scale_grad_by_freq=True).requires_grad_(False), nn.Linear(2, 1))
+    make(frozen).step(frozen(torch.tensor([[1, 2], [3, 3]])).sum((1, 2)))  # no gradient to divide: accepted
+
+
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+@pytest.mark.parametrize("trained", [True, False])
+def test_an_embedding_that_renormalises_its_weights_in_place_is_refused(kind, trained):
+    """max_norm renormalises in place the rows the batch's ids look up: which rows change is the
+    data, outside the noise (a row only one sample looked up went from norm 4.71 to 1.02 with it in
+    the batch, stayed at 4.70 without it). Refused by book-keeping and the materialised path,
+    frozen too (its weights are released with the model)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(kind(8, 3, max_norm=1.0).requires_grad_(trained), nn.Linear(3, 1))
+    with pytest.raises(ValueError, match=rf"module '0' \({kind.__name__}\) has max_norm=1.0: its forward "
+                                         "renormalises in place"):
+        make(model)
+    ids, target = torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, 1)
+    with pytest.raises(ValueError, match=rf"module '0' \({kind.__name__}\) has max_norm=1.0"):
+        dpsgd.per_sample_gradients(model, lambda out, y: (out - y).pow(2).sum(), ids, target)
 
 
 class Checkpointed(nn.Module):

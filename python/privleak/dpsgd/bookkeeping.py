@@ -48,8 +48,14 @@ from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
-from privleak.dpsgd.graph import count_uses, flattened_batch, flattened_outputs, shared_output_uses
-from privleak.dpsgd.layers import Layer, ieee_float32, layer_for, total
+from privleak.dpsgd.graph import (
+    count_uses,
+    flattened_batch,
+    flattened_outputs,
+    selected_from_flattened_batch,
+    shared_output_uses,
+)
+from privleak.dpsgd.layers import Layer, check_weights_independent_of_data, ieee_float32, layer_for, total
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 from privleak.mechanisms import SecureNoiseGenerator
 
@@ -109,7 +115,9 @@ class BookKeeping:
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
     module's forward (the hooks cannot see that use; checked every step on the autograd graph);
-    BatchNorm in training mode; dropout inside a module that must be recomputed per sample (an
+    BatchNorm in training mode; an Embedding or EmbeddingBag with ``max_norm`` (it renormalises
+    its weights in place by the batch's ids); a layer on tokens selected from the batch flattened
+    with its positions; dropout inside a module that must be recomputed per sample (an
     RNN's between its layers too); the
     deprecated hook-based ``torch.nn.utils.spectral_norm`` (the parametrization is replayed exactly);
     reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``: its
@@ -175,6 +183,7 @@ class BookKeeping:
         self.model = model
         replicated = isinstance(model, nn.parallel.DistributedDataParallel)
         self._module = model.module if replicated else model  # whose names errors quote
+        check_weights_independent_of_data(self._module)
         self.layers, self._tied = _layers_of(self._module)
         if self._tied and self.config.mechanism.clip_norm_type != 2:
             names = {id(p): name for name, p in self._module.named_parameters()}
@@ -771,6 +780,11 @@ class BookKeeping:
                                      "by the batch (only added to, multiplied into or expanded over it) (every layer "
                                      "input must have the batch in dim 0, and step() takes every forward pass since "
                                      f"the last step){flattened}")
+                elif selected_from_flattened_batch(layer.sources[call], batch):
+                    raise ValueError(f"{layer.describe()} ran on {size} rows selected from the batch flattened with "
+                                     "its positions (tokens, as h.flatten(0, 1)[keep] or [index] select them): as many "
+                                     "as the batch's samples, but not one a sample; give it the batch flattened whole "
+                                     "(mask the tokens left out instead)")
                 elif any(uses is not None for uses in found):
                     raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, the batch's size, but its "
                                      "output is broadcast over the batch (added to, multiplied into or expanded over "

@@ -565,6 +565,20 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
 _HOLDERS = (nn.ParameterList, nn.ParameterDict)
 
 
+def check_weights_independent_of_data(model: nn.Module) -> None:
+    """Refuse an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm``, frozen or trained:
+    its forward renormalises in place the rows its ids look up, so which rows change, and how, is
+    the batch's tokens, outside the noise (a row looked up by one sample alone went from norm
+    4.71 to 1.02 with that sample in the batch, stayed at 4.70 without it: the weights show which
+    tokens a batch held)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(f"module {name!r} ({type(module).__name__}) has max_norm={module.max_norm}: its forward "
+                             "renormalises in place the weight rows the batch's ids look up, so the weights change "
+                             "by the data outside the noise; leave max_norm None and scale the rows looked up "
+                             "instead (e * (max_norm / e.norm(dim=-1, keepdim=True)).clamp(max=1))")
+
+
 def computes_parameters(module: nn.Module) -> bool:
     """Whether ``module`` computes its weight or bias from other parameters as it runs: a
     parametrization on it (``torch.nn.utils.parametrizations.weight_norm``, ``spectral_norm``,
@@ -1026,7 +1040,7 @@ class EmbeddingLayer(Layer):
 
     def __init__(self, name: str, module: nn.Module):
         super().__init__(name, module)
-        if module.scale_grad_by_freq:
+        if module.scale_grad_by_freq and self.parameters:  # frozen, it has no gradient to divide
             raise ValueError(f"{self.describe()} has scale_grad_by_freq=True: its gradient divides by token counts "
                              "over the whole batch, so a sample's gradient depends on the others and cannot be clipped")
 

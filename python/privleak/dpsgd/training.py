@@ -19,14 +19,18 @@ def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, 
     """Per-sample gradients of ``loss_fn(model(x_b), y_b)`` for every trainable parameter.
 
     Computed with ``torch.func`` (``vmap`` of ``grad`` over a ``functional_call``), so any model
-    without batch-coupled layers (BatchNorm in training mode) works. Random ops (dropout in
+    without batch-coupled layers (BatchNorm in training mode) works; an embedding with ``max_norm``
+    (its forward changes its weights by the data) is refused. Random ops (dropout in
     training mode) draw for each sample on its own (``randomness="different"``), as one batched
     forward draws a mask per sample. Returns one (B, *p.shape) tensor per parameter with
     ``requires_grad``, in ``model.parameters()`` order.
     """
     from torch.func import grad, vmap
 
+    from privleak.dpsgd.layers import check_weights_independent_of_data
     from privleak.dpsgd.stateless import functional_call
+
+    check_weights_independent_of_data(model)
 
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
