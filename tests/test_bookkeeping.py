@@ -1405,6 +1405,19 @@ def test_losses_no_layer_recorded_are_refused_with_the_reason():
     assert bk.steps == 1
 
 
+def test_losses_of_another_model_are_refused_after_a_forward_pass_of_this_one():
+    """A forward pass of the hooked model (a logging pass) beside losses of another (a teacher):
+    they had been taken, and the step released the noise alone and counted a step."""
+    model, x, target = setting("linear")
+    teacher = copy.deepcopy(model)
+    bk = make(model)
+    model(x)
+    with pytest.raises(ValueError, match="per_sample_losses does not depend on any of the model's trainable "
+                                         "parameters"):
+        bk.step(regression(teacher(x), target))
+    assert bk.steps == 0
+
+
 def test_a_release_that_would_overflow_float32_is_refused_as_the_materialised_path_refuses_it():
     model, x, target = setting("linear")
     config = dpsgd.DPSGDConfig(1e10, noise_multiplier=0.0)

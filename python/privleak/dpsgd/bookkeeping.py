@@ -378,6 +378,8 @@ class BookKeeping:
                                  "the last step or accumulate(): pass that batch's per-sample losses (run an "
                                  "evaluation under torch.no_grad())")
         accumulated, self._accumulated = self._accumulated, None
+        if self._replicas is None:  # across processes each has a share of the batch
+            self._dp.check_batch_size(0 if accumulated is None else accumulated[2])
         if accumulated is None:  # an empty batch
             self._check_model()
             return self._release([torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params],
@@ -806,6 +808,10 @@ class BookKeeping:
         ``F.linear(x, other_module.weight)``) would escape clipping. With ``parents``, the walk
         fills in each node's parents (:func:`~privleak.dpsgd.graph.count_uses`)."""
         used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents)
+        if losses.shape[0] and not any(used):
+            raise ValueError("per_sample_losses does not depend on any of the model's trainable parameters (the "
+                             "losses of another model, or of outputs detached from it): the step would release the "
+                             "noise alone")
         seen = [0] * len(self.params)
         for layer in self.layers:
             for uses in layer.uses:

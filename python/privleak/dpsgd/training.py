@@ -173,6 +173,9 @@ class DPOptimizer:
         self.optimizer = optimizer
         self.config = check_config(config, len(self.params))
         self.expected_batch_size = _check_expected_batch_size(expected_batch_size)
+        if self.sampling == "fixed":  # every batch has exactly this many examples
+            self.expected_batch_size = float(validation.integer(expected_batch_size, "expected_batch_size", low=1,
+                                                                integral_float=True))
         self.config.mechanism.check_generator(generator)
         self.generator = generator
         self.steps = 0
@@ -184,6 +187,22 @@ class DPOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def check_batch_size(self, samples: int) -> None:
+        """Under fixed-size sampling every batch is expected_batch_size examples: the report's
+        replace-one accounting and the update's division are for that size (ten batches of 32 at
+        expected_batch_size 8 were reported at epsilon 6.45 for the 13.1 they took, each update
+        divided by 8)."""
+        if self.sampling == "fixed" and samples != self.expected_batch_size:
+            raise ValueError(f"sampling='fixed' draws batches of expected_batch_size={self.expected_batch_size:g} "
+                             f"examples, got a batch of {samples}: the privacy report accounts for batches of "
+                             "that size; draw them with sample_batch, or use sampling='poisson'")
+
+    def _accounting(self) -> dict:
+        """What the privacy report's epsilon depends on besides the steps: saved with them, so that a
+        run resumed under another mechanism or sampling is refused, not reported as one run."""
+        return {"mechanism": repr(self.config.mechanism), "expected_batch_size": self.expected_batch_size,
+                "sampling": self.sampling}
 
     def state_dict(self) -> dict:
         """The DP state to save with the model's and the optimizer's: the steps taken (the privacy
@@ -197,18 +216,35 @@ class DPOptimizer:
 
         generator = mechanisms.generator_in_use(self.generator)
         return {"steps": self.steps,
-                "generator": generator.get_state() if isinstance(generator, mechanisms.NoiseGenerator) else None}
+                "generator": generator.get_state() if isinstance(generator, mechanisms.NoiseGenerator) else None,
+                "accounting": self._accounting()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s state: the steps, and the (key, offset) into this optimizer's
         seeded generator (privleak's default one where it was built with none). A secure generator
-        on either side keeps its own state: it never repeats."""
+        on either side keeps its own state: it never repeats. A state saved under another
+        mechanism, expected batch size or sampling is refused: the report would compose the saved
+        steps as this run's (100 steps at sigma 0.6 resumed at 3.0 were reported at epsilon 0.11
+        for 3.8); a state from before it was saved (no 'accounting') is taken on trust. The model
+        may differ (another set of trainable parameters)."""
         from privleak import mechanisms
 
-        if not isinstance(state, dict) or set(state) != {"steps", "generator"}:
-            raise validation.ArgumentTypeError("state must be a dict with the keys 'steps' and 'generator', as "
-                                               f"state_dict() makes, got {state!r}")
+        if not isinstance(state, dict) or not {"steps", "generator"} <= set(state) <= {"steps", "generator",
+                                                                                       "accounting"}:
+            raise validation.ArgumentTypeError("state must be a dict with the keys 'steps', 'generator' and "
+                                               f"'accounting', as state_dict() makes, got {state!r}")
         steps = validation.integer(state["steps"], "state['steps']", low=0)
+        saved = state.get("accounting")
+        if saved is not None:
+            own = self._accounting()
+            if not isinstance(saved, dict) or set(saved) != set(own):
+                raise validation.ArgumentTypeError(f"state['accounting'] must be a dict with the keys {sorted(own)}, "
+                                                   f"as state_dict() makes, got {saved!r}")
+            for key, value in own.items():
+                if saved[key] != value:
+                    raise ValueError(f"state was saved by a run with {key} {saved[key]!r}, and this one has "
+                                     f"{value!r}: the privacy report would compose its steps as this run's; "
+                                     "resume with the same settings, or account for the two runs apart")
         generator = mechanisms.generator_in_use(self.generator)
         if state["generator"] is not None and isinstance(generator, mechanisms.NoiseGenerator):
             generator.set_state(state["generator"])
@@ -223,6 +259,7 @@ class DPOptimizer:
                 shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
                 raise ValueError(f"per_sample_grads[{i}] must be (B, *{tuple(p.shape)}), the shape of the optimizer's "
                                  f"parameter {i}, got {shape}: give them in the optimizer's parameter order")
+        self.check_batch_size(per_sample_grads[0].shape[0])
         update = privatize(per_sample_grads, self.config, self.expected_batch_size, self.generator)
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
