@@ -82,13 +82,31 @@ def samples_per_chunk(held: int, transient: int, at_least: int = 8) -> int:
     return max(at_least, held // max(transient, 1))
 
 
+#: Values of a row that :func:`row_norms` adds in float32, as the fused clip kernel adds each of
+#: its float lanes (kClipChunk / kClipLanes = 4096 / 16, csrc/common/clip.h).
+ROW_BLOCK = 256
+
+
 def row_norms(rows: torch.Tensor, norm_type: int) -> torch.Tensor:
-    """(N,) float64: squared L2 (norm_type 2) or L1 norm of each row of an (N, ...) tensor.
-    torch's vector norm reduces without a temporary of the rows' size (squares then a sum wrote
-    one: 1.5 ms for the CIFAR CNN's 64 x 37k per-sample gradients, against 0.16 ms)."""
-    norm = ghost_norm.float_norms(rows.reshape(rows.shape[0], -1), 1) if norm_type == 2 else torch.linalg.vector_norm(
-        rows.reshape(rows.shape[0], -1), ord=1, dim=1, dtype=torch.promote_types(rows.dtype, torch.float32))
-    return norm.double().square() if norm_type == 2 else norm.double()
+    """(N,) float64: squared L2 (norm_type 2) or L1 norm of each row of an (N, ...) tensor, to the
+    fused clip kernel's precision: ``ROW_BLOCK`` values added in float32 (at least), the blocks in
+    float64, as the kernel adds its lanes. torch's vector norm reduces without a temporary of the
+    rows' size (squares then a sum wrote one: 1.5 ms for the CIFAR CNN's 64 x 37k per-sample
+    gradients, against 0.16 ms), but in float32 over a whole row it erred by up to 3.5e-4 of an L1
+    norm at 2.4M values (4e-5 of an L2 norm), under, and the very gradients it clipped were
+    released at up to 1 + 4e-4 times C (a Conv2d of 512 channels under L1; 1 + 1e-5 under L2, a
+    review's repros); in blocks, by 1e-8 to 1e-9 there, as the kernel's. 1.2-1.6x the time of
+    the one reduction under L2, 1.5-1.7x under L1."""
+    rows = rows.reshape(rows.shape[0], -1)
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    values = rows.shape[1]
+    whole = values - values % ROW_BLOCK
+    parts = [torch.linalg.vector_norm(rows[:, whole:], ord=norm_type, dim=1, keepdim=True, dtype=dtype)]
+    if whole:
+        parts.append(torch.linalg.vector_norm(rows[:, :whole].reshape(rows.shape[0], -1, ROW_BLOCK), ord=norm_type,
+                                              dim=2, dtype=dtype))
+    blocks = torch.cat(parts, 1).double()
+    return blocks.square().sum(1) if norm_type == 2 else blocks.sum(1)
 
 
 def factor_norms(rows: torch.Tensor, norm_type: int, may_sync: bool) -> torch.Tensor:
