@@ -2595,6 +2595,57 @@ def test_a_gradient_formed_for_its_norm_is_the_one_its_sum_adds(kind, mechanism)
     assert sum(share > 0.5 for share in shares) >= len(shares) // 2  # most are rounding larger than C, clipped
 
 
+class SquaredWeightConv2d(nn.Conv2d):
+    """A weight computed in ``_conv_forward`` (coremltools' custom-layer example), not in forward."""
+
+    def _conv_forward(self, x, weight, bias):
+        return super()._conv_forward(x, weight ** 2, bias)
+
+
+class HandPaddedConv2d(nn.Conv2d):
+    """Circular padding by hand in ``_conv_forward``, the module's padding left to it."""
+
+    def _conv_forward(self, x, weight, bias):
+        h, w = self.padding
+        x = torch.cat([x[..., -w:], x, x[..., :w]], -1)
+        return F.conv2d(torch.cat([x[..., -h:, :], x, x[..., :h, :]], -2), weight, bias, self.stride, 0,
+                        self.dilation, self.groups)
+
+
+@pytest.mark.parametrize("kind", [SquaredWeightConv2d, HandPaddedConv2d])
+def test_a_convolution_of_its_own_in_conv_forward_takes_the_computed_weight_rule(kind):
+    """Overriding ``_conv_forward`` is overriding the forward: read by the convolution rule with the
+    module's padding and its parameter as the weight, the update was 1.28 and 0.54 off, relative."""
+    torch.manual_seed(0)
+    model = nn.Sequential(kind(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(75, 2))
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, 2, 5, 5, generator=generator), torch.randn(4, 2, generator=generator)
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
+    assert type(make(copy.deepcopy(model)).layers[0]) is computed_weight.ComputedWeightConvLayer
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+
+
+@pytest.mark.parametrize("layer", [lambda: nn.Conv2d(2, 3, 3, padding=1), lambda: nn.Linear(5, 3)],
+                         ids=["conv", "linear"])
+def test_a_forward_hook_that_changes_a_layer_s_output_is_after_book_keeping_s(layer):
+    """A hook registered before the build that returns o * 3 had run before book-keeping's, whose
+    output gradients were then taken at the changed output, a third of the layer's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(), nn.Tanh(), nn.Flatten(), nn.LazyLinear(2))
+    model[0].register_forward_hook(lambda module, args, output: output * 3)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2, 5, 5, generator=generator) if isinstance(model[0], nn.Conv2d) else torch.randn(
+        4, 6, 5, generator=generator)
+    model(x)  # the lazy head's size
+    target = torch.randn(4, 2, generator=generator)
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+
+
 @pytest.mark.parametrize("norm_type", [1, 2])
 def test_the_norms_of_formed_gradients_are_the_clip_kernel_s_to_its_precision(norm_type):
     """Formed per-sample gradients' norms clip the very gradients their sum adds: norms under the

@@ -261,8 +261,11 @@ class BookKeeping:
             self._replicas.detach()
 
     def _hooks_of(self, layer: Layer) -> list:
+        """The layer's hooks on its module. The recording forward hook goes before the hooks already
+        there: one that changes the output (o * 3) had run first, and the layer's output gradient
+        was taken at the changed output, its per-sample gradients a third of the true ones."""
         module = layer.module
-        hooks = [module.register_forward_hook(self._hook(layer), with_kwargs=True)]
+        hooks = [module.register_forward_hook(self._hook(layer), with_kwargs=True, prepend=True)]
         if layer.intercepts_forward:
             def enter(_module, _args):
                 if self._recording and torch.is_grad_enabled():

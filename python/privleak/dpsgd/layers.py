@@ -295,6 +295,8 @@ class Layer:
     #: the rule for a subclass of the module type that overrides its forward (None: the table goes on to the
     #: next base class, else the fallback)
     own_forward_rule: ClassVar[Optional[type]] = None
+    #: the methods of the module type that make its forward: one overridden is a forward of its own
+    forward_methods: ClassVar[tuple] = ("forward",)
     claims_children: ClassVar[bool] = False  #: the layer accounts for its children's parameters too
     hook_without_parameters: ClassVar[bool] = False  #: hooked even without trainable parameters (to refuse a mode)
     #: a call on an input without the batch whose output the batch shares may take per-sample output gradients
@@ -565,11 +567,13 @@ def layer_kind(*module_types):
 
 def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
     """The rule for ``module``: the table's entry for its type or nearest base class whose
-    forward it keeps (or that entry's :attr:`~Layer.own_forward_rule`, for one whose forward it
-    overrides); else :class:`FunctionalLayer` if it has trainable parameters of its own."""
+    forward it keeps (or that entry's :attr:`~Layer.own_forward_rule`, for one whose forward, or a
+    method of :attr:`~Layer.forward_methods`, it overrides); else :class:`FunctionalLayer` if it has
+    trainable parameters of its own."""
     for base in type(module).__mro__:
         rule = _LAYERS.get(base) or _named_rule(f"{base.__module__}.{base.__qualname__}")
-        if rule is not None and type(module).forward is not base.forward:
+        if rule is not None and any(getattr(type(module), method) is not getattr(base, method)
+                                    for method in rule.forward_methods):
             rule = rule.own_forward_rule
         if rule is not None and rule.takes(module):
             layer = rule(name, module)
@@ -822,6 +826,11 @@ class ConvLayer(Layer):
     and output gradients, forming them a few samples at a time for the norms and again for the
     clipped sum (:func:`formed_sums`). On the ghost side the clipped sum is the convolution's own
     weight gradient of the scaled output gradients."""
+
+    #: a subclass may convolve its own way in ``_conv_forward`` (a weight computed there, padding
+    #: done by hand): read with the module's padding and its parameter as the weight, its update
+    #: was wrong (1.28 of the true one, relative), so it takes the computed weight's rule
+    forward_methods = ("forward", "_conv_forward")
 
     rows_are_samples = True
 
