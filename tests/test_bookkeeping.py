@@ -2627,6 +2627,18 @@ def test_a_convolution_of_its_own_in_conv_forward_takes_the_computed_weight_rule
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(5)), want)
 
 
+@pytest.mark.parametrize("conv, x", [(nn.Conv2d(3, 3, 3, padding=1), torch.randn(3, 5, 5)),
+                                     (nn.Conv1d(3, 3, 3, padding=1), torch.randn(3, 7))], ids=["2d", "1d"])
+def test_a_convolution_of_an_input_without_a_batch_is_refused(conv, x):
+    """torch convolves an input without a batch as one sample; with as many channels as the batch
+    has samples, its rows had reached the kernels as samples, which failed with their own messages."""
+    bk = make(nn.Sequential(conv))
+    with pytest.raises(ValueError, match=rf"module '0' \({type(conv).__name__}\) got an input of shape "
+                                         rf"\({', '.join(map(str, x.shape))}\), without a batch"):
+        conv(x)
+    assert not bk.layers[0].calls
+
+
 @pytest.mark.parametrize("layer", [lambda: nn.Conv2d(2, 3, 3, padding=1), lambda: nn.Linear(5, 3)],
                          ids=["conv", "linear"])
 def test_a_forward_hook_that_changes_a_layer_s_output_is_after_book_keeping_s(layer):

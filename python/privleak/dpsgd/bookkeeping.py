@@ -616,11 +616,16 @@ class BookKeeping:
         if wrong.any():
             column = int(wrong.nonzero()[0])
             mine, own = float(mine[column]), float(own[column])
+            # a norm raised by its rounding bound is larger: the gradient cancels, and both are rounding
+            cancels = ("; or, book-keeping's norm being the larger, that sample's gradient cancels to float32's "
+                       "rounding (inputs far larger than it), where both norms are rounding and book-keeping's is "
+                       "raised by its bound, to the safe side: then check_first_sample=False" if mine > own else "")
             raise ValueError(f"per_sample_losses: book-keeping gave the first sample's gradient of parameter "
                              f"'{self._owner(order[column])}' the norm {mine:.6g}, but the backward pass of that "
                              f"sample's loss alone gives it {own:.6g}. {cause}; or its module's forward reads a "
                              "tensor made from it outside that forward (a weight a parent module assigns before "
-                             "the call, as AWD-LSTM's WeightDrop does), which the module's replay cannot remake")
+                             f"the call, as AWD-LSTM's WeightDrop does), which the module's replay cannot remake"
+                             f"{cancels}")
         self._checked = True
 
     def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:

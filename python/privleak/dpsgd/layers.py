@@ -840,6 +840,11 @@ class ConvLayer(Layer):
         self._forming: Optional[Forming] = None  # this step's rule, chosen at the first reduce()
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        dims = 1 if isinstance(self.module, nn.Conv1d) else 2
+        x = self.recorded_input(args, kwargs, output)
+        if isinstance(output, torch.Tensor) and output.requires_grad and x.ndim != dims + 2:
+            raise ValueError(f"{self.describe()} got an input of shape {tuple(x.shape)}, without a batch (torch "
+                             "convolves it as one sample): book-keeping splits its input by sample")
         outputs = super().record(args, kwargs, output)
         self._output_sizes += [y.shape for y in outputs]
         return outputs
