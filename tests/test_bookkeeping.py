@@ -1596,24 +1596,25 @@ def test_a_layer_output_shared_by_the_batch_other_than_added_is_refused():
 
 
 def test_an_unbatched_input_the_size_of_the_batch_is_told_apart_by_its_output():
-    """A Conv1d of an unbatched (C, L) input, C the batch's size, added to the batch: a layer whose
-    rule takes dim 0 for samples would clip rows of channels; it is refused. The same model with
-    that input batched trains."""
+    """A GroupNorm of an unbatched (N, C) input, N the batch's size, added to the batch: a layer
+    whose rule takes dim 0 for samples would clip rows that are not samples; it is refused. The
+    same model with that input batched trains. (A convolution's input without a batch is refused
+    at its call.)"""
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.conv, self.head = nn.Conv1d(4, 3, 1), nn.Linear(5, 2)
-            self.register_buffer("signal", torch.randn(4, 5))
+            self.norm, self.head = nn.GroupNorm(1, 4), nn.Linear(4, 2)
+            self.register_buffer("signal", torch.randn(4, 4))
 
         def forward(self, x, batched=False):
             signal = self.signal.expand(len(x), -1, -1) if batched else self.signal
-            return self.head(torch.tanh(x + self.conv(signal)))
+            return self.head(torch.tanh(x + self.norm(signal)))
 
     model = Model()
     bk = make(model)
-    x = torch.randn(4, 3, 5)
-    with pytest.raises(ValueError, match=r"module 'conv' \(Conv1d\) ran on inputs of dim 0 4, the batch's size, but "
-                                         r"its output is broadcast over the batch"):
+    x = torch.randn(4, 4, 4)
+    with pytest.raises(ValueError, match=r"module 'norm' \(GroupNorm\) ran on inputs of dim 0 4, the batch's size, "
+                                         r"but its output is broadcast over the batch"):
         bk.step(model(x).pow(2).sum((1, 2)))
     assert len(bk.step(model(x, batched=True).pow(2).sum((1, 2)))) == 4
 
