@@ -39,6 +39,15 @@ def materialised_grads(model, x, target, loss=regression):
     return dpsgd.per_sample_gradients(model, lambda out, t: loss(out, t).sum(), x, target)
 
 
+def assert_book_kept_as_materialised(model, x, target):
+    """Book-keeping's noiseless update of ``model`` on the batch is the materialised path's, a
+    clip norm between the samples' norms (some clipped, some not)."""
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, float(len(x)), M.NoiseGenerator(5))
+    assert_same_update(book_kept(model, x, target, config, float(len(x)), M.NoiseGenerator(5)), want)
+
+
 def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -2282,13 +2291,9 @@ def test_a_parameter_s_table_over_the_positions_is_not_read_as_the_batch_where_t
     model = PositionTables(use)
     generator = torch.Generator().manual_seed(1)
     x, target = torch.randn(5, 5, 3, generator=generator), torch.randn(5, 2, generator=generator)
-    grads = materialised_grads(model, x, target)
-    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
-    want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "module '' .* replay its whole forward")
-        got = book_kept(model, x, target, config, 5.0, M.NoiseGenerator(5))
-    assert_same_update(got, want)
+        assert_book_kept_as_materialised(model, x, target)
 
 
 class FlattenedScale(nn.Module):
@@ -2321,10 +2326,7 @@ def test_a_parameter_broadcast_over_the_flattened_batch_is_replayed():
     whole = Model()
     generator = torch.Generator().manual_seed(1)
     x, target = torch.randn(4, 6, 3, generator=generator), torch.randn(4, 2, generator=generator)
-    grads = materialised_grads(whole, x, target)
-    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
-    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
-    assert_same_update(book_kept(whole, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+    assert_book_kept_as_materialised(whole, x, target)
 
 
 def test_adapters_replay_only_the_module_using_its_parameters_otherwise(monkeypatch):
@@ -2621,11 +2623,8 @@ def test_a_convolution_of_its_own_in_conv_forward_takes_the_computed_weight_rule
     model = nn.Sequential(kind(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(75, 2))
     generator = torch.Generator().manual_seed(1)
     x, target = torch.randn(4, 2, 5, 5, generator=generator), torch.randn(4, 2, generator=generator)
-    grads = materialised_grads(model, x, target)
-    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
-    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
     assert type(make(copy.deepcopy(model)).layers[0]) is computed_weight.ComputedWeightConvLayer
-    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+    assert_book_kept_as_materialised(model, x, target)
 
 
 @pytest.mark.parametrize("conv, x", [(nn.Conv2d(3, 3, 3, padding=1), torch.randn(3, 5, 5)),
@@ -2652,11 +2651,7 @@ def test_a_forward_hook_that_changes_a_layer_s_output_is_after_book_keeping_s(la
     x = torch.randn(4, 2, 5, 5, generator=generator) if isinstance(model[0], nn.Conv2d) else torch.randn(
         4, 6, 5, generator=generator)
     model(x)  # the lazy head's size
-    target = torch.randn(4, 2, generator=generator)
-    grads = materialised_grads(model, x, target)
-    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
-    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
-    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+    assert_book_kept_as_materialised(model, x, torch.randn(4, 2, generator=generator))
 
 
 @pytest.mark.parametrize("norm_type", [1, 2])
