@@ -1604,6 +1604,24 @@ def test_a_layer_output_shared_by_the_batch_other_than_added_is_refused():
     assert len(bk.step(model(torch.randn(1, 5, 3)).pow(2).sum((1, 2)))) == 3
 
 
+def test_a_shared_output_of_a_layer_whose_rule_takes_none_is_refused_as_such():
+    """A convolution of a parameter image (1, C, H, W) multiplied into the batch: its output is
+    shared by the batch, which the convolution rule does not take (the message had said it was
+    not)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.image = nn.Conv2d(3, 2, 3, padding=1), nn.Parameter(torch.randn(1, 3, 4, 4))
+
+        def forward(self, x):
+            return x * self.conv(self.image)
+
+    model = Model()
+    with pytest.raises(ValueError, match=r"module 'conv' \(Conv2d\) ran on inputs of dim 0 1, not the batch's 3, "
+                                         r"and its output is shared by the batch .* its rule takes no shared input"):
+        make(model).step(model(torch.randn(3, 2, 4, 4)).flatten(1).sum(1))
+
+
 def test_an_unbatched_input_the_size_of_the_batch_is_told_apart_by_its_output():
     """A GroupNorm of an unbatched (N, C) input, N the batch's size, added to the batch: a layer
     whose rule takes dim 0 for samples would clip rows that are not samples; it is refused. The

@@ -777,6 +777,11 @@ class BookKeeping:
                 elif (size != batch and layer.flattened_batch_calls and batch and size % batch == 0
                       and flattened_batch(layer.sources[call], size, batch)):
                     layer.unflatten(call, batch)
+                elif size != batch and found and all(uses is not None for uses in found):
+                    raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, not the batch's {batch}, and "
+                                     "its output is shared by the batch (only added to, multiplied into or expanded "
+                                     "over it), but its rule takes no shared input: expand that input over the batch "
+                                     "(x.expand(B, ...)) for the layer")
                 elif size != batch:
                     flattened = ""
                     if layer.flattened_batch_calls and batch and size % batch == 0:
