@@ -2272,7 +2272,7 @@ class PositionTables(nn.Module):
     """A parameter made into a table over the positions, (T, d) or (T, T), with no batch in it,
     then added to the batch: expanded (p.expand(T, d)), scaling a fixed table (s * table[:T]), a
     learned distance penalty on attention scores (ALiBi's alpha * -|i - j|), or a learned scale
-    of position embeddings (nanoGPT's wpe(arange(T)) * g)."""
+    of position embeddings (nanoGPT's wpe(arange(T)) * g); a table viewed as (1, T, d) first."""
 
     def __init__(self, use):
         super().__init__()
@@ -2290,6 +2290,10 @@ class PositionTables(nn.Module):
             h = h + self.p.expand(positions, -1)
         elif self.use == "scaled table":
             h = h + self.s * self.table[:positions]
+        elif self.use == "scaled table, viewed":
+            h = h + (self.s * self.table[:positions])[None]
+        elif self.use == "expanded, viewed":
+            h = h + self.p.expand(positions, -1).unsqueeze(0)
         elif self.use == "distance penalty":
             distance = (torch.arange(positions)[None] - torch.arange(positions)[:, None]).abs().float()
             h = torch.softmax(h @ h.transpose(1, 2) + self.s * -distance, -1) @ h
@@ -2298,13 +2302,14 @@ class PositionTables(nn.Module):
         return self.out(torch.tanh(h)).mean(1)
 
 
-@pytest.mark.parametrize("use", ["expanded", "scaled table", "distance penalty", "embedding scale"])
+@pytest.mark.parametrize("use", ["expanded", "scaled table", "distance penalty", "embedding scale",
+                                 "scaled table, viewed", "expanded, viewed"])
 def test_a_parameter_s_table_over_the_positions_is_not_read_as_the_batch_where_t_is_b(use):
     """Its dim 0 is positions: at T = B the broadcast rule read them as samples (the op that
     made the table took the use, its output's dim 0 of the batch's size), each position clipped
     as a sample, and a sample's share of the update reached T times C. Now a use whose output an
-    elementwise op above broadcasts over new leading dims is no broadcast over the batch: the
-    module is replayed, as at every other T."""
+    elementwise op above broadcasts over new leading dims (through views too: [None] had hidden
+    it) is no broadcast over the batch: the module is replayed, as at every other T."""
     torch.manual_seed(0)
     model = PositionTables(use)
     generator = torch.Generator().manual_seed(1)

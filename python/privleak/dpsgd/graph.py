@@ -202,23 +202,26 @@ def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -
 
 def _broadcast_again(node, parents: dict) -> bool:
     """Whether the output of ``node`` (a use) is shown to hold no batch: an elementwise op above it
-    (through such ops of its own output shape) broadcasts it along new leading dims, where the
-    batch is. Its dim 0 is then positions, not samples: a (T, d) position table made from a
-    parameter, added to (B, T, d) inputs, had its rows read as samples at T = B, and a sample's
-    share of the update reached T times C (a review's repros; replayed at T != B). Such a use is
-    of another kind (the module is replayed), as it was at every other T."""
-    shape = tuple(node._input_metadata[0].shape)
-    stack, seen = [node], set()
+    (through such ops of its shape, and views: ``[None]``, ``unsqueeze(0)``) broadcasts it along
+    new leading dims or its leading dim of 1, where the batch is. Its dim 0 is then positions, not
+    samples: a (T, d) position table made from a parameter, added to (B, T, d) inputs, had its rows
+    read as samples at T = B, and a sample's share of the update reached T times C (a review's
+    repros; replayed at T != B). Such a use is of another kind (the module is replayed), as it
+    was at every other T; one of a batch broadcast over further dims is replayed too."""
+    stack, seen = [(node, tuple(node._input_metadata[0].shape))], set()
     while stack:
-        for parent, _ in parents.get(stack.pop(), []):
-            if parent in seen or type(parent) not in _SAME_DIMS:
+        below, shape = stack.pop()
+        for parent, _ in parents.get(below, []):
+            if parent in seen or (type(parent) not in _SAME_DIMS and type(parent) not in _VIEWS):
                 continue
             seen.add(parent)
             out = tuple(parent._input_metadata[0].shape)
-            if len(out) > len(shape):
+            if type(parent) in _VIEWS:
+                stack.append((parent, out))
+            elif len(out) > len(shape) or (shape and shape[0] == 1 and out[0] != 1):
                 return True
-            if out == shape:
-                stack.append(parent)
+            elif out == shape:
+                stack.append((parent, out))
     return False
 
 
