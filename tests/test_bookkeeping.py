@@ -1684,6 +1684,24 @@ def test_tokens_selected_from_the_flattened_batch_are_refused_where_as_many_as_t
         bk.step(model(torch.randn(4, 5, 3), keep).pow(2).sum(1))
 
 
+def test_one_token_of_each_sample_selected_from_the_flattened_batch_is_its_row():
+    """The last token of each sample, selected from the batch flattened with its positions (pooling):
+    row i is sample i's, and the layer on them trains as on the batch."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            tokens = torch.tanh(self.inp(x)).flatten(0, 1)
+            return self.head(tokens[torch.arange(len(x)) * x.shape[1] + x.shape[1] - 1])
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    assert_book_kept_as_materialised(Model(), torch.randn(4, 5, 3, generator=generator),
+                                     torch.randn(4, 2, generator=generator))
+
+
 @pytest.mark.parametrize("length", [5, 4], ids=["T-not-B", "T-is-B"])
 def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
     """Hidden states (B, T, d) flattened position by position ((T, B, d) reshaped to (T B, d)) for
@@ -2651,7 +2669,8 @@ def test_a_convolution_of_its_own_in_conv_forward_takes_the_computed_weight_rule
 
 
 @pytest.mark.parametrize("conv, x", [(nn.Conv2d(3, 3, 3, padding=1), torch.randn(3, 5, 5)),
-                                     (nn.Conv1d(3, 3, 3, padding=1), torch.randn(3, 7))], ids=["2d", "1d"])
+                                     (nn.Conv1d(3, 3, 3, padding=1), torch.randn(3, 7)),
+                                     (nn.ConvTranspose1d(3, 3, 3), torch.randn(3, 7))], ids=["2d", "1d", "transposed"])
 def test_a_convolution_of_an_input_without_a_batch_is_refused(conv, x):
     """torch convolves an input without a batch as one sample; with as many channels as the batch
     has samples, its rows had reached the kernels as samples, which failed with their own messages."""
@@ -2829,7 +2848,7 @@ def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept(api)
     module replayed by the sums may read them; they raised for the mix of APIs)."""
     backends = {"cuda.matmul": torch.backends.cuda.matmul, "cudnn.conv": torch.backends.cudnn.conv,
                 "cudnn.rnn": torch.backends.cudnn.rnn, "mkldnn.matmul": torch.backends.mkldnn.matmul,
-                "mkldnn.conv": torch.backends.mkldnn.conv}
+                "mkldnn.conv": torch.backends.mkldnn.conv, "mkldnn.rnn": torch.backends.mkldnn.rnn}
     saved = {name: backend.fp32_precision for name, backend in backends.items()}
     saved_matmul = torch.get_float32_matmul_precision()
     seen = []
@@ -2846,7 +2865,7 @@ def test_the_clipped_sums_are_ieee_float32_and_the_user_s_precision_is_kept(api)
     model, x, target = setting("linear")  # T = 1: each weight's clipped sum one GEMM
     try:
         if api == "new":
-            for name, precision in zip(backends, ("tf32", "tf32", "ieee", "bf16", "bf16")):
+            for name, precision in zip(backends, ("tf32", "tf32", "ieee", "bf16", "bf16", "bf16")):
                 backends[name].fp32_precision = precision
         else:
             torch.set_float32_matmul_precision("medium")  # oneDNN's matmul in bfloat16, cuBLAS's in TF32

@@ -55,7 +55,7 @@ from privleak.dpsgd.graph import (
     selected_from_flattened_batch,
     shared_output_uses,
 )
-from privleak.dpsgd.layers import Layer, check_weights_independent_of_data, ieee_float32, layer_for, total
+from privleak.dpsgd.layers import FunctionalLayer, Layer, check_no_embedding_max_norm, ieee_float32, layer_for, total
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 from privleak.mechanisms import SecureNoiseGenerator
 
@@ -183,7 +183,7 @@ class BookKeeping:
         self.model = model
         replicated = isinstance(model, nn.parallel.DistributedDataParallel)
         self._module = model.module if replicated else model  # whose names errors quote
-        check_weights_independent_of_data(self._module)
+        check_no_embedding_max_norm(self._module)
         self.layers, self._tied = _layers_of(self._module)
         if self._tied and self.config.mechanism.clip_norm_type != 2:
             names = {id(p): name for name, p in self._module.named_parameters()}
@@ -238,8 +238,9 @@ class BookKeeping:
         self._dp.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        """:meth:`DPOptimizer.state_dict <privleak.dpsgd.DPOptimizer.state_dict>`: the steps and
-        the noise generator's state, to save with the model's and the optimizer's. Taken between
+        """:meth:`DPOptimizer.state_dict <privleak.dpsgd.DPOptimizer.state_dict>`: the steps, the
+        noise generator's state and the settings the accounting depends on, to save with the
+        model's and the optimizer's. Taken between
         steps: physical batches accumulated since the last step are not in it."""
         if self._accumulated is not None:
             raise ValueError("state_dict(): physical batches have been accumulated since the last step; take the "
@@ -247,7 +248,8 @@ class BookKeeping:
         return self._dp.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s state (the steps, the seeded generator's key and offset)."""
+        """Restore :meth:`state_dict`'s state (the steps, the seeded generator's key and offset); one
+        saved under another mechanism, expected batch size or sampling is refused."""
         self._dp.load_state_dict(state)
 
     def remove(self) -> None:
@@ -620,12 +622,15 @@ class BookKeeping:
             cancels = ("; or, book-keeping's norm being the larger, that sample's gradient cancels to float32's "
                        "rounding (inputs far larger than it), where both norms are rounding and book-keeping's is "
                        "raised by its bound, to the safe side: then check_first_sample=False" if mine > own else "")
+            parameter = self.params[order[column]]
+            replayed = any(isinstance(layer, FunctionalLayer) and any(p is parameter for p in layer.parameters)
+                           for layer in self.layers)
+            outside = ("; or its module's forward reads a tensor made from it outside that forward (a weight a "
+                       "parent module assigns before the call, as AWD-LSTM's WeightDrop does), which the module's "
+                       "replay cannot remake" if replayed else "")
             raise ValueError(f"per_sample_losses: book-keeping gave the first sample's gradient of parameter "
                              f"'{self._owner(order[column])}' the norm {mine:.6g}, but the backward pass of that "
-                             f"sample's loss alone gives it {own:.6g}. {cause}; or its module's forward reads a "
-                             "tensor made from it outside that forward (a weight a parent module assigns before "
-                             f"the call, as AWD-LSTM's WeightDrop does), which the module's replay cannot remake"
-                             f"{cancels}")
+                             f"sample's loss alone gives it {own:.6g}. {cause}{outside}{cancels}")
         self._checked = True
 
     def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:
@@ -798,8 +803,8 @@ class BookKeeping:
                 elif selected_from_flattened_batch(layer.sources[call], batch):
                     raise ValueError(f"{layer.describe()} ran on {size} rows selected from the batch flattened with "
                                      "its positions (tokens, as h.flatten(0, 1)[keep] or [index] select them): as many "
-                                     "as the batch's samples, but not one a sample; give it the batch flattened whole "
-                                     "(mask the tokens left out instead)")
+                                     "as the batch's samples, but not each sample's own in order; give it the batch "
+                                     "flattened whole (mask the tokens left out instead)")
                 elif any(uses is not None for uses in found):
                     raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, the batch's size, but its "
                                      "output is broadcast over the batch (added to, multiplied into or expanded over "

@@ -440,21 +440,27 @@ _INDEX_SELECT = node_type(lambda x: x.index_select(0, torch.tensor([0])))
 def selected_from_flattened_batch(node, batch: int) -> bool:
     """Whether the tensor autograd ``node`` made (through ops that keep its rows) is rows selected
     along dim 0 (``h[keep]``, ``h[index]``, ``index_select``) from the batch flattened with its
-    positions (:func:`flattened_batch`): tokens, whatever their count. Where that count is the
-    batch's, a layer would read token j as sample j (a mixture's experts on the tokens that are not
-    padding released a sample at 1.75 times C; a ModuleList's experts on the tokens routed to each,
-    2.21 times)."""
+    positions (:func:`flattened_batch`), other than one row of each sample in order (the last
+    token's, pooled): tokens, whatever their count. Where that count is the batch's, a layer would
+    read token j as sample j (a mixture's experts on the tokens that are not padding released a
+    sample at 1.75 times C; a ModuleList's experts on the tokens routed to each, 2.21 times). The
+    rows chosen are read on the host; in a CUDA graph's capture, which may not, any selection is."""
     while type(node) in _ROW_BY_ROW:
         node = node.next_functions[0][0]
     if type(node) is _INDEX:
-        selected = node._saved_indices[0] is not None
+        index = node._saved_indices[0]
     else:
-        selected = type(node) is _INDEX_SELECT and node._saved_dim == 0
-    if not selected:
+        index = node._saved_index if type(node) is _INDEX_SELECT and node._saved_dim == 0 else None
+    if index is None:
         return False
     source, output_nr = node.next_functions[0]
     shape = _forward_shape(source, output_nr) if source is not None else None
-    return bool(shape) and shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch)
+    if not (shape and shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch)):
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    rows = index.nonzero()[:, 0] if index.dtype == torch.bool else index.flatten()
+    return not torch.equal(rows // (shape[0] // batch), torch.arange(batch, device=rows.device))
 
 
 def flattened_outputs(edges: list, batch: int) -> list[int]:

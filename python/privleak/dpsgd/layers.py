@@ -203,8 +203,8 @@ def ieee_float32():
     Each backend's ``fp32_precision`` is set to "ieee", and torch's legacy flags (the matmul
     precision, cuDNN's ``allow_tf32``) to the same where the user's could be read: torch's legacy
     getters raise where the two APIs disagree, and a module replayed by the sums may read them.
-    Where they could not be read (the user set a mix through the new API), they raise inside as
-    they did outside, and are left alone.
+    Where they could not be read (the user set a mix through the new API) they are left alone:
+    inside, their getters read the IEEE flags or still raise.
 
     The flags are the process's: steps in several threads (one a GPU) share one setting, made by
     the first to enter and put back by the last to leave, so that none clips under another's
@@ -249,7 +249,7 @@ def _precision_flags() -> list:
     """torch's float32 precision flags, the legacy ones first: setting those sets the backends'
     flags too, which come after."""
     backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
-                torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+                torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv, torch.backends.mkldnn.rnn)
     return [_PrecisionFlag(torch.set_float32_matmul_precision, _legacy_flag(torch.get_float32_matmul_precision),
                            "highest"),
             _PrecisionFlag(functools.partial(setattr, torch.backends.cudnn, "allow_tf32"),
@@ -587,7 +587,7 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
 _HOLDERS = (nn.ParameterList, nn.ParameterDict)
 
 
-def check_weights_independent_of_data(model: nn.Module) -> None:
+def check_no_embedding_max_norm(model: nn.Module) -> None:
     """Refuse an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm``, frozen or trained:
     its forward renormalises in place the rows its ids look up, so which rows change, and how, is
     the batch's tokens, outside the noise (a row looked up by one sample alone went from norm
@@ -840,14 +840,18 @@ class ConvLayer(Layer):
         self._forming: Optional[Forming] = None  # this step's rule, chosen at the first reduce()
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
-        dims = 1 if isinstance(self.module, nn.Conv1d) else 2
-        x = self.recorded_input(args, kwargs, output)
-        if isinstance(output, torch.Tensor) and output.requires_grad and x.ndim != dims + 2:
-            raise ValueError(f"{self.describe()} got an input of shape {tuple(x.shape)}, without a batch (torch "
-                             "convolves it as one sample): book-keeping splits its input by sample")
+        self._check_batched(args, kwargs, output)
         outputs = super().record(args, kwargs, output)
         self._output_sizes += [y.shape for y in outputs]
         return outputs
+
+    def _check_batched(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """Refuse an input without a batch, which torch convolves as one sample: with as many
+        channels as the batch has samples, its rows had reached the kernels as samples."""
+        x = self.recorded_input(args, kwargs, output)
+        if isinstance(output, torch.Tensor) and output.requires_grad and x.ndim != self.module.weight.ndim:
+            raise ValueError(f"{self.describe()} got an input of shape {tuple(x.shape)}, without a batch (torch "
+                             "convolves it as one sample): book-keeping splits its input by sample")
 
     def _outputs_per_group(self) -> int:
         """p, the outputs of one group: those of one input channel's weights."""
@@ -1036,6 +1040,7 @@ class TransposedConvLayer(ConvLayer):
     over positions, as a convolution's."""
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        self._check_batched(args, kwargs, output)
         outputs = Layer.record(self, args, kwargs, output)
         if outputs:
             m, x = self.module, self.calls[-1]

@@ -27,10 +27,10 @@ def per_sample_gradients(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, 
     """
     from torch.func import grad, vmap
 
-    from privleak.dpsgd.layers import check_weights_independent_of_data
+    from privleak.dpsgd.layers import check_no_embedding_max_norm
     from privleak.dpsgd.stateless import functional_call
 
-    check_weights_independent_of_data(model)
+    check_no_embedding_max_norm(model)
 
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
@@ -206,12 +206,13 @@ class DPOptimizer:
 
     def state_dict(self) -> dict:
         """The DP state to save with the model's and the optimizer's: the steps taken (the privacy
-        report counts them) and the seeded noise generator's (key, offset) (None for a
+        report counts them), the seeded noise generator's (key, offset) (None for a
         :class:`~privleak.mechanisms.SecureNoiseGenerator`, which takes a fresh key in every
-        process). Restored by :meth:`load_state_dict`; without it, a resumed run would report the
-        epsilon of its own steps only, and a generator seeded again would draw the first steps'
-        noise once more, which cancels between the two releases. The key is in the state: keep it
-        as secret as the seed."""
+        process) and what the report's epsilon depends on besides them ('accounting': the
+        mechanism, the expected batch size, the sampling). Restored by :meth:`load_state_dict`;
+        without it, a resumed run would report the epsilon of its own steps only, and a generator
+        seeded again would draw the first steps' noise once more, which cancels between the two
+        releases. The key is in the state: keep it as secret as the seed."""
         from privleak import mechanisms
 
         generator = mechanisms.generator_in_use(self.generator)
@@ -231,8 +232,8 @@ class DPOptimizer:
 
         if not isinstance(state, dict) or not {"steps", "generator"} <= set(state) <= {"steps", "generator",
                                                                                        "accounting"}:
-            raise validation.ArgumentTypeError("state must be a dict with the keys 'steps', 'generator' and "
-                                               f"'accounting', as state_dict() makes, got {state!r}")
+            raise validation.ArgumentTypeError("state must be a dict with the keys 'steps' and 'generator' (and "
+                                               f"'accounting'), as state_dict() makes, got {state!r}")
         steps = validation.integer(state["steps"], "state['steps']", low=0)
         saved = state.get("accounting")
         if saved is not None:
@@ -241,7 +242,9 @@ class DPOptimizer:
                 raise validation.ArgumentTypeError(f"state['accounting'] must be a dict with the keys {sorted(own)}, "
                                                    f"as state_dict() makes, got {saved!r}")
             for key, value in own.items():
-                if saved[key] != value:
+                same = math.isclose(saved[key], value, rel_tol=1e-12) if key == "expected_batch_size" else \
+                    saved[key] == value  # a batch size computed (0.07 * 100) is the one typed (7)
+                if not same:
                     raise ValueError(f"state was saved by a run with {key} {saved[key]!r}, and this one has "
                                      f"{value!r}: the privacy report would compose its steps as this run's; "
                                      "resume with the same settings, or account for the two runs apart")
