@@ -242,8 +242,10 @@ class DPOptimizer:
                 raise validation.ArgumentTypeError(f"state['accounting'] must be a dict with the keys {sorted(own)}, "
                                                    f"as state_dict() makes, got {saved!r}")
             for key, value in own.items():
-                same = math.isclose(saved[key], value, rel_tol=1e-12) if key == "expected_batch_size" else \
-                    saved[key] == value  # a batch size computed (0.07 * 100) is the one typed (7)
+                if key == "expected_batch_size":  # a batch size computed (0.07 * 100) is the one typed (7)
+                    same = isinstance(saved[key], (int, float)) and math.isclose(saved[key], value, rel_tol=1e-12)
+                else:
+                    same = saved[key] == value
                 if not same:
                     raise ValueError(f"state was saved by a run with {key} {saved[key]!r}, and this one has "
                                      f"{value!r}: the privacy report would compose its steps as this run's; "
