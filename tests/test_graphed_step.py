@@ -11,7 +11,7 @@ import torch
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import layers
+from privleak.dpsgd import graph, layers
 from test_bookkeeping import (
     CONFIGS,
     LAYER_CASES,
@@ -213,7 +213,7 @@ def test_a_module_replayed_one_sample_at_a_time_reads_nothing_on_the_host_in_a_c
     with HostReads() as eager:
         step._clipped_sums()
     assert "aten.equal.default" in eager.seen  # the generators' states compared
-    monkeypatch.setattr(layers, "_capturing", lambda: True)
+    monkeypatch.setattr(graph, "capturing", lambda: True)
     with HostReads() as captured:
         step._clipped_sums()
     assert captured.seen == []

@@ -49,6 +49,7 @@ from privleak.dpsgd import attention, computed_weight, distributed, experts, rec
 from privleak.dpsgd.clip import GRAD_DTYPES
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
+    capturing,
     count_uses,
     flattened_batch,
     flattened_outputs,
@@ -383,8 +384,7 @@ class BookKeeping:
                                  "the last step or accumulate(): pass that batch's per-sample losses (run an "
                                  "evaluation under torch.no_grad())")
         accumulated, self._accumulated = self._accumulated, None
-        if self._replicas is None:  # across processes each has a share of the batch
-            self._dp.check_batch_size(0 if accumulated is None else accumulated[2])
+        self._check_batch_size(0 if accumulated is None else accumulated[2])
         if accumulated is None:  # an empty batch
             self._check_model()
             return self._release([torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params],
@@ -416,6 +416,12 @@ class BookKeeping:
         from privleak.dpsgd.graphed import GraphedStep
 
         return GraphedStep(self, loss_fn, example_inputs, max_batch=max_batch, warmup=warmup)
+
+    def _check_batch_size(self, samples: int) -> None:
+        """:meth:`DPOptimizer.check_batch_size <privleak.dpsgd.DPOptimizer.check_batch_size>` of the
+        step's batch; across processes each has only a share of it, unchecked."""
+        if self._replicas is None:
+            self._dp.check_batch_size(samples)
 
     def _check_finite(self, norm_sums: torch.Tensor, batch: int) -> None:
         """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
@@ -496,8 +502,7 @@ class BookKeeping:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
         own = None
-        if not self._checked and batch > 1 and not (torch.cuda.is_available()
-                                                    and torch.cuda.is_current_stream_capturing()):
+        if not self._checked and batch > 1 and not capturing():
             own = self._first_sample_norms(losses)
             self._checked = own is None  # out of memory: not again
         self._backward(losses, parents, shared, edges)

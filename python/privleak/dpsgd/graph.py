@@ -20,6 +20,12 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never on a CPU-only build): no host
+    read of a device tensor may wait for the device then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def node_type(op) -> type:
     """The autograd node class of ``op`` applied to a 2 x 2 tensor that requires grad."""
     return type(op(torch.zeros(2, 2, requires_grad=True)).grad_fn)
@@ -324,7 +330,7 @@ _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, t
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
 #: ops whose output's trailing dims are their operands' trailing dims, aligned (broadcasting adds leading dims)
-_SAME_DIMS = _ELEMENTWISE | _ROW_BY_ROW | {_WHERE, _DIV}
+_SAME_DIMS = _ELEMENTWISE | _ROW_BY_ROW | {_WHERE}
 #: ops along dims that they name, each output row from the same input row where dim 0 is not one
 #: of them (a router's softmax, its top-k weights gathered from the scores, and their sum)
 _ALONG_DIMS = frozenset(node_type(op) for op in (
@@ -457,7 +463,7 @@ def selected_from_flattened_batch(node, batch: int) -> bool:
     shape = _forward_shape(source, output_nr) if source is not None else None
     if not (shape and shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch)):
         return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return True
     rows = index.nonzero()[:, 0] if index.dtype == torch.bool else index.flatten()
     return not torch.equal(rows // (shape[0] // batch), torch.arange(batch, device=rows.device))

@@ -109,8 +109,7 @@ class GraphedStep:
                              "in: set it back (model.train() after an evaluation), or make a new graphed step")
         bk._clear()  # forward passes run since the last step (an evaluation with grad): none of this batch's
         bk._check_model()  # a replay runs none of the captured part's Python
-        if bk._replicas is None:
-            bk._dp.check_batch_size(batch)
+        bk._check_batch_size(batch)
         if batch == 0 or batch > self.max_batch:
             return bk.step(self._loss_fn(*inputs) if batch else None)
         self._fill(inputs, batch)

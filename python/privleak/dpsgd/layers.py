@@ -1613,7 +1613,7 @@ class FunctionalLayer(Layer):
                     except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
                         if "randomness" in str(error):
                             raise ValueError(self.random_replay()) from None
-                        if _capturing():  # the capture's own error (the warm-up ran vmap eagerly first)
+                        if graph.capturing():  # the capture's own error (the warm-up ran vmap eagerly first)
                             raise
                         self._one_at_a_time = True  # a forward torch.func cannot transform
                 if grads is None:
@@ -1632,7 +1632,7 @@ class FunctionalLayer(Layer):
         generator's state: its warm-up ran the same replay eagerly and checked it)."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         device = next(iter(leaves.values())).device
-        checked = not _capturing()
+        checked = not graph.capturing()
         before = _generator_states(device) if checked else []
         rows = []
         with torch.enable_grad():
@@ -1643,11 +1643,6 @@ class FunctionalLayer(Layer):
         if checked and any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device))):
             raise ValueError(self.random_replay())
         return {name: torch.stack(column) for name, column in zip(leaves, zip(*rows))}
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (never on a CPU-only build)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _generator_states(device: torch.device) -> list[torch.Tensor]:
