@@ -53,7 +53,7 @@ from privleak.dpsgd.graph import (
     count_uses,
     flattened_batch,
     flattened_outputs,
-    selected_from_flattened_batch,
+    selected_tokens,
     shared_output_uses,
 )
 from privleak.dpsgd.layers import FunctionalLayer, Layer, check_no_embedding_max_norm, ieee_float32, layer_for, total
@@ -805,11 +805,11 @@ class BookKeeping:
                                      "by the batch (only added to, multiplied into or expanded over it) (every layer "
                                      "input must have the batch in dim 0, and step() takes every forward pass since "
                                      f"the last step){flattened}")
-                elif selected_from_flattened_batch(layer.sources[call], batch):
-                    raise ValueError(f"{layer.describe()} ran on {size} rows selected from the batch flattened with "
-                                     "its positions (tokens, as h.flatten(0, 1)[keep] or [index] select them): as many "
-                                     "as the batch's samples, but not each sample's own in order; give it the batch "
-                                     "flattened whole (mask the tokens left out instead)")
+                elif selected_tokens(layer.sources[call], batch):
+                    raise ValueError(f"{layer.describe()} ran on {size} tokens selected from the batch (as "
+                                     "h.flatten(0, 1)[keep], h[keep] with a (B, T) mask or [index] select them): as "
+                                     "many as the batch's samples, but not each sample's own in order; give it the "
+                                     "batch whole (mask the tokens left out instead)")
                 elif any(uses is not None for uses in found):
                     raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, the batch's size, but its "
                                      "output is broadcast over the batch (added to, multiplied into or expanded over "

@@ -443,30 +443,66 @@ _INDEX = node_type(lambda x: x[torch.tensor([0])])
 _INDEX_SELECT = node_type(lambda x: x.index_select(0, torch.tensor([0])))
 
 
-def selected_from_flattened_batch(node, batch: int) -> bool:
-    """Whether the tensor autograd ``node`` made (through ops that keep its rows) is rows selected
-    along dim 0 (``h[keep]``, ``h[index]``, ``index_select``) from the batch flattened with its
-    positions (:func:`flattened_batch`), other than one row of each sample in order (the last
-    token's, pooled): tokens, whatever their count. Where that count is the batch's, a layer would
-    read token j as sample j (a mixture's experts on the tokens that are not padding released a
-    sample at 1.75 times C; a ModuleList's experts on the tokens routed to each, 2.21 times). The
-    rows chosen are read on the host; in a CUDA graph's capture, which may not, any selection is."""
-    while type(node) in _ROW_BY_ROW:
+def _adds_or_drops_ones(node) -> bool:
+    """Whether autograd ``node`` is a view that only adds or drops dims of size 1 (``[None]``, a
+    reshape of (1, n, d) to (n, d)): its rows are its input's."""
+    if type(node) not in _VIEWS and type(node) not in _RESHAPES:
+        return False
+    child, output_nr = node.next_functions[0]
+    if child is None:
+        return False
+    into, out = _forward_shape(child, output_nr), tuple(node._input_metadata[0].shape)
+    return [size for size in into if size != 1] == [size for size in out if size != 1]
+
+
+def selected_tokens(node, batch: int) -> bool:
+    """Whether the tensor autograd ``node`` made (through ops that keep its rows, and views that
+    add or drop dims of 1) is tokens selected from the batch, other than one row of each sample in
+    order (the last token's, pooled): rows chosen along dim 0 (``h[keep]``, ``h[index]``,
+    ``index_select``, transformers 4's ``h[None, index]``) of the batch flattened with its
+    positions (:func:`flattened_batch`), or along the batch's dim and the positions' (``h[keep]``
+    with a (B, T) mask, ``h[sample, position]``) of a tensor with the batch in dim 0. Where their
+    count is the batch's, a layer would read token j as sample j (a mixture's experts on the
+    tokens that are not padding released a sample at 1.75 times C; a ModuleList's experts on the
+    tokens routed to each, 2.21 times; a (B, T) mask's tokens, 1.49 times). The rows chosen are
+    read on the host; in a CUDA graph's capture, which may not, any selection is."""
+    while type(node) in _ROW_BY_ROW or _adds_or_drops_ones(node):
         node = node.next_functions[0][0]
     if type(node) is _INDEX:
-        index = node._saved_indices[0]
+        entries = list(node._saved_indices)
+        ones = next((k for k, entry in enumerate(entries) if entry is not None), len(entries))
+        if any(size != 1 for size in tuple(node._saved_self_sym_sizes)[:ones]):
+            return False  # dim 0 is not one of those chosen from
+        entries = entries[ones:]
+    elif type(node) is _INDEX_SELECT and node._saved_dim == 0:
+        entries = [node._saved_index]
     else:
-        index = node._saved_index if type(node) is _INDEX_SELECT and node._saved_dim == 0 else None
-    if index is None:
+        return False
+    if not entries:
         return False
     source, output_nr = node.next_functions[0]
+    while _adds_or_drops_ones(source):
+        source, output_nr = source.next_functions[0]
     shape = _forward_shape(source, output_nr) if source is not None else None
-    if not (shape and shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch)):
+    first = entries[0]
+    with_positions = (first.dtype == torch.bool and first.ndim > 1) or (len(entries) > 1 and entries[1] is not None)
+    if not shape:
+        return False
+    if shape[0] == batch and with_positions and getattr(source, "variable", None) is None:
+        per_sample = 1  # the batch's dim and its positions' (not a parameter's, whose dim 0 is no batch)
+    elif shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch):
+        per_sample = shape[0] // batch
+    else:
         return False
     if capturing():
         return True
-    rows = index.nonzero()[:, 0] if index.dtype == torch.bool else index.flatten()
-    return not torch.equal(rows // (shape[0] // batch), torch.arange(batch, device=rows.device))
+    chosen = [column for entry in entries if entry is not None
+              for column in (entry.nonzero().unbind(1) if entry.dtype == torch.bool else (entry,))]
+    samples = torch.broadcast_tensors(*chosen)[0] // per_sample
+    if samples.ndim == 0:
+        return False  # one row, its dims the layer's rows
+    order = torch.arange(samples.shape[0], device=samples.device).view(-1, *(1,) * (samples.ndim - 1))
+    return not torch.equal(samples, order.expand(samples.shape))
 
 
 def flattened_outputs(edges: list, batch: int) -> list[int]:
