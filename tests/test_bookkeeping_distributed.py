@@ -131,8 +131,8 @@ def worker(rank: int, folder: Path) -> None:
             results["settings differ"] = (str(error), replicated.require_backward_grad_sync,
                                           sum(len(m._forward_hooks) for m in model.modules()))
         for name, config in CONFIGS.items():
-            # VMF's run sends its sums in three collectives each way: [flags, conv weight, conv bias],
-            # [linear weight] and [linear bias]; the others' in one
+            # VMF's run sends its sums in four collectives each way: [flags and samples, conv weight],
+            # [conv bias], [linear weight] and [linear bias]; the others' in one
             distributed.BUCKET_ELEMENTS = 60 if name == "vmf-per-layer" else default_bucket
             model = network()
             if rank == 1:  # DDP starts every replica from the first process's parameters
@@ -148,9 +148,31 @@ def worker(rank: int, folder: Path) -> None:
                              "taken": bk.steps}
             bk.remove()
             assert replicated.require_backward_grad_sync
+        distributed.BUCKET_ELEMENTS = default_bucket
+        results["fixed"] = fixed_size_steps(rank)
         torch.save(results, folder / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def fixed_size_steps(rank: int) -> tuple:
+    """Fixed-size batches of 4 across the processes: shares of 2 and 2, then of 2 and 1 (3 in
+    all): each step's outcome, and the steps taken."""
+    model = network()
+    replicated = nn.parallel.DistributedDataParallel(model)
+    bk = dpsgd.BookKeeping(replicated, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
+                           CONFIGS["gaussian-flat"](), expected_batch_size=4, generator=M.NoiseGenerator(SEED),
+                           sampling="fixed")
+    x, y = logical_batch(2)
+    outcomes = []
+    for sizes in ((2, 2), (2, 1)):
+        start = sum(sizes[:rank])
+        try:
+            bk.step(losses(replicated, x[start:start + sizes[rank]], y[start:start + sizes[rank]]))
+            outcomes.append("stepped")
+        except ValueError as error:
+            outcomes.append(str(error))
+    return outcomes, bk.steps
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +228,7 @@ def test_processes_release_what_one_process_releases_on_the_whole_batch(replicas
             kind, message = OWN_ERRORS[step]
             assert got[failing][0] == kind and re.fullmatch(message, got[failing][1]), got[failing]
             other = got[1 - failing]
-            cause = "privatising the sums" if step == PRIVATISE_FAILS_STEP else "its batch"
+            cause = "releasing the sums: its error says why" if step == PRIVATISE_FAILS_STEP else "its batch"
             assert other[0] == "ValueError" and other[1] == (
                 f"the step failed on process(es) [{failing}] of the group, each raising its own error ({cause}); "
                 "the step is taken on no process"), other
@@ -232,14 +254,27 @@ def test_processes_with_different_settings_are_refused(replicas):
         assert synced and hooks == 0
 
 
+def test_fixed_size_batches_are_checked_on_the_processes_batch(replicas):
+    """sampling="fixed" across processes: each process has a share of the batch, and the first
+    process checks their sum, expected_batch_size, in the release (unchecked before: a logical
+    batch of another size was released and accounted as one of L). A batch of 3 for 4 raises on
+    both processes, and the step is taken on neither."""
+    (first, taken), (second, taken_too) = (r["fixed"] for r in replicas)
+    assert first[0] == second[0] == "stepped"
+    assert first[1].startswith("sampling='fixed' draws batches of expected_batch_size=4 examples, got a batch of 3")
+    assert second[1] == ("the step failed on process(es) [0] of the group, each raising its own error (releasing "
+                         "the sums: its error says why); the step is taken on no process")
+    assert taken == taken_too == 1
+
+
 def test_small_tensors_travel_together(monkeypatch):
     """The collectives' buckets: consecutive tensors up to the limit, a larger one alone (the VMF
-    run's three above: the flags and the network's four sums, at 60 elements)."""
+    run's four above: the flags and samples and the network's four sums, at 60 elements)."""
     monkeypatch.setattr(distributed, "BUCKET_ELEMENTS", 60)
-    sums = [torch.zeros(WORLD + 1)] + [torch.zeros(p.shape) for p in network().parameters()]
-    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[3, 54, 3], [192], [4]]
+    sums = [torch.zeros(WORLD + 2)] + [torch.zeros(p.shape) for p in network().parameters()]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[4, 54], [3], [192], [4]]
     monkeypatch.setattr(distributed, "BUCKET_ELEMENTS", 1)
-    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[3], [54], [3], [192], [4]]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(sums)] == [[4], [54], [3], [192], [4]]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])

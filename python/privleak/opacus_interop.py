@@ -253,7 +253,8 @@ class _AcrossProcesses:
         distributed.check_agreed(agreed, None, "optimizer")
 
     def _released(self, sums: list) -> list:
-        return distributed.release_across(None, [s.contiguous() for s in sums], super()._released, None)
+        release = super()._released
+        return distributed.release_across(None, [s.contiguous() for s in sums], lambda sums, _: release(sums), None)
 
     def reduce_gradients(self) -> None:
         if self.loss_reduction == "mean" and not self.mechanism.releases_direction:

@@ -388,8 +388,8 @@ class BookKeeping:
         if accumulated is None:  # an empty batch
             self._check_model()
             return self._release([torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params],
-                                 self._averages_in_clip())
-        return self._release(*accumulated[:2])
+                                 self._averages_in_clip(), 0)
+        return self._release(*accumulated)
 
     def graphed(self, loss_fn, *example_inputs: torch.Tensor, max_batch: Optional[int] = None,
                 warmup: int = 2) -> "GraphedStep":
@@ -419,7 +419,8 @@ class BookKeeping:
 
     def _check_batch_size(self, samples: int) -> None:
         """:meth:`DPOptimizer.check_batch_size <privleak.dpsgd.DPOptimizer.check_batch_size>` of the
-        step's batch; across processes each has only a share of it, unchecked."""
+        step's batch, before its release; across processes each has only a share of it, and the
+        first process checks their total in the release (:meth:`_release`)."""
         if self._replicas is None:
             self._dp.check_batch_size(samples)
 
@@ -445,14 +446,18 @@ class BookKeeping:
         except Exception as error:
             self._failure = self._failure or error
 
-    def _release(self, sums: list, averaged: bool) -> list:
-        """Noise the clipped sums (divided by L if ``averaged``), make them the parameters'
-        gradients and step the optimizer: the step's privacy, always run eagerly."""
+    def _release(self, sums: list, averaged: bool, samples: int) -> list:
+        """Noise the clipped sums of ``samples`` samples (divided by L if ``averaged``), make them
+        the parameters' gradients and step the optimizer: the step's privacy, always run eagerly."""
         if self._replicas is None:
             update = self._privatised(sums, averaged)
         else:
+            def privatised(sums: list, batch: int) -> list:  # on the first process, with the processes' batch
+                self._dp.check_batch_size(batch)
+                return self._privatised(sums, averaged)
+
             failure, self._failure = self._failure, None
-            update = self._replicas.release(sums, functools.partial(self._privatised, averaged=averaged), failure)
+            update = self._replicas.release(sums, privatised, failure, samples)
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()

@@ -79,15 +79,19 @@ class Replicas:
         """Give DDP its all-reduce back (:meth:`BookKeeping.remove`)."""
         self.model.require_backward_grad_sync, self.model.require_forward_param_sync = self._synced
 
-    def release(self, sums: list, privatise: Callable[[list], list], failure: Optional[BaseException]) -> list:
+    def release(self, sums: list, privatise: Callable[[list, int], list], failure: Optional[BaseException],
+                samples: int) -> list:
         """:func:`release_across` the replicas' processes."""
         self._attach()
-        return release_across(self.group, sums, privatise, failure)
+        return release_across(self.group, sums, privatise, failure, samples)
 
 
-def release_across(group, sums: list, privatise: Callable[[list], list], failure: Optional[BaseException]) -> list:
-    """The update ``privatise`` makes of the processes' summed ``sums`` (one per parameter, the
-    same shapes and dtypes on every process, consumed), made on the group's first process and
+def release_across(group, sums: list, privatise: Callable[[list, int], list], failure: Optional[BaseException],
+                   samples: int = 0) -> list:
+    """The update ``privatise(sums, samples)`` makes of the processes' summed ``sums`` (one per
+    parameter, the same shapes and dtypes on every process, consumed) and their summed
+    ``samples`` (this process's share of the batch: the whole batch's size, which no process
+    alone knows, for fixed-size sampling's check), made on the group's first process and
     broadcast to all. Every process of ``group`` (None: the default group) calls it once a step.
 
     ``failure``: the error of this process's batch, if any. Each process's flag travels with
@@ -98,26 +102,30 @@ def release_across(group, sums: list, privatise: Callable[[list], list], failure
     group = group or dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     root = dist.get_global_rank(group, 0)  # collectives name their root by its global rank
-    flags = torch.zeros(world_size + 1, dtype=sums[0].dtype, device=sums[0].device)
-    flags[rank] = failure is not None
-    for bucket in _buckets([flags, *sums]):
+    # the flags (a process's failure, then the release's) and the samples travel with the sums, in their
+    # dtype (book-keeping's float32 counts up to 2^24 samples exactly)
+    counts = torch.zeros(world_size + 2, dtype=sums[0].dtype, device=sums[0].device)
+    flags = counts[:-1]
+    flags[rank], counts[-1] = failure is not None, samples
+    for bucket in _buckets([counts, *sums]):
         _collective(bucket, lambda t: dist.reduce(t, root, group=group))
     if rank == 0:
         if not flags.any():
-            try:
-                sums = [u.to(s.dtype).contiguous() for u, s in zip(privatise(sums), sums)]
-            except Exception as error:  # an out-of-memory error, say: the others would wait in the broadcast
+            try:  # an out-of-memory error, or a batch of the wrong size: the others would wait in the broadcast
+                sums = [u.to(s.dtype).contiguous() for u, s in zip(privatise(sums, round(counts[-1].item())), sums)]
+            except Exception as error:
                 failure, flags[world_size] = error, 1
         if flags.any():  # the sum without its noise stays here
             sums = [torch.zeros_like(s) for s in sums]
-    for bucket in _buckets([flags, *sums]):
+    for bucket in _buckets([counts, *sums]):
         _collective(bucket, lambda t: dist.broadcast(t, root, group=group))
     if failure is not None:
         raise failure
     if flags.any():
         ranks = flags[:world_size].nonzero().flatten().tolist()
         raise ValueError(f"the step failed on process(es) {ranks or [0]} of the group, each raising its own error "
-                         f"({'its batch' if ranks else 'privatising the sums'}); the step is taken on no process")
+                         f"({'its batch' if ranks else 'releasing the sums: its error says why'}); the step is taken "
+                         "on no process")
     return sums
 
 

@@ -119,7 +119,7 @@ class GraphedStep:
             self._graph.replay()
             sums, norm_sums = self._outputs
         bk._check_finite(norm_sums, batch)
-        return bk._release(sums, self._averaged)
+        return bk._release(sums, self._averaged, batch)
 
     def _fill(self, inputs: tuple, batch: int) -> None:
         """The batch into the graph's inputs, the rows past it copies of its first sample."""
