@@ -1487,20 +1487,33 @@ def test_a_torchscript_module_is_refused(to_script):
         dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0), expected_batch_size=2)
 
 
-def test_an_optimizer_of_all_parameters_trains_the_unfrozen_ones():
+@pytest.mark.parametrize("path", ["bookkeeping", "materialised"])
+def test_an_optimizer_of_all_parameters_trains_the_unfrozen_ones(path):
     """SGD(model.parameters()) with some frozen, as LoRA users build it: the update of an optimizer
-    of the trainable ones, the frozen weight left as it was."""
+    of the trainable ones, the frozen weight left as it was, also where a backward pass before it
+    was frozen left its .grad (the optimizer applied that gradient of the data, unclipped and
+    without noise, at every step: a review's repro)."""
     updates = []
     for everything in (True, False):
         model, x, target = setting("linear-frozen-weight")
+        model[0].weight.requires_grad_(True)
+        regression(model(x), target).sum().backward()  # a non-private pass, then frozen
+        model[0].weight.requires_grad_(False)
         frozen = model[0].weight.detach().clone()
-        params = model.parameters() if everything else trainable(model)
-        bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.1), dpsgd.DPSGDConfig(0.3, noise_multiplier=0.5),
-                               expected_batch_size=6, generator=M.NoiseGenerator(2))
-        updates.append(bk.step(regression(model(x), target)))
+        params = list(model.parameters() if everything else trainable(model))
+        config = dpsgd.DPSGDConfig(0.3, noise_multiplier=0.5)
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        if path == "bookkeeping":
+            bk = dpsgd.BookKeeping(model, optimizer, config, expected_batch_size=6, generator=M.NoiseGenerator(2))
+            steps = [bk.step(regression(model(x), target)) for _ in range(2)]
+        else:
+            dp = dpsgd.DPOptimizer(optimizer, config, expected_batch_size=6, generator=M.NoiseGenerator(2))
+            steps = [dp.step(materialised_grads(model, x, target)) for _ in range(2)]
+        updates.append(steps)
         assert torch.equal(model[0].weight, frozen)
     for got, want in zip(*updates):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_the_other_arguments_are_checked_as_dpoptimizer_checks_them():

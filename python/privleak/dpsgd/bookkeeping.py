@@ -458,10 +458,7 @@ class BookKeeping:
 
             failure, self._failure = self._failure, None
             update = self._replicas.release(sums, privatised, failure, samples)
-        for p, u in zip(self.params, update):
-            p.grad = u.to(p.dtype)
-        self.optimizer.step()
-        self._dp.steps += 1
+        self._dp.apply(update)
         for p in self.params:  # as zero_grad(set_to_none=True): the update is as large as the model
             p.grad = None
         return update

@@ -266,8 +266,21 @@ class DPOptimizer:
                                  f"parameter {i}, got {shape}: give them in the optimizer's parameter order")
         self.check_batch_size(per_sample_grads[0].shape[0])
         update = privatize(per_sample_grads, self.config, self.expected_batch_size, self.generator)
+        self.apply(update)
+        return update
+
+    def apply(self, update: Sequence[torch.Tensor]) -> None:
+        """Step the optimizer with the released ``update`` as the trained parameters' ``.grad``,
+        and count the step. Every other parameter the optimizer holds (one frozen after it was
+        built, or frozen from the start) has its ``.grad`` cleared first: a backward pass run
+        before freezing left one, and the optimizer would apply it, unclipped and without noise,
+        at every step (a review's repro: a frozen weight moved by lr times it each step)."""
+        trained = {id(p) for p in self.params}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in trained:
+                    p.grad = None
         for p, u in zip(self.params, update):
             p.grad = u.to(p.dtype)
         self.optimizer.step()
         self.steps += 1
-        return update
