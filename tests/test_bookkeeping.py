@@ -2070,6 +2070,15 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         batchnorm(x)
     with torch.no_grad():
         batchnorm(x)  # evaluation in training mode trains nothing
+    for affine in (False, True):  # its running statistics take the batch's, outside the noise (a review's repro)
+        tracked = nn.Sequential(nn.Conv1d(3, 3, 1), nn.InstanceNorm1d(3, affine=affine, track_running_stats=True))
+        make(tracked)
+        with pytest.raises(ValueError, match=r"module '1' \(InstanceNorm1d\) is in training mode with "
+                                             r"track_running_stats=True: its forward writes the batch's statistics"):
+            tracked(torch.randn(4, 3, 5))
+        assert torch.equal(tracked[1].running_mean, torch.zeros(3))
+        tracked.eval()
+        make(tracked).step(tracked(torch.randn(4, 3, 5)).sum((1, 2)))
     dropped = nn.Sequential(nn.Linear(3, 4), DroppedScale(4))
     bk = make(dropped)
     with pytest.raises(ValueError, match=r"module '1' \(DroppedScale\) .* random .*dropout '1.drop' in training"):

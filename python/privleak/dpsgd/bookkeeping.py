@@ -269,6 +269,12 @@ class BookKeeping:
         was taken at the changed output, its per-sample gradients a third of the true ones."""
         module = layer.module
         hooks = [module.register_forward_hook(self._hook(layer), with_kwargs=True, prepend=True)]
+        if type(layer).refusal is not Layer.refusal:
+            def refuse(_module, _args):
+                if self._recording and torch.is_grad_enabled() and (why := layer.refusal()) is not None:
+                    raise ValueError(why)
+
+            hooks.append(module.register_forward_pre_hook(refuse, prepend=True))
         if layer.intercepts_forward:
             def enter(_module, _args):
                 if self._recording and torch.is_grad_enabled():

@@ -366,6 +366,12 @@ class Layer:
         """The torch function mode an :attr:`intercepts_forward` layer puts on through a forward call."""
         raise NotImplementedError
 
+    def refusal(self) -> Optional[str]:
+        """Why a forward call of the module with grad is refused in its present state, or None:
+        asked before the call runs, so that a refused call changes nothing (a layer that
+        overrides it gets a forward pre-hook)."""
+        return None
+
     def enter_forward(self) -> None:
         """Before a forward call of the module with grad (:attr:`intercepts_forward` layers): a new
         :meth:`forward_mode` on, as :attr:`recorder` (a mode an interrupted forward left on taken off
@@ -1671,11 +1677,35 @@ class BatchNormLayer(FunctionalLayer):
 
     hook_without_parameters = True
 
+    def refusal(self) -> Optional[str]:
+        if self.module.training:  # a training forward; evaluation under no_grad is fine
+            return (f"{self.describe()} is in training mode: it normalises with statistics of the whole batch, so "
+                    "per-sample gradients (and their clipping) are undefined; use GroupNorm or LayerNorm, or call "
+                    ".eval() on it")
+        return None
+
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
-        if self.module.training and torch.is_grad_enabled():  # a training forward; evaluation under no_grad is fine
-            raise ValueError(f"{self.describe()} is in training mode: it normalises with statistics of the whole "
-                             "batch, so per-sample gradients (and their clipping) are undefined; use GroupNorm or "
-                             "LayerNorm, or call .eval() on it")
+        return super().record(args, kwargs, output) if self.parameters else []
+
+
+@layer_kind(nn.modules.instancenorm._InstanceNorm)
+class InstanceNormLayer(FunctionalLayer):
+    """InstanceNorm normalises each sample by its own statistics (its affine parameters through the
+    fallback), but with ``track_running_stats=True`` its training forward also adds the batch's
+    statistics into its running buffers, which ship with the model without noise (a review's
+    repro: one sample scaled by 100 moved running_mean by 0.56): refused then, as Opacus's
+    validator refuses it."""
+
+    hook_without_parameters = True
+
+    def refusal(self) -> Optional[str]:
+        if self.module.training and self.module.track_running_stats:
+            return (f"{self.describe()} is in training mode with track_running_stats=True: its forward writes the "
+                    "batch's statistics into running_mean and running_var, outside the noise; build it with "
+                    "track_running_stats=False (the default), or call .eval() on it")
+        return None
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         return super().record(args, kwargs, output) if self.parameters else []
 
 
