@@ -1394,8 +1394,10 @@ def test_losses_that_are_not_per_sample_are_refused():
 
 
 def test_losses_no_layer_recorded_are_refused_with_the_reason():
-    """Losses of a forward pass run before the build, of a batch already taken, or after remove():
-    each error says which (all had said a parameter was used outside its module's forward)."""
+    """Losses of a forward pass run before the build, of a batch already taken, of a forward pass
+    before the last step (after another since: they were taken, the noise alone released), or
+    after remove(): each error says which (all had said a parameter was used outside its module's
+    forward)."""
     model, x, target = setting("linear")
     early = regression(model(x), target)
     bk = make(model)
@@ -1406,12 +1408,20 @@ def test_losses_no_layer_recorded_are_refused_with_the_reason():
     bk.step(losses)
     with pytest.raises(ValueError, match=no_record):
         bk.step(losses)
+    stale = regression(model(x), target)  # losses of a batch that a step then passes over
+    bk.step(regression(model(x), target))
+    model(x[:2])  # a forward pass since (a metric): its calls had stood for the stale losses' uses
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is used 1 time\(s\) in the graph of "
+                                         r"per_sample_losses, but its module's forward calls in that graph recorded "
+                                         r"0.*before the last step"):
+        bk.step(stale)
+    assert bk.steps == 2
     bk.remove()
     with pytest.raises(ValueError, match=r"this BookKeeping was removed \(remove\(\) took its hooks off"):
         bk.step(regression(model(x), target))
     with pytest.raises(ValueError, match=r"this BookKeeping was removed"):
         bk.step()  # no losses: it had released the noise and stepped
-    assert bk.steps == 1
+    assert bk.steps == 2
 
 
 def test_losses_of_another_model_are_refused_after_a_forward_pass_of_this_one():

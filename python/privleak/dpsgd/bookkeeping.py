@@ -833,11 +833,13 @@ class BookKeeping:
         if grad_outputs[0] is not None:
             uses.take(0, use, grad_outputs[0])
 
-    def _check_uses(self, losses: torch.Tensor, parents: Optional[dict] = None) -> None:
+    def _check_uses(self, losses: torch.Tensor, parents: dict) -> None:
         """Every use of a trainable parameter in the loss's autograd graph must be one a hooked
-        layer recorded; any other (a parameter used outside its module's forward, e.g.
-        ``F.linear(x, other_module.weight)``) would escape clipping. With ``parents``, the walk
-        fills in each node's parents (:func:`~privleak.dpsgd.graph.count_uses`)."""
+        layer recorded in a call whose outputs the graph holds; any other (a parameter used
+        outside its module's forward, e.g. ``F.linear(x, other_module.weight)``; the losses of a
+        forward pass before the last step, whose uses the calls of another since stood for, a
+        review's repro: the noise alone released) would escape clipping. The walk fills in
+        ``parents``, each node's parents (:func:`~privleak.dpsgd.graph.count_uses`)."""
         used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents)
         if losses.shape[0] and not any(used):
             raise ValueError("per_sample_losses does not depend on any of the model's trainable parameters (the "
@@ -845,16 +847,19 @@ class BookKeeping:
                              "noise alone")
         seen = [0] * len(self.params)
         for layer in self.layers:
-            for uses in layer.uses:
-                for p, count in zip(layer.parameters, uses):
-                    seen[self._slots[id(p)]] += count
+            for call, uses in enumerate(layer.uses):
+                if any(edge.node in parents for edge in layer.call_edges(call)):
+                    for p, count in zip(layer.parameters, uses):
+                        seen[self._slots[id(p)]] += count
         for slot, (count, recorded) in enumerate(zip(used, seen)):
             if count > recorded:
                 owner = self._owner(slot)
                 raise ValueError(f"parameter '{owner}' is used {count} time(s) in the graph of per_sample_losses, but "
-                                 f"its module's forward recorded {recorded}: it is used where the book-keeping hooks "
-                                 "cannot see (outside its module's forward, e.g. functionally or by weight tying); "
-                                 "use it through its module, or make that code a module of its own")
+                                 f"its module's forward calls in that graph recorded {recorded}: it is used where the "
+                                 "book-keeping hooks cannot see (outside its module's forward, e.g. functionally or by "
+                                 "weight tying; or in a forward pass run before the last step or before BookKeeping "
+                                 "was built, whose losses these are); use it through its module, or make that code a "
+                                 "module of its own")
 
     def _check_model(self) -> None:
         """The hooks must still be on the model (not :meth:`remove`-d), and its trainable parameters
