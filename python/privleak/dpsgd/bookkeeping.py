@@ -46,7 +46,7 @@ from torch import nn
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
-from privleak.dpsgd.clip import GRAD_DTYPES
+from privleak.dpsgd.clip import GRAD_DTYPES, non_finite_error
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
     capturing,
@@ -434,9 +434,8 @@ class BookKeeping:
         """Raise, in ``non_finite="raise"`` mode, if a sample among the first ``batch`` has a
         non-finite norm (the clip kernel's norm sums (B, C)); its sums are then not to be used."""
         if self.config.non_finite != "drop" and (keep := finite_samples(norm_sums[:batch])) is not None:
-            raise ValueError(f"per-sample gradients of samples {(~keep).nonzero().flatten().tolist()} (of the {batch} "
-                             "whose losses were given) are not finite; pass non_finite='drop' to leave such samples "
-                             "out")
+            raise non_finite_error((~keep).nonzero().flatten().tolist(), self.config.mechanism.clip_norm_type,
+                                   f" (of the {batch} whose losses were given)")
 
     @contextlib.contextmanager
     def _failure_deferred(self):

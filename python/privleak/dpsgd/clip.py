@@ -26,7 +26,7 @@ float32's 3.4e38: for L2 always past a norm of 2^64 (1.8e19; up to about 4 times
 elements are spread evenly over the lanes), for L1 past an L1 norm of 3.4e38 likewise: a gradient
 that has diverged. At the other end a square below float32's smallest numbers (elements below
 about 1e-22) is lost: such a sample's norm comes out too small, by 1% at 1e-22, and a clip norm
-below about 1e-20 does not clip it.
+below about 1e-20 would not clip it; clip norms below 1e-12 are refused.
 """
 from __future__ import annotations
 
@@ -162,9 +162,19 @@ def _clip_norms(clip_norm, count: Optional[int], per_layer: bool, name: str = "c
     if not norms or (len(norms) != 1 and (not per_layer or (count is not None and len(norms) != count))):
         raise ValueError(f"{name} must be one number, or (per_layer=True) one per tensor: {count}, got {len(norms)}")
     norms = [validation.positive(c, name if len(norms) == 1 else f"{name}[{i}]") for i, c in enumerate(norms)]
+    for i, c in enumerate(norms):
+        if c < MIN_CLIP_NORM:
+            raise ValueError(f"{name if len(norms) == 1 else f'{name}[{i}]'} = {c!r} is below {MIN_CLIP_NORM:g}: "
+                             "the norms are summed in float32, where a gradient's elements below about 1e-22 "
+                             "square to nothing, so a clip norm that small does not bound every gradient (a "
+                             "review's repro: a sample released at 155 times 1e-27); scale the loss up instead")
     return norms * (count if per_layer and len(norms) == 1 and count is not None else 1)
 
 
+# The smallest clip norm taken: a gradient whose squares underflow float32 (elements below about
+# 1e-22) has a norm under sqrt(P) 1e-22, far below it for any model's P, so its norm's shortfall
+# cannot move it across the clip norm.
+MIN_CLIP_NORM = 1e-12
 # The kernel computes in float32: the noise std and the scale 1 / batch_size are float32 numbers,
 # and the released (sum + noise) / batch_size must be one.
 _FLOAT32 = torch.finfo(torch.float32)
@@ -172,6 +182,14 @@ _FLOAT32 = torch.finfo(torch.float32)
 # and counts as non-finite (L2); in L1 the float32 sum of absolute values must stay finite.
 _MAX_GRAD_ELEMENT = {2: 2.0**64, 1: _FLOAT32.max}
 NORM_TYPES = (1, 2)
+
+
+def non_finite_error(samples: list, norm_type: int, of: str = "") -> ValueError:
+    """The error for per-sample gradients of ``samples`` whose norms the kernel found non-finite
+    (``of``: which samples the indices count, for the message)."""
+    beyond = "their norm beyond 1.8e19" if norm_type == 2 else "their L1 norm beyond 3.4e38"
+    return ValueError(f"per-sample gradients of samples {samples}{of} are not finite (or {beyond}); pass "
+                      "non_finite='drop' to leave such samples out")
 
 
 def _check_norm_type(norm_type) -> int:
@@ -335,9 +353,7 @@ def clip_and_accumulate(
                                                             stream_offset, kernel_scale, norm_type)
     bad = ~torch.isfinite(sums).all(dim=1)
     if non_finite == "raise" and bool(bad.any()):
-        beyond = "their norm beyond 1.8e19" if norm_type == 2 else "their L1 norm beyond 3.4e38"
-        raise ValueError(f"per-sample gradients of samples {bad.nonzero().flatten().tolist()} are not finite "
-                         f"(or {beyond}); pass non_finite='drop' to leave such samples out")
+        raise non_finite_error(bad.nonzero().flatten().tolist(), norm_type)
     norms = sums if per_layer else _sum_columns_in_order(sums)
     if norm_type == 2:
         norms = _sqrt(norms)
