@@ -204,7 +204,7 @@ def materialised_run(config: dpsgd.DPSGDConfig) -> tuple:
 
 #: a failing step's error on the process whose error it is, and on the other
 OWN_ERRORS = {NON_FINITE_STEP: ("ValueError", r"per-sample gradients of samples \[0\] \(of the 2 whose losses were "
-                                               r"given\) are not finite \(or their norm beyond 1.8e19\); .*"),
+                                               r"given\) are not finite \(or their (L1 )?norm beyond .*\); .*"),
               BAD_LOSSES_STEP: ("ValueError", r"per_sample_losses must be a 1-D tensor .*"),
               PRIVATISE_FAILS_STEP: ("PrivatiseFails", r"out of memory \(simulated\)")}
 
