@@ -149,11 +149,11 @@ CASES = [
     ("clip None", lambda: clip(clip_norm=None), TypeError, "clip_norm must be a real number"),
     ("clip str", lambda: clip(clip_norm="1"), TypeError, "clip_norm must be a real number"),
     ("clip 0", lambda: clip(clip_norm=0.0), ValueError, "clip_norm must be > 0"),
-    ("clip tiny", lambda: clip(clip_norm=1e-27), ValueError, "clip_norm = 1e-27 is below 1e-12: the norms are summed "
+    ("clip tiny", lambda: clip(clip_norm=1e-27), ValueError, "clip_norm = 1e-27 is below 1e-15: the norms are summed "
      "in float32"),
-    ("clip list tiny", lambda: clip(clip_norm=[1.0, 1e-13], per_layer=True), ValueError,
-     r"clip_norm\[1\] = 1e-13 is below 1e-12"),
-    ("config clip tiny", lambda: dpsgd.DPSGDConfig(1e-20), ValueError, "config.clip_norm = 1e-20 is below 1e-12"),
+    ("clip list tiny", lambda: clip(clip_norm=[1.0, 1e-16], per_layer=True), ValueError,
+     r"clip_norm\[1\] = 1e-16 is below 1e-15"),
+    ("config clip tiny", lambda: dpsgd.DPSGDConfig(1e-20), ValueError, "config.clip_norm = 1e-20 is below 1e-15"),
     ("clip nan", lambda: clip(clip_norm=NAN), ValueError, "clip_norm must be finite"),
     ("clip inf", lambda: clip(clip_norm=INF), ValueError, "clip_norm must be finite"),
     ("clip list", lambda: clip(clip_norm=[1.0, 2.0]), ValueError, "clip_norm must be one number"),

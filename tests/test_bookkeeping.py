@@ -1774,6 +1774,48 @@ class SequenceFirstMix(nn.Module):
         return self.head(h.mean(1) if self.pool == "mean" else h[:, 0])
 
 
+class SequenceFirstScale(nn.Module):
+    """A layer scale multiplied into hidden states made sequence-first, (T, B, d): its product's
+    dim 0 is the positions, which at T = B look like the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):  # (B, T, 3)
+        h = torch.tanh(self.inp(x)).transpose(0, 1)
+        return self.head((h + self.gamma * torch.tanh(h)).transpose(0, 1).mean(1))
+
+
+def test_a_broadcast_parameter_s_op_whose_dim_0_was_positions_is_replayed_from_then_on():
+    """At T != B the layer scale's op on (T, B, d) has another dim 0 than the batch, and the model
+    is replayed; at a later batch of B = T its dim 0 looked like the batch, and each position's
+    gradient was clipped as a sample's (a review's repro: a sample's share 3.2 times C, no check
+    after the first batch). Now replayed from the first such op on: the materialised path's update."""
+    torch.manual_seed(0)
+    model = SequenceFirstScale()
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4)
+    generator = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match="replay its whole forward per sample"):
+        bk.step(regression(model(torch.randn(3, 4, 3, generator=generator)), torch.randn(3, 2, generator=generator)))
+    x, target = torch.randn(4, 4, 3, generator=generator), torch.randn(4, 2, generator=generator)
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 4.0)
+    assert_same_update(bk.step(regression(model(x), target)), want)
+
+
+def test_a_broadcast_parameter_s_op_whose_dim_0_is_positions_is_refused_at_a_first_batch_of_b_positions():
+    """At a first batch of B = T the op's dim 0 looks like the batch: the first sample's check finds
+    that sample's gradient in the other rows of the op's output, as it does in a layer's."""
+    torch.manual_seed(0)
+    model = SequenceFirstScale()
+    bk = make(model)
+    with pytest.raises(ValueError, match=r"the first sample's loss has a gradient in the other samples' rows of the "
+                                         r"op MulBackward0 on parameter 'gamma'"):
+        bk.step(regression(model(torch.randn(4, 4, 3)), torch.randn(4, 2)))
+
+
 FIRST_SAMPLE_SPREAD = (r"the first sample's loss has a gradient in the other samples' rows of the output of module "
                        r"'{}' \(Linear\) .* where book-keeping reads each row as one sample's. Its layer reads a dim "
                        r"other than the batch as the samples \(a sequence-first \(T, B, \.\.\.\) input with T = B"
@@ -2174,6 +2216,39 @@ def test_reentrant_activation_checkpointing_is_refused():
     out = model.head(torch.utils.checkpoint.checkpoint(model.block, h, use_reentrant=True))
     with pytest.raises(ValueError, match=r"use_reentrant=False"):
         bk.step(out.pow(2).flatten(1).sum(1))
+
+
+class RecomputedInBackward(torch.autograd.Function):
+    """A block run without grad and run again in the backward pass, which backpropagates through it
+    itself, filling its parameters' .grad (as Reformer's reversible layers do)."""
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.save_for_backward(x)
+        ctx.block = block
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.saved_tensors[0].detach().requires_grad_()
+        with torch.enable_grad():
+            torch.autograd.backward(ctx.block(x), grad)
+        return x.grad, None
+
+
+@pytest.mark.parametrize("check_first_sample", [True, False])
+def test_parameters_a_custom_function_backpropagates_through_itself_are_refused(check_first_sample):
+    """The block's uses are hidden from the losses' graph (its forward runs without grad): its
+    parameters got the noise alone, silently without the first sample's check (a review's repro:
+    Reformer's update 55% off). Its .grad, the batch's unclipped gradient, is not left behind."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    bk = make(model, check_first_sample=check_first_sample)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"parameter '1.weight' got a .grad in the step's backward pass, from a "
+                                         r"backward pass that something in the losses' graph runs itself"):
+        bk.step(model[2](RecomputedInBackward.apply(model[0](x), model[1])).pow(2).sum(1))
+    assert model[1].weight.grad is None and bk.steps == 0
 
 
 @pytest.mark.parametrize("case, where", [

@@ -53,6 +53,12 @@ def bert():
         pad_token_id=0))
 
 
+def bert_mlm():  # its head holds the decoder's bias too (decoder.bias = self.bias): refused as tied before
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0))
+
+
 def t5():
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0,
@@ -142,12 +148,19 @@ def next_token(model, ids):
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
+def fill_in(model, ids):
+    """Masked language modelling: each token from its sequence with its first token masked."""
+    return F.cross_entropy(model(ids.index_fill(1, torch.tensor([0]), 1)).logits.transpose(1, 2), ids,
+                           reduction="none").mean(1)
+
+
 def classify(model, ids):
     return F.cross_entropy(model(ids).logits, ids[:, 0] % 2, reduction="none")
 
 
 MODELS = {"gpt2": (gpt2, next_token), "llama": (llama, next_token), "gemma": (gemma, next_token),
-          "bert": (bert, classify), "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token),
+          "bert": (bert, classify), "bert-mlm": (bert_mlm, fill_in),
+          "t5": (t5, translate), "bart": (bart, translate), "falcon": (falcon, next_token),
           "opt": (opt, next_token)}
 #: mixtures of experts: their experts book-kept, their routers replayed per sample
 MIXTURES = {"mixtral": (mixtral, next_token), "qwen2-moe": (qwen2_moe, next_token), "gpt-oss": (gpt_oss, next_token),

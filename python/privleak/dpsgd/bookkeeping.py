@@ -553,17 +553,24 @@ class BookKeeping:
                 grad = grad.coalesce().values() if grad.is_sparse else grad  # a sparse Embedding's
                 norms[slot] = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float64).to(device)
 
-        def look(layer: Layer, output: int, grad_outputs: tuple) -> None:
+        def look(what: str, output: int, grad_outputs: tuple) -> None:
             grad = grad_outputs[output]
             if grad is not None and grad.ndim and grad.shape[0] == batch and grad[0].numel():  # not an empty one
-                spread.append((layer, torch.stack([torch.linalg.vector_norm(rows, math.inf).float()
-                                                   for rows in (grad[1:], grad[0])])))
+                spread.append((what, torch.stack([torch.linalg.vector_norm(rows, math.inf).float()
+                                                  for rows in (grad[1:], grad[0])])))
 
         held = [(p.grad, dict(p._backward_hooks or {}), dict(p._post_accumulate_grad_hooks or {}))
                 for p in self.params]
-        handles = [edge.node.register_prehook(functools.partial(look, layer, edge.output_nr))
+        handles = [edge.node.register_prehook(functools.partial(look, f"the output of {layer.describe()}",
+                                                                edge.output_nr))
                    for layer in self.layers if layer.rows_are_samples for call in range(len(layer.calls))
                    if (id(layer), call) not in self._shared for edge in layer.call_edges(call)]
+        # the ops whose output gradients are broadcast parameters' per-sample gradients: their dim 0 too
+        owners = {id(p): name for name, p in self._module.named_parameters()}
+        handles += [node.register_prehook(functools.partial(
+                        look, f"the op {node.name()} on parameter '{owners[id(layer.parameters[i])]}'", 0))
+                    for layer in self.layers for call in range(len(layer.calls))
+                    for (_, i, _), node in layer.nodes(call)]
         try:
             for slot, p in enumerate(self.params):
                 p.grad = None
@@ -618,11 +625,11 @@ class BookKeeping:
         cause = ("Its layer reads a dim other than the batch as the samples (a sequence-first (T, B, ...) input with "
                  "T = B? every layer input must have the batch in dim 0), or the model makes each loss depend on "
                  "other samples (as BatchNorm in training mode does), which per-sample clipping cannot bound")
-        for (layer, _), (others, itself) in zip(spread, largest):
+        for (what, _), (others, itself) in zip(spread, largest):
             if others > 2.0**-20 * itself:
                 raise ValueError(f"per_sample_losses: the first sample's loss has a gradient in the other samples' "
-                                 f"rows of the output of {layer.describe()} (up to {others:.6g}; {itself:.6g} in its "
-                                 f"own), where book-keeping reads each row as one sample's. {cause}")
+                                 f"rows of {what} (up to {others:.6g}; {itself:.6g} in its own), where book-keeping "
+                                 f"reads each row as one sample's. {cause}")
         total = torch.where(checked, own, mine).sum()
         if self.config.mechanism.clip_norm_type == 2:  # the columns are squared norms
             mine, own, total = mine.sqrt(), own.sqrt(), total.sqrt()
@@ -660,6 +667,7 @@ class BookKeeping:
         wanted = [edge for _, _, call_edges in after for edge in call_edges]
         taken = set(wanted)
         self._collecting = True
+        before = [_grad_state(p) for p in self.params]
         try:
             # Parameters whose gradients come from pre-hooks on the nodes using them (broadcast
             # parameters): asking for theirs makes the backward run those nodes.
@@ -671,6 +679,17 @@ class BookKeeping:
             self._collecting, self._shared = False, frozenset()
             for handle in handles:
                 handle.remove()
+        # This backward makes no .grad; one made in it comes from a backward pass of its own that a
+        # custom autograd.Function runs (Reformer's reversible layers recompute theirs and fill
+        # .grad), on parameters whose uses its forward, run without grad, hid: they got the noise
+        # alone (a review's repro).
+        if changed := [slot for slot, (p, state) in enumerate(zip(self.params, before)) if _grad_state(p) != state]:
+            for slot in changed:  # the batch's gradient, unclipped: not left for an optimizer step
+                self.params[slot].grad = None
+            raise ValueError(f"parameter '{self._owner(changed[0])}' got a .grad in the step's backward pass, from a "
+                             "backward pass that something in the losses' graph runs itself (a custom "
+                             "torch.autograd.Function, as Reformer's reversible layers are), where book-keeping "
+                             "cannot see its per-sample gradients: such a model cannot be book-kept")
         grads, norm_type = iter(grads), self.config.mechanism.clip_norm_type
         for layer, call, call_edges in after:
             for output in range(len(call_edges)):
@@ -907,6 +926,11 @@ def _summed_norms(terms: dict, synced: bool) -> dict:
         terms = {slot: [next(computed) if isinstance(n, GhostNormInputs) else n for n in ns]
                  for slot, ns in terms.items()}
     return {slot: total(ns) for slot, ns in terms.items()}
+
+
+def _grad_state(p: torch.Tensor) -> tuple:
+    """What tells whether ``p.grad`` was set or added to: its identity and version."""
+    return (None, 0) if p.grad is None else (id(p.grad), p.grad._version)
 
 
 def finite_samples(norm_sums: torch.Tensor) -> Optional[torch.Tensor]:

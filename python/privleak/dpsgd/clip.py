@@ -26,7 +26,7 @@ float32's 3.4e38: for L2 always past a norm of 2^64 (1.8e19; up to about 4 times
 elements are spread evenly over the lanes), for L1 past an L1 norm of 3.4e38 likewise: a gradient
 that has diverged. At the other end a square below float32's smallest numbers (elements below
 about 1e-22) is lost: such a sample's norm comes out too small, by 1% at 1e-22, and a clip norm
-below about 1e-20 would not clip it; clip norms below 1e-12 are refused.
+below about 1e-20 would not clip it; clip norms below 1e-15 are refused.
 """
 from __future__ import annotations
 
@@ -171,10 +171,10 @@ def _clip_norms(clip_norm, count: Optional[int], per_layer: bool, name: str = "c
     return norms * (count if per_layer and len(norms) == 1 and count is not None else 1)
 
 
-# The smallest clip norm taken: a gradient whose squares underflow float32 (elements below about
-# 1e-22) has a norm under sqrt(P) 1e-22, far below it for any model's P, so its norm's shortfall
-# cannot move it across the clip norm.
-MIN_CLIP_NORM = 1e-12
+# The smallest clip norm taken: the squares float32 loses or rounds below its normal range (of
+# elements below 1.1e-19) take at most P 2.8e-45 from a squared norm, under 3e-3 of this one's
+# square for a trillion parameters, so the shortfall cannot carry a norm past it by more than 0.14%.
+MIN_CLIP_NORM = 1e-15
 # The kernel computes in float32: the noise std and the scale 1 / batch_size are float32 numbers,
 # and the released (sum + noise) / batch_size must be one.
 _FLOAT32 = torch.finfo(torch.float32)

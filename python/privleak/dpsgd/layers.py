@@ -624,8 +624,16 @@ def fallback_parameters(module: nn.Module, claims_children: bool = False) -> lis
     embedding keeps its A and B in ParameterDicts; the replay takes any parameter, a rule only
     those it knows) and of its parametrizations (``parametrizations.weight.original``, which
     ``functional_call`` takes by that name and passes through the parametrization), or with
-    ``claims_children`` all of its descendants'."""
+    ``claims_children`` all of its descendants'. Without it, a parameter of its own that a
+    descendant registers too is the descendant's (BERT's masked-LM head holds the bias that its
+    decoder Linear adds, ``decoder.bias = self.bias``; as the head's too, it was refused as tied):
+    a use of it in the module's own forward, outside the descendant's, is then one no hook
+    recorded, refused at the step."""
     named = list(module.named_parameters(recurse=claims_children))
+    if not claims_children and named:
+        below = {id(p) for sub in module.modules() if sub is not module and not isinstance(sub, _HOLDERS)
+                 for p in sub._parameters.values() if p is not None}
+        named = [(name, p) for name, p in named if id(p) not in below]
     if not claims_children:
         named += [(f"{child_name}.{name}", p) for child_name, child in module.named_children()
                   if isinstance(child, _HOLDERS) for name, p in child.named_parameters()]
@@ -1342,7 +1350,11 @@ class FunctionalLayer(Layer):
     alpha, negated for a subtrahend; a view's placed back where it came from): the layer takes it
     from a hook on the op's autograd node in the backward pass, with no replay. As a layer's
     input must, such an op's output must have the batch in dim 0; an op whose output turns out not
-    to (a smaller dim 0) and any other use take the replay.
+    to (another dim 0) and any other use take the replay, and a module whose op's output once had
+    another dim 0 is replayed from then on: its dim 0 was positions (a sequence-first (T, B, d)
+    output times a layer scale), which at T = B would look like the batch (a review's repro: a
+    sample's share 3.2 times C, at a Poisson batch of B = T after a first of B != T; at a first
+    batch of B = T, the first sample's check refuses it).
 
     **Shared outputs.** A call whose outputs the batch shares (BART's learned position embedding
     makes its own position ids (1, T); BookKeeping finds such calls from their outputs' uses) is
@@ -1362,6 +1374,7 @@ class FunctionalLayer(Layer):
     def __init__(self, name: str, module: nn.Module):
         self._replay_warned = False
         self._one_at_a_time = False  # its forward is replayed by a loop over samples, not by vmap
+        self._replayed_for_dim_0 = False  # an op of its broadcast rule had another dim 0 than the batch
         super().__init__(name, module)
         self._parametrization_buffers = [name for name, _ in module.named_buffers()
                                          if name.startswith("parametrizations.") or ".parametrizations." in name]
@@ -1497,8 +1510,10 @@ class FunctionalLayer(Layer):
     def rows(self, batch: int) -> dict:
         if self.calls and not self.per_sample and not self.chunked:
             broadcasts = [call[4] for call in self.calls]
+            self._replayed_for_dim_0 |= any(b is not None and not b.valid for b in broadcasts)
             # a call whose batch is flattened with its positions has their rows, B T of them: replayed
-            if not self.flattened and all(b is not None and b.valid for b in broadcasts):
+            if not (self.flattened or self._replayed_for_dim_0) and all(b is not None and b.valid
+                                                                        for b in broadcasts):
                 self.per_sample = {id(p): total(b.rows(i) for b in broadcasts)
                                    for i, p in enumerate(self.parameters)}
                 return self.per_sample
