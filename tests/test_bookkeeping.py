@@ -1774,6 +1774,45 @@ class SequenceFirstMix(nn.Module):
         return self.head(h.mean(1) if self.pool == "mean" else h[:, 0])
 
 
+class RelativeScores(nn.Module):
+    """Scores of each position against a table of the positions, (T, d), or under a mask, (T, T),
+    that the batch shares, scaled by a parameter of its own (replayed per sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.log_scale = nn.Linear(3, 3), nn.Parameter(torch.tensor([0.1, -0.2, 0.3]))
+
+    def forward(self, h, shared):
+        q = self.query(h) * self.log_scale.exp()
+        return q @ shared.T if shared.shape[1] == 3 else (q @ q.transpose(1, 2)) * shared
+
+
+class SharedTableModel(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.inp, self.scores, self.head = kind, nn.Linear(3, 3), RelativeScores(), nn.Linear(4, 2)
+
+    def forward(self, x):  # (B, T, 3)
+        positions = torch.arange(x.shape[1], dtype=x.dtype)
+        shared = (torch.sin(positions[:, None] * torch.tensor([0.3, 0.7, 1.1])) if self.kind == "table"
+                  else (positions[:, None] >= positions).to(x.dtype))
+        return self.head(torch.tanh(self.scores(torch.tanh(self.inp(x)), shared)).mean(1))
+
+
+@pytest.mark.parametrize("kind", ["table", "mask"])
+def test_a_replayed_module_s_argument_the_batch_shares_is_not_cut_per_sample_where_t_is_b(kind):
+    """A replayed module given a table of the positions (T, d) or a mask (T, T) the batch shares,
+    at T = B: the replay cut it per sample as if it were the batch's (a review's repros: Funnel's
+    relative-position parameters 2-7 times off, silently); now a replay whose gradients do not add
+    up to the call's takes such arguments shared."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*replay its whole forward per sample")
+        assert_book_kept_as_materialised(SharedTableModel(kind), torch.randn(4, 4, 3, generator=generator),
+                                         torch.randn(4, 2, generator=generator))
+
+
 class SequenceFirstScale(nn.Module):
     """A layer scale multiplied into hidden states made sequence-first, (T, B, d): its product's
     dim 0 is the positions, which at T = B look like the batch."""

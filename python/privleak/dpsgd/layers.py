@@ -1398,6 +1398,7 @@ class FunctionalLayer(Layer):
         self.shared_calls: set = set()  # calls whose outputs the batch shares (broadcast)
         self.chunked = False  # the replay gives norms a few samples at a time, and the clipped sum by the same again
         self.flattened_outputs: dict = {}  # call: {recorded output: batch size} for outputs of the batch flattened
+        self.untraced: dict = {}  # call: its arguments of the batch's dim 0 with no autograd history, beside some with
 
     def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
         """A call whose outputs the batch shares (BART's learned position embedding, which makes its
@@ -1446,6 +1447,8 @@ class FunctionalLayer(Layer):
         replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers)
         self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, replay,
                            broadcasts))
+        if untraced := _untraced_arguments(leaves, _batch_of(leaves)):
+            self.untraced[call] = untraced
         batched = _batched_leaf(leaves)
         self.sources.append(None if batched is None else batched.grad_fn)
         self.watched.append([] if broadcasts is None else [((call, *key), node) for key, node in broadcasts.nodes()])
@@ -1457,6 +1460,7 @@ class FunctionalLayer(Layer):
         super().renumber(new)
         self.shared_calls = {new[call] for call in self.shared_calls if call in new}
         self.flattened_outputs = {new[call]: outputs for call, outputs in self.flattened_outputs.items() if call in new}
+        self.untraced = {new[call]: untraced for call, untraced in self.untraced.items() if call in new}
 
     def unflatten(self, call: int, batch: int) -> None:
         """A call on the batch flattened with its positions (a mixture of experts' router and
@@ -1590,8 +1594,6 @@ class FunctionalLayer(Layer):
     def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
         """The per-sample gradients (B, *shape) of the module's parameters, by id, of the samples
         ``samples`` (all by default): vmap over them of the gradient of the replayed forward."""
-        from torch.func import grad, vmap
-
         names = self._parameter_names()
         params = {names[id(p)]: p.detach() for p in self.parameters}
         totals: dict = {}
@@ -1612,37 +1614,83 @@ class FunctionalLayer(Layer):
                                      "per-sample gradients cannot be replayed; give it inputs whose batch its output "
                                      "keeps")
 
-            def loss_of_one(params, samples, cotangents, leaves=leaves, spec=spec, split=split, pairs=pairs,
-                            unsqueezed=unsqueezed, whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0)),
-                            buffers=replay.buffers):
-                values = list(leaves)
-                for i, x in zip(split, samples):
-                    values[i] = whole(x)
-                outputs = self._outputs({**params, **buffers}, values, spec)
-                return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
-                           for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
-
-            inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
-            cotangents = [g[samples] for _, g in pairs]
-            with warnings.catch_warnings(), replay.context(self._spectral_norms):
-                # torch's note that an op has no batching rule: the cost the docstring states
-                warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-                grads = None
-                if not self._one_at_a_time:
-                    try:
-                        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, cotangents)
-                    except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
-                        if "randomness" in str(error):
-                            raise ValueError(self.random_replay()) from None
-                        if graph.capturing():  # the capture's own error (the warm-up ran vmap eagerly first)
-                            raise
-                        self._one_at_a_time = True  # a forward torch.func cannot transform
-                if grads is None:
-                    grads = self._one_at_a_time_grads(loss_of_one, params, inputs, cotangents)
+            untraced = self.untraced.get(call, frozenset())
+            if untraced and samples == slice(None) and not (flattened or flat or call in self.shared_calls):
+                grads = self._checked_replay(params, replay, leaves, spec, split, pairs, unsqueezed, batch, untraced)
+            else:
+                grads = self._replayed(params, replay, leaves, spec, split, pairs, unsqueezed, flattened, batch,
+                                       samples)
             for p in self.parameters:
                 g = grads[names[id(p)]]
                 totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
         return totals
+
+    def _replayed(self, params: dict, replay, leaves: list, spec, split: list, pairs: list, unsqueezed: list,
+                  flattened: bool, batch: int, samples: slice) -> dict:
+        """The per-sample gradients by name of one call's replay, the arguments ``split`` taken
+        per sample, the others whole."""
+        from torch.func import grad, vmap
+
+        def loss_of_one(params, chosen, cotangents, whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0))):
+            values = list(leaves)
+            for i, x in zip(split, chosen):
+                values[i] = whole(x)
+            outputs = self._outputs({**params, **replay.buffers}, values, spec)
+            return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
+                       for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
+
+        inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
+        cotangents = [g[samples] for _, g in pairs]
+        with warnings.catch_warnings(), replay.context(self._spectral_norms):
+            # torch's note that an op has no batching rule: the cost the docstring states
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            if not self._one_at_a_time:
+                try:
+                    return vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, inputs, cotangents)
+                except RuntimeError as error:  # a dropout that ran, not one the module holds unused (peft's)
+                    if "randomness" in str(error):
+                        raise ValueError(self.random_replay()) from None
+                    if graph.capturing():  # the capture's own error (the warm-up ran vmap eagerly first)
+                        raise
+                    self._one_at_a_time = True  # a forward torch.func cannot transform
+            return self._one_at_a_time_grads(loss_of_one, params, inputs, cotangents)
+
+    def _checked_replay(self, params: dict, replay, leaves: list, spec, split: list, pairs: list, unsqueezed: list,
+                        batch: int, untraced: frozenset) -> dict:
+        """:meth:`_replayed` for a call with arguments of the batch's dim 0 and no autograd history
+        beside others (:func:`_untraced_arguments`): one the batch shares (a mask, a position table,
+        at B = T), cut per sample, makes each sample's replay another function of the parameters,
+        whose gradients do not add up to the call's, or fails (a review's repros: Funnel's and a
+        Swin-style block's relative-position parameters 2-7 times off, with no sign). The
+        arguments taken per sample are all of them, else each of those without history shared
+        alone, else all of those, the first whose gradients add up to the call's."""
+        whole = self._batch_grads(params, replay, leaves, spec, pairs)
+        for shared in [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1):
+            one_at_a_time = self._one_at_a_time
+            try:
+                grads = self._replayed(params, replay, leaves, spec, [i for i in split if i not in shared], pairs,
+                                       unsqueezed, False, batch, slice(None))
+            except RuntimeError:  # a cut mask whose shape the forward cannot take
+                self._one_at_a_time = one_at_a_time
+                continue
+            if _adds_up(grads, whole):
+                return grads
+        raise ValueError(f"{self.describe()} is replayed per sample (no book-keeping rule fits it), but the per-sample "
+                         "gradients of its replay do not add up to its call's gradient, with the tensor arguments of "
+                         "the batch's size in dim 0 taken as the batch's, or some of those without autograd history "
+                         "as shared by it: an argument has the batch elsewhere than in dim 0, or its forward depends "
+                         "on something other than its parameters, buffers and arguments (a state kept from a call "
+                         "before)")
+
+    def _batch_grads(self, params: dict, replay, leaves: list, spec, pairs: list) -> dict:
+        """The gradients by name of one call replayed on the whole batch with its recorded output
+        gradients: what its per-sample gradients add up to."""
+        leaves_of = {name: p.detach().requires_grad_() for name, p in params.items()}
+        with torch.enable_grad(), replay.context(self._spectral_norms):
+            outputs = self._outputs({**leaves_of, **replay.buffers}, list(leaves), spec)
+            loss = sum((outputs[i] * g).sum() for i, g in pairs)
+            found = torch.autograd.grad(loss, list(leaves_of.values()), allow_unused=True)
+        return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(leaves_of.items(), found)}
 
     def _one_at_a_time_grads(self, loss_of_one, params: dict, samples: list, cotangents: list) -> dict:
         """The replay's per-sample gradients by one ordinary backward pass per sample, for a
@@ -1664,6 +1712,29 @@ class FunctionalLayer(Layer):
         if checked and any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device))):
             raise ValueError(self.random_replay())
         return {name: torch.stack(column) for name, column in zip(leaves, zip(*rows))}
+
+
+def _untraced_arguments(leaves: list, rows: int) -> frozenset:
+    """The tensor arguments of a call with the batch's size ``rows`` in dim 0 but no autograd
+    history, where another has it: a mask or a table the batch shares (Swin's shifted windows'
+    mask, Funnel's (T, T) class mask, at B = T) as much as the batch's own (an attention mask);
+    only the replay's gradients, added up, tell them apart (:func:`_adds_up`)."""
+    sized = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows]
+    untraced = frozenset(i for i, x in sized if x.grad_fn is None and not x.requires_grad)
+    return untraced if len(untraced) < len(sized) else frozenset()
+
+
+def _adds_up(per_sample: dict, whole: dict) -> bool:
+    """Whether per-sample gradients (B, *shape) by name add up to the call's gradients ``whole``:
+    per parameter within 2^-10 of the sum of the samples' norms (rounding; 2^-5 in half
+    precision), where a replay with a shared mask cut per sample is another function."""
+    for name, total in whole.items():
+        rows = per_sample[name].to(total.dtype)
+        tolerance = 2.0**-5 if total.element_size() < 4 else 2.0**-10
+        scale = rows.flatten(1).double().norm(dim=1).sum()
+        if float((rows.sum(0) - total).double().norm()) > tolerance * float(scale) + 1e-30:
+            return False
+    return True
 
 
 def _generator_states(device: torch.device) -> list[torch.Tensor]:
