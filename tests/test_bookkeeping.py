@@ -1309,6 +1309,7 @@ def test_a_resumed_run_continues_the_steps_and_the_noise_stream():
         return updates, bk
 
     whole, first = run()
+    first.remove()  # its hooks off the model the second run trains
     resumed, second = run(resume_at=3)
     for a, b in zip(whole, resumed):
         assert_same_update(b, a)
@@ -1423,6 +1424,27 @@ def test_losses_no_layer_recorded_are_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"this BookKeeping was removed"):
         bk.step()  # no losses: it had released the noise and stepped
     assert bk.steps == 2
+
+
+def test_a_second_bookkeeping_on_a_hooked_model_is_refused_and_a_dropped_one_lets_go():
+    """Two on one model each recorded every forward pass (only the last one's recorder saw an
+    nn.MultiheadAttention's projections, whose update the first released as 0: a review's repro);
+    one dropped without remove() kept recording, its records growing each step. Now a second is
+    refused while the first lives, and a dropped one's hooks go with it."""
+    model, x, target = setting("linear")
+    first = make(model)
+    with pytest.raises(ValueError, match=r"module '0' \(Linear\) has the hooks of another BookKeeping, built on this "
+                                         r"model before and not removed: call remove\(\) on it first"):
+        make(model)
+    layers_of_first = weakref.ref(first.layers[0])
+    del first  # dropped, not removed
+    second = make(model)
+    assert layers_of_first() is None  # collected, its hooks off the model
+    assert all(len(m._forward_hooks) == 1 for m in model.modules() if isinstance(m, nn.Linear))
+    second.remove()
+    config = dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0)
+    want = dpsgd.privatize(materialised_grads(model, x, target), config, 4.0)
+    assert_same_update(make(model, config).step(regression(model(x), target)), want)
 
 
 def test_losses_of_another_model_are_refused_after_a_forward_pass_of_this_one():
@@ -2148,7 +2170,7 @@ def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
             return super().forward(ids) * 2
 
     model = nn.Sequential(Doubled(5, 3), nn.Linear(3, 2))
-    make(model)
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
     with pytest.raises(ValueError, match=r"module '0' \(Doubled\) is an nn.Embedding with a forward of its own that "
                                          r"returns something other than its lookup"):
         model(torch.randint(0, 5, (4, 3)))
@@ -2157,20 +2179,20 @@ def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
     x = torch.randn(4, 3)
     batchnorm = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, affine=False))
-    make(batchnorm)
+    bk = make(batchnorm)
     with pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\) is in training mode"):
         batchnorm(x)
     with torch.no_grad():
         batchnorm(x)  # evaluation in training mode trains nothing
     for affine in (False, True):  # its running statistics take the batch's, outside the noise (a review's repro)
         tracked = nn.Sequential(nn.Conv1d(3, 3, 1), nn.InstanceNorm1d(3, affine=affine, track_running_stats=True))
-        make(tracked)
+        bk = make(tracked)
         with pytest.raises(ValueError, match=r"module '1' \(InstanceNorm1d\) is in training mode with "
                                              r"track_running_stats=True: its forward writes the batch's statistics"):
             tracked(torch.randn(4, 3, 5))
         assert torch.equal(tracked[1].running_mean, torch.zeros(3))
         tracked.eval()
-        make(tracked).step(tracked(torch.randn(4, 3, 5)).sum((1, 2)))
+        bk.step(tracked(torch.randn(4, 3, 5)).sum((1, 2)))
     dropped = nn.Sequential(nn.Linear(3, 4), DroppedScale(4))
     bk = make(dropped)
     with pytest.raises(ValueError, match=r"module '1' \(DroppedScale\) .* random .*dropout '1.drop' in training"):
@@ -3199,7 +3221,7 @@ def test_a_transposed_convolution_with_an_output_padding_past_its_stride_is_refu
     padding below the dilation): refused, naming the module; with output_size= below the stride it
     trains."""
     model = nn.Sequential(nn.ConvTranspose2d(2, 2, 3, stride=1, dilation=2, output_padding=1))
-    make(model)
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
     with pytest.raises(ValueError, match=r"module '0' \(ConvTranspose2d\) has an output padding of at least"):
         model(torch.randn(4, 2, 5, 5))
     up = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1)

@@ -6,6 +6,7 @@ process's noise stream.
 This file is also the worker: ``python test_bookkeeping_distributed.py RANK FOLDER`` joins the
 group by a file in FOLDER, runs every config's steps and saves what each step returned or raised.
 """
+import gc
 import re
 import sys
 from datetime import timedelta
@@ -175,6 +176,23 @@ def fixed_size_steps(rank: int) -> tuple:
     return outcomes, bk.steps
 
 
+@pytest.fixture
+def group_of_one(tmp_path):
+    """Joins this process alone to a process group (gloo, or NCCL on a GPU); destroys it after the
+    test, whose DDP models are gone by then. A DDP model freed after destroy_process_group()
+    destroyed its group from its dealloc, holding the GIL that gloo's worker thread, still letting
+    go of its last collective, waited for: a hang of the suite (torch's)."""
+    import torch.distributed as dist
+
+    def join(backend: str = "gloo") -> None:
+        dist.init_process_group(backend, init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+
+    yield join
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     """What each of the two processes saved."""
@@ -279,76 +297,60 @@ def test_small_tensors_travel_together(monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("name", ["gaussian-flat", "vmf-per-layer"])
-def test_one_process_releases_the_bits_it_releases_without_ddp(tmp_path, device, name):
+def test_one_process_releases_the_bits_it_releases_without_ddp(group_of_one, device, name):
     """A group of one (gloo on the CPU, NCCL on a GPU): the reduce and the broadcast change no bit,
     so the DDP model's updates are those of the same model unwrapped, step for step."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp_path / 'rendezvous'}",
-                            rank=0, world_size=1)
-    try:
-        updates = []
-        for wrap in (False, True):
-            model = network().to(device)
-            forward = nn.parallel.DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None) \
-                if wrap else model
-            bk = dpsgd.BookKeeping(forward, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), CONFIGS[name](),
-                                   expected_batch_size=EXPECTED_BATCH, generator=M.NoiseGenerator(SEED))
-            updates.append([[u.clone() for u in bk.step(losses(forward, x.to(device), y.to(device)))]
-                            for x, y in (logical_batch(step) for step in (0, 1, 4))])
-        for plain, replicated in zip(*updates):
-            assert all(torch.equal(a, b) for a, b in zip(plain, replicated))
-    finally:
-        dist.destroy_process_group()
+    group_of_one("gloo" if device == "cpu" else "nccl")
+    updates = []
+    for wrap in (False, True):
+        model = network().to(device)
+        forward = nn.parallel.DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None) \
+            if wrap else model
+        bk = dpsgd.BookKeeping(forward, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), CONFIGS[name](),
+                               expected_batch_size=EXPECTED_BATCH, generator=M.NoiseGenerator(SEED))
+        updates.append([[u.clone() for u in bk.step(losses(forward, x.to(device), y.to(device)))]
+                        for x, y in (logical_batch(step) for step in (0, 1, 4))])
+    for plain, replicated in zip(*updates):
+        assert all(torch.equal(a, b) for a, b in zip(plain, replicated))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-def test_a_model_sharded_over_processes_is_refused(tmp_path, device):
+def test_a_model_sharded_over_processes_is_refused(group_of_one, device):
     """FSDP's fully_shard (its parameters DTensors: the step failed inside torch, on a DTensor added
     to a tensor) and, on a GPU, FullyShardedDataParallel (its FlatParameter, which no layer rule
     reads) are refused naming the sharding; the model's hooks are left as they were."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp_path / 'rendezvous'}",
-                            rank=0, world_size=1)
-    try:
-        models = {"held as DTensors": fully_shard(network().to(device))}
-        if device == "cuda":
-            models["wrapped in FullyShardedDataParallel"] = FullyShardedDataParallel(network().to(device))
-        for sharding, model in models.items():
-            hooks = [len(m._forward_hooks) for m in model.modules()]  # FSDP's own
-            with pytest.raises(ValueError, match=f"model's parameters are {sharding}.*DistributedDataParallel"):
-                dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
-                                  expected_batch_size=2)
-            assert [len(m._forward_hooks) for m in model.modules()] == hooks
-    finally:
-        dist.destroy_process_group()
+    group_of_one("gloo" if device == "cpu" else "nccl")
+    models = {"held as DTensors": fully_shard(network().to(device))}
+    if device == "cuda":
+        models["wrapped in FullyShardedDataParallel"] = FullyShardedDataParallel(network().to(device))
+    for sharding, model in models.items():
+        hooks = [len(m._forward_hooks) for m in model.modules()]  # FSDP's own
+        with pytest.raises(ValueError, match=f"model's parameters are {sharding}.*DistributedDataParallel"):
+            dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
+                              expected_batch_size=2)
+        assert [len(m._forward_hooks) for m in model.modules()] == hooks
 
 
-def test_what_a_distributed_model_cannot_take_is_refused(tmp_path):
+def test_what_a_distributed_model_cannot_take_is_refused(group_of_one):
     """One process: a DDP with static_graph=True (its first backward runs DDP's delayed all-reduce,
     where torch failed an internal assert); graphed() (DDP's forward was never checked under CUDA
     graph capture). DDP's own all-reduce is off while the book-keeping is in place."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        static = nn.parallel.DistributedDataParallel(nn.Linear(2, 2), static_graph=True)
-        with pytest.raises(ValueError, match="model is a DistributedDataParallel built with static_graph=True"):
-            dpsgd.BookKeeping(static, torch.optim.SGD(static.parameters()), dpsgd.DPSGDConfig(1.0),
-                              expected_batch_size=2)
-        assert static.require_backward_grad_sync
-        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
-        bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
-                               expected_batch_size=2)
-        assert not model.require_backward_grad_sync
-        with pytest.raises(ValueError, match=r"graphed\(\): the model is a DistributedDataParallel.*step\(\)"):
-            bk.graphed(lambda x: model(x).sum(1), torch.randn(2, 2))
-        bk.remove()
-        assert model.require_backward_grad_sync
-    finally:
-        dist.destroy_process_group()
+    group_of_one()
+    static = nn.parallel.DistributedDataParallel(nn.Linear(2, 2), static_graph=True)
+    with pytest.raises(ValueError, match="model is a DistributedDataParallel built with static_graph=True"):
+        dpsgd.BookKeeping(static, torch.optim.SGD(static.parameters()), dpsgd.DPSGDConfig(1.0),
+                          expected_batch_size=2)
+    assert static.require_backward_grad_sync
+    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters()), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=2)
+    assert not model.require_backward_grad_sync
+    with pytest.raises(ValueError, match=r"graphed\(\): the model is a DistributedDataParallel.*step\(\)"):
+        bk.graphed(lambda x: model(x).sum(1), torch.randn(2, 2))
+    bk.remove()
+    assert model.require_backward_grad_sync
 
 
 if __name__ == "__main__":

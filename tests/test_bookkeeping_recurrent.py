@@ -300,8 +300,8 @@ def test_a_second_derivative_through_a_hooked_module_is_refused():
     """The rule's node has a backward without a graph: differentiating it again raises, where a
     silent zero would be wrong."""
     model = nn.GRU(4, 3, batch_first=True)
-    dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
-                      expected_batch_size=5)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1),  # noqa: F841 (its hooks live with it)
+                           dpsgd.DPSGDConfig(1.0), expected_batch_size=5)
     x = torch.randn(5, 6, 4, requires_grad=True)
     grad, = torch.autograd.grad(model(x)[0].pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):

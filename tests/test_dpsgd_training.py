@@ -331,6 +331,95 @@ def test_laplace_inside_opacus_is_privleaks_laplace_step():
         torch.testing.assert_close(a, b.view_as(a), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mistake", ["step-twice", "no-zero-grad-between-virtual-steps"])
+def test_per_sample_gradients_clipped_before_are_refused_as_opacus_refuses_them(mistake):
+    """Without zero_grad() the per-sample gradients of a released or accumulated batch were clipped
+    again, a sample's share of a release reaching 2 and 3 times max_grad_norm (a review's repros);
+    Opacus refuses them, and so does privleak's optimizer, with Opacus's message."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    model, (x, y) = small_model(), data()
+    module = GradSampleModule(model)
+    optimizer = PrivleakDPOptimizer.from_opacus(DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.1),
+                                                            noise_multiplier=0.0, max_grad_norm=0.5,
+                                                            expected_batch_size=24))
+    cross_entropy(module(x), y).backward()
+    if mistake == "step-twice":
+        optimizer.step()
+    else:
+        optimizer.signal_skip_step(do_skip=True)
+        optimizer.step()  # a virtual step: clipped and accumulated, not released
+    with pytest.raises(ValueError, match="Gradients haven't been cleared since the last optimizer step"):
+        optimizer.step()
+
+
+def test_per_layer_clipping_with_a_frozen_parameter_takes_one_norm_per_trainable_parameter():
+    """Opacus takes one max_grad_norm per trainable parameter; from_opacus asked for one per
+    parameter, frozen ones too, and refused the engine (a review's repro)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPPerLayerOptimizer
+
+    updates = []
+    for swap in (False, True):
+        model, (x, y) = small_model(), data()
+        model[0].bias.requires_grad_(False)
+        module = GradSampleModule(model)
+        optimizer = DPPerLayerOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), noise_multiplier=0.0,
+                                        max_grad_norm=[0.3, 0.5, 0.05], expected_batch_size=24)
+        optimizer = PrivleakDPOptimizer.from_opacus(optimizer) if swap else optimizer
+        cross_entropy(module(x), y).backward()
+        optimizer.pre_step()
+        updates.append([p.grad.clone() for p in module.parameters() if p.requires_grad])
+    for a, b in zip(*updates):  # Opacus clips to c / (norm + 1e-6), privleak to c / norm
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_a_float64_model_and_dropped_samples_inside_opacus():
+    """Per-sample gradients of a dtype the kernel does not take (float64) are clipped in float32,
+    as Opacus's update to float32 rounding (they failed at the first step); non_finite="drop"
+    leaves out a sample whose gradient is not finite, as its error advised (refused as a keyword)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    def update(swap, **keywords):
+        model, (x, y) = small_model(), data()
+        model.double()
+        if keywords:
+            x[5, 0] = float("nan")
+        module = GradSampleModule(model)
+        optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), noise_multiplier=0.0,
+                                max_grad_norm=0.5, expected_batch_size=24)
+        optimizer = PrivleakDPOptimizer.from_opacus(optimizer, **keywords) if swap else optimizer
+        cross_entropy(module(x.double()), y).backward()
+        grad_samples = [p.grad_sample.clone() for p in module.parameters()]
+        optimizer.pre_step()
+        return [p.grad.clone() for p in module.parameters()], grad_samples
+
+    for a, b in zip(update(True)[0], update(False)[0]):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    got, grad_samples = update(True, non_finite="drop")
+    kept = [torch.cat([g[:5], g[6:]]).float() for g in grad_samples]
+    want = dpsgd.clip_and_accumulate(kept, 0.5, batch_size=24.0).grads
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.view_as(a), rtol=1e-5, atol=1e-7)
+
+
+def test_opacus_s_noise_generator_is_refused_where_privleak_s_noise_would_not_draw_from_it():
+    """make_private(noise_generator=torch.Generator().manual_seed(0)): privleak's noise never read
+    it, and a seeded run became unseeded, silently (a review's repro)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    module = GradSampleModule(small_model())
+    optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=0.5,
+                            expected_batch_size=24, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"generator: Opacus's noise generator .* pass noise_generator="
+                                         r"privleak.mechanisms.NoiseGenerator\(seed\)"):
+        PrivleakDPOptimizer.from_opacus(optimizer)
+
+
 PER_LAYER_NORMS = [0.3, 0.1, 0.5, 0.05]  # small enough that every tensor of some samples is clipped
 
 
@@ -471,10 +560,11 @@ def test_keywords_that_opacus_would_drop_and_a_mechanism_off_the_accountant_are_
     unseeded. And a mechanism object whose noise differs from the engine's left Opacus's
     accountant counting the engine's (epsilon 0.94 reported for noise 0.01)."""
     x, y = data()
-    for keywords in ({"noise_generater": M.NoiseGenerator(1)}, {"kappa": 3.0}, {"max_grad_norms": [1.0]},
-                     {"non_finite": "drop"}):
+    for keywords in ({"noise_generater": M.NoiseGenerator(1)}, {"kappa": 3.0}, {"max_grad_norms": [1.0]}):
         with pytest.raises(TypeError, match=f"unexpected keyword argument\\(s\\) '{next(iter(keywords))}'"):
             PrivleakDPOptimizer.from_opacus(opacus_ghost(x, y)[1], **keywords)
+    with pytest.raises(ValueError, match="non_finite='drop': ghost clipping's norms cannot tell which sample"):
+        PrivleakDPOptimizer.from_opacus(opacus_ghost(x, y)[1], non_finite="drop")
     optimizer = opacus_ghost(x, y)[1]  # noise_multiplier 0
     with pytest.raises(ValueError, match=r"mechanism: its noise_multiplier 0.01 is not the optimizer's "
                                          r"noise_multiplier 0.0, which Opacus's accountant records"):

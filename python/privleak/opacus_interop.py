@@ -33,12 +33,16 @@ steps:
 
 * ``clip_and_accumulate`` runs :func:`privleak.dpsgd.clip_and_accumulate` on the parameters'
   ``grad_sample`` (flat, or per layer with each tensor's own norm; two passes, no intermediate
-  copies). Opacus divides by norm + 1e-6 where privleak clips exactly to the norm, so clipped
-  samples differ by about 1e-6 relative. Under ghost clipping Opacus's module has already clipped.
+  copies; in float32 where the parameters' dtypes differ or are float64; ``non_finite="drop"``
+  leaves out samples whose gradients are not finite, where by default they raise). Per-sample
+  gradients already clipped, with no ``zero_grad()`` since, are refused as Opacus refuses them.
+  Opacus divides by norm + 1e-6 where privleak clips exactly to the norm, so clipped samples
+  differ by about 1e-6 relative. Under ghost clipping Opacus's module has already clipped.
 * ``add_noise`` is the mechanism's noise on the clipped sum
   (:meth:`privleak.dpsgd.DPSGDMechanism.noise`): privleak's counter-based Gaussian noise (std
   noise_multiplier x max_grad_norm, with per-layer norms c_t the L2 norm |(c_t)|_2 as in Opacus;
-  reproducible from ``noise_generator``), or for ``mechanism="vmf"`` a VMF(kappa) draw around the
+  reproducible from ``noise_generator``; Opacus's ``noise_generator``, a ``torch.Generator`` privleak's
+  noise does not draw from, is refused), or for ``mechanism="vmf"`` a VMF(kappa) draw around the
   sum's direction (Biswas et al., Alg. 2), which is then the whole update (``scale_grad`` leaves it
   alone), or any other registered mechanism's (Laplace clips in L1 and adds
   Laplace(noise_multiplier x max_grad_norm) per coordinate).
@@ -67,6 +71,7 @@ from opacus.optimizers import (
     SimpleDistributedPerLayerOptimizer,
 )
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from opacus.optimizers.utils import params as _trained_params
 
 from privleak import dpsgd, validation
 from privleak import mechanisms as _mechanisms
@@ -85,7 +90,8 @@ class PrivleakDPOptimizer(DPOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: Union[float, list], expected_batch_size: Optional[int], loss_reduction: str = "mean",
-                 mechanism: Union[str, dpsgd.DPSGDMechanism] = "gaussian", noise_generator=None, **kwargs):
+                 mechanism: Union[str, dpsgd.DPSGDMechanism] = "gaussian", noise_generator=None,
+                 non_finite: str = "raise", **kwargs):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise validation.ArgumentTypeError("optimizer must be a torch.optim.Optimizer, "
                                                f"got {type(optimizer).__name__}")
@@ -111,6 +117,15 @@ class PrivleakDPOptimizer(DPOptimizer):
             # Opacus's DPOptimizer takes **kwargs and drops them: a misspelt noise_generator would go unseeded.
             raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))} for the "
                             f"{mechanism.name} mechanism and Opacus's optimizer")
+        if kwargs.get("generator") is not None and not kwargs.get("secure_mode"):
+            # Opacus's noise draws from it; privleak's never does: a seeded run would go unseeded
+            raise ValueError("generator: Opacus's noise generator (make_private's noise_generator) is not what "
+                             "privleak's noise draws from; for a seeded run pass noise_generator="
+                             "privleak.mechanisms.NoiseGenerator(seed)")
+        self.non_finite = validation.choice(non_finite, "non_finite", ("raise", "drop"))
+        if self.non_finite == "drop" and not self.clips_samples:
+            raise ValueError("non_finite='drop': ghost clipping's norms cannot tell which sample is not finite; use "
+                             "Opacus's hooks or functorch mode")
         self._check_mechanism(mechanism)
         mechanism.check_generator(noise_generator)
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
@@ -124,6 +139,9 @@ class PrivleakDPOptimizer(DPOptimizer):
                 raise ValueError("secure_mode needs noise_generator to be a SecureNoiseGenerator (or None)")
         self.mechanism = mechanism
         self.noise_generator = noise_generator
+
+    #: whether privleak's kernel clips the per-sample gradients (else Opacus's ghost clipping has)
+    clips_samples = True
 
     @staticmethod
     def _check_max_grad_norm(max_grad_norm, optimizer: torch.optim.Optimizer) -> float:
@@ -141,6 +159,8 @@ class PrivleakDPOptimizer(DPOptimizer):
         if counterpart is None or not issubclass(counterpart, cls):
             accepted = ", ".join(opacus.__name__ for opacus, ours in _COUNTERPARTS.items() if issubclass(ours, cls))
             raise TypeError(f"optimizer must be an Opacus {accepted}, got {type(optimizer).__name__}")
+        if optimizer.generator is not None and not optimizer.secure_mode and "generator" not in kwargs:
+            kwargs["generator"] = optimizer.generator  # refused above: its seed would not reach privleak's noise
         new = counterpart(optimizer.original_optimizer, noise_multiplier=optimizer.noise_multiplier,
                           max_grad_norm=counterpart._opacus_max_grad_norm(optimizer),
                           expected_batch_size=optimizer.expected_batch_size, loss_reduction=optimizer.loss_reduction,
@@ -162,13 +182,22 @@ class PrivleakDPOptimizer(DPOptimizer):
         return dpsgd.Clipping((self.max_grad_norm,), False)
 
     def clip_and_accumulate(self) -> None:
+        """Clip the per-sample gradients and add their sum to ``summed_grad``. Per-sample gradients
+        already clipped (no ``zero_grad()`` since the last step or skipped step) are refused, as
+        Opacus refuses them: they were clipped again, a sample's share of a release reaching 2
+        and 3 times max_grad_norm (a review's repros)."""
+        for p in self.params:
+            _check_processed_flag(p.grad_sample)
         clipping = self._clipping()
-        grads = [self._get_flat_grad_sample(p).contiguous() for p in self.params]
+        grads = dpsgd.clip.kernel_rows([self._get_flat_grad_sample(p) for p in self.params])
         summed = dpsgd.clip_and_accumulate(grads, list(clipping.norms), per_layer=clipping.per_layer, batch_size=1.0,
-                                           norm_type=self.mechanism.clip_norm_type).grads
+                                           non_finite=self.non_finite, norm_type=self.mechanism.clip_norm_type).grads
         for p, s in zip(self.params, summed):
             s = s.to(p.dtype)
-            p.summed_grad = s if p.summed_grad is None else p.summed_grad + s
+            if p.summed_grad is None:
+                p.summed_grad = s
+            else:  # in place, as Opacus adds: the mark of a released sum stays on it
+                p.summed_grad += s
             _mark_as_processed(p.grad_sample)
 
     def add_noise(self) -> None:
@@ -197,10 +226,10 @@ class PrivleakPerLayerDPOptimizer(PrivleakDPOptimizer, DPPerLayerOptimizer):
     @staticmethod
     def _check_max_grad_norm(max_grad_norm, optimizer: torch.optim.Optimizer) -> list:
         norms = validation.reals(max_grad_norm, "max_grad_norm", low=0, low_open=True)
-        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        count = len(_trained_params(optimizer))  # as Opacus counts them: frozen ones have none
         if norms.shape != (count,):
-            raise ValueError(f"max_grad_norm must be a list of {count} clip norms, one per parameter of the "
-                             f"optimizer, got {max_grad_norm!r}")
+            raise ValueError(f"max_grad_norm must be a list of {count} clip norms, one per trainable parameter of "
+                             f"the optimizer, got {max_grad_norm!r}")
         return norms.tolist()
 
     @staticmethod
@@ -222,6 +251,7 @@ class PrivleakGhostClippingDPOptimizer(PrivleakDPOptimizer, DPOptimizerFastGradi
                              f"L{mechanism.clip_norm_type}: use Opacus's hooks or functorch mode")
 
     clip_and_accumulate = DPOptimizerFastGradientClipping.clip_and_accumulate
+    clips_samples = False
 
     def _released(self, sums: list) -> list:
         """Raise for a clipped sum that is not finite (Opacus's ghost norms of a sample with a NaN

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -46,7 +48,7 @@ from torch import nn
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
-from privleak.dpsgd.clip import GRAD_DTYPES, non_finite_error
+from privleak.dpsgd.clip import kernel_rows, non_finite_error
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
     capturing,
@@ -202,7 +204,11 @@ class BookKeeping:
         self._failure = None  # across processes: the error of this process's batch, raised at the step
         # the last of the checks, as it turns DDP's all-reduce off
         self._replicas = distributed.Replicas(model, self._agreed()) if replicated else None
+        self._claim_modules()
         self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
+        # one dropped without remove() takes its hooks with it (they hold it weakly), not recording on
+        self._unhook = weakref.finalize(self, _remove_hooks, self._hooks, [layer.module for layer in self.layers],
+                                        self._this)
 
     def _agreed(self) -> dict:
         """What every process's step must share for the first process's noise to be calibrated to
@@ -255,47 +261,74 @@ class BookKeeping:
 
     def remove(self) -> None:
         """Take the hooks off the model."""
-        for hook in self._hooks:
-            hook.remove()
+        self._unhook()
         self._hooks = []
         self._clear()
         self._accumulated = self._failure = None
         if self._replicas is not None:
             self._replicas.detach()
 
+    def _claim_modules(self) -> None:
+        """Refuse modules that another BookKeeping's hooks are on (built on this model and neither
+        removed nor dropped): both would record every forward pass, and only the last one's
+        recorder saw nn.MultiheadAttention's projections, whose update the first then released as
+        0 (a review's repro); then mark them as this one's."""
+        def held() -> list:
+            return [layer for layer in self.layers if (owner := _HOOKED.get(layer.module)) is not None
+                    and owner() is not None and owner() is not self]
+
+        taken = held()
+        if taken:
+            gc.collect()  # one dropped without remove() may wait in a reference cycle
+            taken = held()
+        if taken:
+            raise ValueError(f"{taken[0].describe()} has the hooks of another BookKeeping, built on this model before "
+                             "and not removed: call remove() on it first (two would each record every forward pass)")
+        self._this = weakref.ref(self)
+        for layer in self.layers:
+            _HOOKED[layer.module] = self._this
+
     def _hooks_of(self, layer: Layer) -> list:
-        """The layer's hooks on its module. The recording forward hook goes before the hooks already
-        there: one that changes the output (o * 3) had run first, and the layer's output gradient
-        was taken at the changed output, its per-sample gradients a third of the true ones."""
-        module = layer.module
-        hooks = [module.register_forward_hook(self._hook(layer), with_kwargs=True, prepend=True)]
+        """The layer's hooks on its module, holding this weakly. The recording forward hook goes
+        before the hooks already there: one that changes the output (o * 3) had run first, and the
+        layer's output gradient was taken at the changed output, its per-sample gradients a third
+        of the true ones."""
+        module, this = layer.module, weakref.ref(self)
+
+        def recording() -> bool:
+            bk = this()
+            return bk is not None and bk._recording and torch.is_grad_enabled()
+
+        hooks = [module.register_forward_hook(self._hook(layer, this), with_kwargs=True, prepend=True)]
         if type(layer).refusal is not Layer.refusal:
             def refuse(_module, _args):
-                if self._recording and torch.is_grad_enabled() and (why := layer.refusal()) is not None:
+                if recording() and (why := layer.refusal()) is not None:
                     raise ValueError(why)
 
             hooks.append(module.register_forward_pre_hook(refuse, prepend=True))
         if layer.intercepts_forward:
             def enter(_module, _args):
-                if self._recording and torch.is_grad_enabled():
+                if recording():
                     layer.enter_forward()
 
             hooks += [module.register_forward_pre_hook(enter),
                       module.register_forward_hook(lambda *_: layer.exit_forward(), prepend=True, always_call=True)]
         return hooks
 
-    def _hook(self, layer: Layer):
+    @staticmethod
+    def _hook(layer: Layer, this: weakref.ref):
         def record(module, args, kwargs, output):
-            if not self._recording:
+            bk = this()
+            if bk is None or not bk._recording:
                 return None
             output = layer.separated(args, kwargs, output)
             outputs = layer.record(args, kwargs, output)
             call = len(layer.calls) - 1
             if layer.acts_in_backward:  # else the backward hands the gradients over as its results
                 for index, y in enumerate(outputs):
-                    y.register_hook(functools.partial(self._take_grad, layer, call, index))
+                    y.register_hook(functools.partial(bk._take_grad, layer, call, index))
             for key, node in layer.nodes(call) if outputs else ():
-                node.register_prehook(functools.partial(self._take_node_grad, layer, key))
+                node.register_prehook(functools.partial(bk._take_node_grad, layer, key))
             return output
         return record
 
@@ -726,7 +759,7 @@ class BookKeeping:
         given = torch.stack([norms[slot] for slot in sorted(norms)], 1) if norms else None
         sums: list = [None] * len(self.params)
         if rows:
-            tensors = _kernel_rows([rows[s] for s in sorted(rows)])
+            tensors = kernel_rows([rows[s] for s in sorted(rows)])
             *totals, norm_sums, factors = torch.ops.privleak.clip_accumulate(
                 tensors, clip_norms, config.per_layer, 0.0, [0, 0], 0, scale, norm_type, given)
             for slot, t in zip(sorted(rows), totals):
@@ -928,6 +961,19 @@ def _summed_norms(terms: dict, synced: bool) -> dict:
     return {slot: total(ns) for slot, ns in terms.items()}
 
 
+#: the BookKeeping whose hooks are on each module, weakly
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _remove_hooks(hooks: list, modules: list, owner: weakref.ref) -> None:
+    """Take a BookKeeping's hooks off its modules and its marks (at remove(), or once it is collected)."""
+    for hook in hooks:
+        hook.remove()
+    for module in modules:
+        if _HOOKED.get(module) is owner:
+            del _HOOKED[module]
+
+
 def _grad_state(p: torch.Tensor) -> tuple:
     """What tells whether ``p.grad`` was set or added to: its identity and version."""
     return (None, 0) if p.grad is None else (id(p.grad), p.grad._version)
@@ -979,13 +1025,3 @@ def check_losses(losses) -> torch.Tensor:
     if not losses.is_floating_point():
         raise validation.ArgumentTypeError(f"per_sample_losses must be floating point, got {losses.dtype}")
     return losses
-
-
-def _kernel_rows(rows: list) -> list:
-    """Per-sample gradients as the clip kernel reads them: contiguous, of one of its dtypes
-    (float32 where they differ; the update is float32 anyway)."""
-    dtypes = {r.dtype for r in rows}
-    common = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    if str(common).removeprefix("torch.") not in GRAD_DTYPES:
-        common = torch.float32
-    return [r.to(common).contiguous() for r in rows]

@@ -184,6 +184,17 @@ _MAX_GRAD_ELEMENT = {2: 2.0**64, 1: _FLOAT32.max}
 NORM_TYPES = (1, 2)
 
 
+def kernel_rows(rows: Sequence[torch.Tensor]) -> list:
+    """Per-sample gradients as the clip kernel reads them: contiguous, of one of its dtypes
+    (float32 where they differ or where theirs is not one, as float64's; the update is float32
+    anyway)."""
+    dtypes = {r.dtype for r in rows}
+    common = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    if str(common).removeprefix("torch.") not in GRAD_DTYPES:
+        common = torch.float32
+    return [r.to(common).contiguous() for r in rows]
+
+
 def non_finite_error(samples: list, norm_type: int, of: str = "") -> ValueError:
     """The error for per-sample gradients of ``samples`` whose norms the kernel found non-finite
     (``of``: which samples the indices count, for the message)."""
