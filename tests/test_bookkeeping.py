@@ -1835,6 +1835,36 @@ def test_a_replayed_module_s_argument_the_batch_shares_is_not_cut_per_sample_whe
                                          torch.randn(4, 2, generator=generator))
 
 
+class KeepsItsState(nn.Module):
+    """Adds the last position's output of its call before, kept on the module (RecurrentGemma's
+    recurrent block keeps its state so): a replay of one sample meets the batch's state."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_scale, self.state = nn.Parameter(torch.zeros(3)), None
+
+    def forward(self, h):
+        out = h * self.log_scale.exp()
+        if self.state is not None:
+            out = out + self.state.expand_as(out)
+        self.state = out.detach()[:, -1:]
+        return out
+
+
+def test_a_replay_that_fails_inside_the_module_names_the_module():
+    """torch's error from inside the replayed forward (RecurrentGemma's: "The expanded size of the
+    tensor (1) must match the existing size (4)") comes as an error naming the module and why."""
+    model = nn.Sequential(nn.Linear(3, 3), KeepsItsState(), nn.Linear(3, 2))
+    bk = make(model, check_first_sample=False)
+    with torch.no_grad():
+        model(torch.randn(4, 5, 3))  # its state: the batch's
+    with pytest.raises(ValueError, match=r"module '1' \(KeepsItsState\) is replayed per sample .* and its replay "
+                                         r"failed \(.*\): its forward depends on something other than its parameters"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*replay its whole forward per sample")
+            bk.step(model(torch.randn(4, 5, 3)).pow(2).sum((1, 2)))
+
+
 class SequenceFirstScale(nn.Module):
     """A layer scale multiplied into hidden states made sequence-first, (T, B, d): its product's
     dim 0 is the positions, which at T = B look like the batch."""

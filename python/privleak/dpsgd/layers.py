@@ -1618,8 +1618,17 @@ class FunctionalLayer(Layer):
             if untraced and samples == slice(None) and not (flattened or flat or call in self.shared_calls):
                 grads = self._checked_replay(params, replay, leaves, spec, split, pairs, unsqueezed, batch, untraced)
             else:
-                grads = self._replayed(params, replay, leaves, spec, split, pairs, unsqueezed, flattened, batch,
-                                       samples)
+                try:
+                    grads = self._replayed(params, replay, leaves, spec, split, pairs, unsqueezed, flattened, batch,
+                                           samples)
+                except RuntimeError as error:  # torch's, from inside the module's forward
+                    if graph.capturing():
+                        raise
+                    raise ValueError(f"{self.describe()} is replayed per sample (no book-keeping rule fits it), and "
+                                     f"its replay failed ({error}): its forward depends on something other than its "
+                                     "parameters, buffers and arguments (a state kept from the call before, as "
+                                     "RecurrentGemma's recurrent block keeps its state), or an argument has the "
+                                     "batch elsewhere than in dim 0") from error
             for p in self.parameters:
                 g = grads[names[id(p)]]
                 totals[id(p)] = g if id(p) not in totals else totals[id(p)] + g
