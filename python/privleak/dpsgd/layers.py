@@ -1764,13 +1764,21 @@ class ParameterAdapterLayer(FunctionalLayer):
     claims_children = True
 
 
+class _RunningStatisticsLayer(FunctionalLayer):
+    """A normalisation with running statistics: hooked with or without parameters, for its
+    :meth:`refusal` in training mode; its affine parameters through the fallback."""
+
+    hook_without_parameters = True
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        return super().record(args, kwargs, output) if self.parameters else []
+
+
 @layer_kind(nn.modules.batchnorm._BatchNorm)
-class BatchNormLayer(FunctionalLayer):
+class BatchNormLayer(_RunningStatisticsLayer):
     """BatchNorm: in training mode it normalises with the batch's statistics, so no sample has a
     gradient of its own; it is refused (use GroupNorm or LayerNorm). In eval mode it is a fixed
     affine map per channel, through the fallback."""
-
-    hook_without_parameters = True
 
     def refusal(self) -> Optional[str]:
         if self.module.training:  # a training forward; evaluation under no_grad is fine
@@ -1779,19 +1787,14 @@ class BatchNormLayer(FunctionalLayer):
                     ".eval() on it")
         return None
 
-    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
-        return super().record(args, kwargs, output) if self.parameters else []
-
 
 @layer_kind(nn.modules.instancenorm._InstanceNorm)
-class InstanceNormLayer(FunctionalLayer):
+class InstanceNormLayer(_RunningStatisticsLayer):
     """InstanceNorm normalises each sample by its own statistics (its affine parameters through the
     fallback), but with ``track_running_stats=True`` its training forward also adds the batch's
     statistics into its running buffers, which ship with the model without noise (a review's
     repro: one sample scaled by 100 moved running_mean by 0.56): refused then, as Opacus's
     validator refuses it."""
-
-    hook_without_parameters = True
 
     def refusal(self) -> Optional[str]:
         if self.module.training and self.module.track_running_stats:
@@ -1799,9 +1802,6 @@ class InstanceNormLayer(FunctionalLayer):
                     "batch's statistics into running_mean and running_var, outside the noise; build it with "
                     "track_running_stats=False (the default), or call .eval() on it")
         return None
-
-    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
-        return super().record(args, kwargs, output) if self.parameters else []
 
 
 def _input_nodes(leaves: list) -> frozenset:
