@@ -1835,6 +1835,41 @@ def test_a_replayed_module_s_argument_the_batch_shares_is_not_cut_per_sample_whe
                                          torch.randn(4, 2, generator=generator))
 
 
+class LearnedSlopes(nn.Module):
+    """ALiBi's bias with learned slopes, (H, 1, 1) times the distances (T, T), for a batch of 1: an
+    op with the heads in dim 0, replayed, never read as samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.linspace(0.1, 0.4, 4).view(4, 1, 1))
+
+    def forward(self, length):
+        positions = torch.arange(length, dtype=torch.float32)
+        return (self.slopes * -(positions[:, None] - positions).abs())[None]
+
+
+class WithLearnedSlopes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk, self.bias, self.head = nn.Linear(3, 8), LearnedSlopes(), nn.Linear(4, 2)
+
+    def forward(self, x):  # (B, T, 3)
+        q = self.qk(x).unflatten(2, (4, 2)).transpose(1, 2)
+        return self.head((q @ q.transpose(-1, -2) + self.bias(x.shape[1])).softmax(-1).mean((2, 3)))
+
+
+def test_a_broadcast_parameter_s_op_with_heads_in_dim_0_is_no_sample_row_at_a_first_batch_of_b_heads():
+    """The first sample's check reads the rows of ops whose dim 0 the layer takes for the batch;
+    one with the heads in dim 0 (learned ALiBi slopes at B = H) is replayed, not read so: it had
+    been refused (a review of this change)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*replay its whole forward per sample")
+        assert_book_kept_as_materialised(WithLearnedSlopes(), torch.randn(4, 5, 3, generator=generator),
+                                         torch.randn(4, 2, generator=generator))
+
+
 class KeepsItsState(nn.Module):
     """Adds the last position's output of its call before, kept on the module (RecurrentGemma's
     recurrent block keeps its state so): a replay of one sample meets the batch's state."""

@@ -600,10 +600,10 @@ class BookKeeping:
                    if (id(layer), call) not in self._shared for edge in layer.call_edges(call)]
         # the ops whose output gradients are broadcast parameters' per-sample gradients: their dim 0 too
         owners = {id(p): name for name, p in self._module.named_parameters()}
-        handles += [node.register_prehook(functools.partial(
-                        look, f"the op {node.name()} on parameter '{owners[id(layer.parameters[i])]}'", 0))
+        handles += [node.register_prehook(functools.partial(look, f"the op {node.name()} on parameter "
+                                                                  f"'{owners[id(parameter)]}'", 0))
                     for layer in self.layers for call in range(len(layer.calls))
-                    for (_, i, _), node in layer.nodes(call)]
+                    for parameter, node in layer.sample_row_nodes(call, batch)]
         try:
             for slot, p in enumerate(self.params):
                 p.grad = None

@@ -472,6 +472,12 @@ class Layer:
         wants in the backward pass (none by default)."""
         return []
 
+    def sample_row_nodes(self, call: int, batch: int) -> list:
+        """(parameter, autograd node) pairs of call ``call``'s ops whose output rows the layer reads
+        as the ``batch`` samples' (a broadcast parameter's ops, :class:`FunctionalLayer`; none by
+        default): the first sample's check reads them as it reads a layer's outputs."""
+        return []
+
     def forced_inputs(self) -> list:
         """Tensors the backward pass must reach, so that the nodes of :meth:`nodes` run."""
         return []
@@ -1486,6 +1492,12 @@ class FunctionalLayer(Layer):
 
     def nodes(self, call: int) -> list:
         return self.watched[call]
+
+    def sample_row_nodes(self, call: int, batch: int) -> list:
+        broadcasts = self.calls[call][4]
+        return [] if broadcasts is None else [
+            (self.parameters[i], use.node) for i, uses in enumerate(broadcasts.uses) for use in uses
+            if use.broadcasts_over(batch)]  # an op with the positions or heads in dim 0 is replayed, not read so
 
     def forced_inputs(self) -> list:
         return self.parameters if any(self.watched) else []
