@@ -326,7 +326,7 @@ class Broadcasts:
 
 
 _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,
-                                                                       F.silu))))
+                                                                       F.silu, lambda x: F.dropout(x, 0.5)))))
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
 #: ops whose output's trailing dims are their operands' trailing dims, aligned (broadcasting adds leading dims)
@@ -415,32 +415,52 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
             if sizes[0] != rows:
                 return False
             stack.append(children[0][0])  # dims after the rows reshaped
-        elif kind in _ROW_BY_ROW or kind is _MASKED_FILL or (kind in _ALONG_DIMS and _along_later_dims(node)):
-            stack.append(children[0][0])
-        elif kind in _ELEMENTWISE:  # the operands of all the rows (others are broadcast along them)
-            dims = len(node._input_metadata[0].shape)
-            full = [child for child, nr in children
-                    if child is not None and (shape := _forward_shape(child, nr)) and len(shape) == dims
-                    and shape[0] == rows]
-            if not full:
-                return False
-            stack.extend(full)
-        elif kind is _LAYER_NORM and len(node._saved_normalized_shape) < len(node._input_metadata[0].shape):
-            if not all(_a_weight(child) for child in children[1:]):
-                return False
-            stack.append(children[0][0])
-        elif kind in (_ADDMM, _MM):  # the rows are those of mat1; the bias and mat2 must be weights
-            rows_from = 1 if kind is _ADDMM else 0
-            if not all(_a_weight(child) for i, child in enumerate(children) if i != rows_from):
-                return False
-            stack.append(children[rows_from][0])
+        elif (inputs := _row_inputs(node, rows)) is not None:
+            stack.extend(inputs)
         else:
             return False
     return True
 
 
+def _row_inputs(node, rows: int) -> Optional[list]:
+    """The nodes whose rows make the rows of the tensor (of dim 0 ``rows``) that autograd ``node``
+    made, each row from the same rows alone: an elementwise op (dropout too; of its operands with
+    all the rows, the others broadcast along them), masked_fill, an op along later dims, LayerNorm
+    over the last dims, a Linear (its weight and bias parameters); None for any other op, or one
+    whose rows cannot be told (an operand without grad has none)."""
+    kind, children = type(node), node.next_functions
+    if kind in _ROW_BY_ROW or kind is _MASKED_FILL or (kind in _ALONG_DIMS and _along_later_dims(node)):
+        return [children[0][0]]
+    if kind in _ELEMENTWISE:
+        dims = len(node._input_metadata[0].shape)
+        full = [child for child, nr in children if child is not None and (shape := _forward_shape(child, nr))
+                and len(shape) == dims and shape[0] == rows]
+        return full or None
+    if kind is _LAYER_NORM and len(node._saved_normalized_shape) < len(node._input_metadata[0].shape):
+        return [children[0][0]] if all(_a_weight(child) for child in children[1:]) else None
+    if kind in (_ADDMM, _MM):  # the rows are those of mat1; the bias and mat2 must be weights
+        rows_from = 1 if kind is _ADDMM else 0
+        if all(_a_weight(child) for i, child in enumerate(children) if i != rows_from):
+            return [children[rows_from][0]]
+    return None
+
+
 _INDEX = node_type(lambda x: x[torch.tensor([0])])
 _INDEX_SELECT = node_type(lambda x: x.index_select(0, torch.tensor([0])))
+_MASKED_SELECT = node_type(lambda x: x.masked_select(torch.ones(2, 2, dtype=torch.bool)))
+_GATHER = node_type(lambda x: x.gather(0, torch.zeros(1, 2, dtype=torch.long)))
+_SELECTIONS = frozenset((_INDEX, _INDEX_SELECT, _MASKED_SELECT, _GATHER))
+_SELECT, _SLICE = node_type(lambda x: x[:, 0]), node_type(lambda x: x[:, 1:])
+
+
+def _along_later_dim(node) -> bool:
+    """Whether ``node`` selects or slices along a dim after dim 0 (``h[:, -1]``): its rows are its
+    input's."""
+    if type(node) not in (_SELECT, _SLICE):
+        return False
+    dim, dims = node._saved_dim, len(node._saved_self_sym_sizes)
+    dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim, saved unsigned
+    return dim % dims != 0
 
 
 def _adds_or_drops_ones(node) -> bool:
@@ -456,18 +476,85 @@ def _adds_or_drops_ones(node) -> bool:
 
 
 def selected_tokens(node, batch: int) -> bool:
-    """Whether the tensor autograd ``node`` made (through ops that keep its rows, and views that
-    add or drop dims of 1) is tokens selected from the batch, other than one row of each sample in
-    order (the last token's, pooled): rows chosen along dim 0 (``h[keep]``, ``h[index]``,
-    ``index_select``, transformers 4's ``h[None, index]``) of the batch flattened with its
-    positions (:func:`flattened_batch`), or along the batch's dim and the positions' (``h[keep]``
-    with a (B, T) mask, ``h[sample, position]``) of a tensor with the batch in dim 0. Where their
-    count is the batch's, a layer would read token j as sample j (a mixture's experts on the
-    tokens that are not padding released a sample at 1.75 times C; a ModuleList's experts on the
-    tokens routed to each, 2.21 times; a (B, T) mask's tokens, 1.49 times). The rows chosen are
-    read on the host; in a CUDA graph's capture, which may not, any selection is."""
-    while type(node) in _ROW_BY_ROW or _adds_or_drops_ones(node):
+    """Whether the tensor autograd ``node`` made (through ops that keep its rows: elementwise ops,
+    dropout, normalisations, views of the same rows) is rows selected from the batch, other than
+    each sample's one row in order (the last token's, pooled): rows chosen along dim 0
+    (``h[keep]``, ``h[index]``, ``index_select``, ``gather``, ``masked_select`` then a view,
+    transformers 4's ``h[None, index]``) of the batch flattened with its positions
+    (:func:`flattened_batch`), or along the batch's dim, and maybe the positions' (``h[keep]`` with
+    a (B, T) mask, ``h[sample, position]``, a permutation ``h[order]``), of a tensor with the
+    batch's size in dim 0 (:func:`_per_sample_rows`). Where their count is the batch's, a layer
+    would read row j as sample j (a mixture's experts on the tokens that are not padding released
+    a sample at 1.75 times C; a ModuleList's experts on the tokens routed to each, 2.21 times; a
+    (B, T) mask's tokens, 1.49 times; a permuted batch, 1.41 times). The rows chosen are read on
+    the host; in a CUDA graph's capture, which may not, any selection is."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        shape = tuple(node._input_metadata[0].shape)
+        child, output_nr = node.next_functions[0] if node.next_functions else (None, 0)
+        below = _forward_shape(child, output_nr) if child is not None else ()
+        if type(node) in _SELECTIONS or (type(node) in _RESHAPES and len(below) == 1 and shape
+                                         and type(child) is _MASKED_SELECT):
+            if _selected_out_of_order(node, batch, shape):
+                return True
+        elif (_adds_or_drops_ones(node) or _along_later_dim(node)
+              or (type(node) in _RESHAPES and shape and below[:1] == shape[:1])):
+            stack.append(child)  # a view of the same rows
+        elif shape and (inputs := _row_inputs(node, shape[0])) is not None:
+            stack.extend(inputs)
+    return False
+
+
+def _per_sample_rows(source, shape: tuple, batch: int) -> Optional[int]:
+    """The rows of each sample in dim 0 of the tensor of ``shape`` that autograd node ``source``
+    made, chosen from: 1 where it has the batch's size in dim 0 (not a parameter, whose dim 0 is
+    no batch; a table computed from parameters with as many rows as the batch is taken for one,
+    and rows chosen from it by labels refused: the price of refusing a batch permuted, sorted by
+    length, whose rows a layer read as the samples in order, 1.41 times C), T where it is the batch
+    flattened with its positions (:func:`flattened_batch`); None where neither is shown."""
+    if not shape or source is None:
+        return None
+    if shape[0] == batch and getattr(source, "variable", None) is None:
+        return 1
+    if shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch):
+        return shape[0] // batch
+    return None
+
+
+def _selected_out_of_order(node, batch: int, out: tuple) -> bool:
+    """:func:`selected_tokens` for a selection's node ``node`` (or the reshape of a masked_select's
+    elements into rows), whose output is of shape ``out``."""
+    if type(node) in _RESHAPES:  # h.masked_select(keep).view(n, d): each element's row of h
         node = node.next_functions[0][0]
+        source, output_nr = node.next_functions[0]
+        into = _forward_shape(source, output_nr) if source is not None else ()
+        per_sample = _per_sample_rows(source, into, batch)
+        if per_sample is None:
+            return False
+        if capturing():
+            return True
+        mask = node._saved_mask.expand(into) if node._saved_mask.dim() <= len(into) else None
+        if mask is None or mask.sum() != math.prod(out):
+            return False
+        samples = (mask.nonzero()[:, 0] // per_sample).view(out[0], -1)
+        return not torch.equal(samples, torch.arange(out[0], device=samples.device)[:, None].expand_as(samples))
+    if type(node) is _GATHER:
+        if node._saved_dim != 0:
+            return False
+        source, output_nr = node.next_functions[0]
+        into = _forward_shape(source, output_nr) if source is not None else ()
+        per_sample = _per_sample_rows(source, into, batch)
+        if per_sample is None:
+            return False
+        if capturing():
+            return True
+        samples = node._saved_index // per_sample
+        order = torch.arange(samples.shape[0], device=samples.device).view(-1, *(1,) * (samples.ndim - 1))
+        return not torch.equal(samples, order.expand(samples.shape))
     if type(node) is _INDEX:
         entries = list(node._saved_indices)
         ones = next((k for k, entry in enumerate(entries) if entry is not None), len(entries))
@@ -484,15 +571,8 @@ def selected_tokens(node, batch: int) -> bool:
     while _adds_or_drops_ones(source):
         source, output_nr = source.next_functions[0]
     shape = _forward_shape(source, output_nr) if source is not None else None
-    first = entries[0]
-    with_positions = (first.dtype == torch.bool and first.ndim > 1) or (len(entries) > 1 and entries[1] is not None)
-    if not shape:
-        return False
-    if shape[0] == batch and with_positions and getattr(source, "variable", None) is None:
-        per_sample = 1  # the batch's dim and its positions' (not a parameter's, whose dim 0 is no batch)
-    elif shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch):
-        per_sample = shape[0] // batch
-    else:
+    per_sample = _per_sample_rows(source, shape, batch)
+    if per_sample is None:
         return False
     if capturing():
         return True
