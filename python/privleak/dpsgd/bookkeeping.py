@@ -866,9 +866,9 @@ class BookKeeping:
                                      f"the last step){flattened}")
                 elif selected_tokens(layer.sources[call], batch):
                     raise ValueError(f"{layer.describe()} ran on {size} rows selected from the batch (tokens, as "
-                                     "h.flatten(0, 1)[keep], h[keep] with a (B, T) mask or [index] select them; or "
-                                     "the batch permuted): as many as the batch's samples, but not each sample's own "
-                                     "in order; give it the batch whole, in order (mask the tokens left out instead)")
+                                     "h.flatten(0, 1)[keep], h[keep] with a (B, T) mask or [index] select them): as "
+                                     "many as the batch's samples, but not each sample's own in order; give it the "
+                                     "batch whole (mask the tokens left out instead)")
                 elif any(uses is not None for uses in found):
                     raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, the batch's size, but its "
                                      "output is broadcast over the batch (added to, multiplied into or expanded over "

@@ -481,13 +481,13 @@ def selected_tokens(node, batch: int) -> bool:
     each sample's one row in order (the last token's, pooled): rows chosen along dim 0
     (``h[keep]``, ``h[index]``, ``index_select``, ``gather``, ``masked_select`` then a view,
     transformers 4's ``h[None, index]``) of the batch flattened with its positions
-    (:func:`flattened_batch`), or along the batch's dim, and maybe the positions' (``h[keep]`` with
-    a (B, T) mask, ``h[sample, position]``, a permutation ``h[order]``), of a tensor with the
-    batch's size in dim 0 (:func:`_per_sample_rows`). Where their count is the batch's, a layer
-    would read row j as sample j (a mixture's experts on the tokens that are not padding released
-    a sample at 1.75 times C; a ModuleList's experts on the tokens routed to each, 2.21 times; a
-    (B, T) mask's tokens, 1.49 times; a permuted batch, 1.41 times). The rows chosen are read on
-    the host; in a CUDA graph's capture, which may not, any selection is."""
+    (:func:`flattened_batch`), or along the batch's dim and the positions' (``h[keep]`` with a
+    (B, T) mask, ``h[sample, position]``, ``masked_select``) of a tensor with the batch's size in
+    dim 0 (:func:`_per_sample_rows`). Where their count is the batch's, a layer would read row j
+    as sample j (a mixture's experts on the tokens that are not padding released a sample at 1.75
+    times C; a ModuleList's experts on the tokens routed to each, 2.21 times; a (B, T) mask's
+    tokens, 1.49 times, also through dropout). The rows chosen are read on the host; in a CUDA
+    graph's capture, which may not, any selection is."""
     stack, seen = [node], set()
     while stack:
         node = stack.pop()
@@ -509,16 +509,18 @@ def selected_tokens(node, batch: int) -> bool:
     return False
 
 
-def _per_sample_rows(source, shape: tuple, batch: int) -> Optional[int]:
+def _per_sample_rows(source, shape: tuple, batch: int, with_positions: bool) -> Optional[int]:
     """The rows of each sample in dim 0 of the tensor of ``shape`` that autograd node ``source``
-    made, chosen from: 1 where it has the batch's size in dim 0 (not a parameter, whose dim 0 is
-    no batch; a table computed from parameters with as many rows as the batch is taken for one,
-    and rows chosen from it by labels refused: the price of refusing a batch permuted, sorted by
-    length, whose rows a layer read as the samples in order, 1.41 times C), T where it is the batch
-    flattened with its positions (:func:`flattened_batch`); None where neither is shown."""
+    made, chosen from: 1 where it has the batch's size in dim 0 and the choice spans the positions
+    too (``with_positions``; not a parameter, whose dim 0 is no batch), T where it is the batch
+    flattened with its positions (:func:`flattened_batch`); None where neither is shown. Rows
+    chosen along dim 0 alone of a tensor with the batch's size there are no tokens: a table of
+    as many rows indexed by labels, or the batch permuted, as pad_packed_sequence puts back the
+    order that packing sorted (a permutation of the batch's rows otherwise is the first sample's
+    check's to find)."""
     if not shape or source is None:
         return None
-    if shape[0] == batch and getattr(source, "variable", None) is None:
+    if shape[0] == batch and with_positions and getattr(source, "variable", None) is None:
         return 1
     if shape[0] != batch and shape[0] % batch == 0 and flattened_batch(source, shape[0], batch):
         return shape[0] // batch
@@ -532,7 +534,7 @@ def _selected_out_of_order(node, batch: int, out: tuple) -> bool:
         node = node.next_functions[0][0]
         source, output_nr = node.next_functions[0]
         into = _forward_shape(source, output_nr) if source is not None else ()
-        per_sample = _per_sample_rows(source, into, batch)
+        per_sample = _per_sample_rows(source, into, batch, with_positions=True)
         if per_sample is None:
             return False
         if capturing():
@@ -547,7 +549,7 @@ def _selected_out_of_order(node, batch: int, out: tuple) -> bool:
             return False
         source, output_nr = node.next_functions[0]
         into = _forward_shape(source, output_nr) if source is not None else ()
-        per_sample = _per_sample_rows(source, into, batch)
+        per_sample = _per_sample_rows(source, into, batch, with_positions=False)
         if per_sample is None:
             return False
         if capturing():
@@ -571,7 +573,9 @@ def _selected_out_of_order(node, batch: int, out: tuple) -> bool:
     while _adds_or_drops_ones(source):
         source, output_nr = source.next_functions[0]
     shape = _forward_shape(source, output_nr) if source is not None else None
-    per_sample = _per_sample_rows(source, shape, batch)
+    first = entries[0]
+    with_positions = (first.dtype == torch.bool and first.ndim > 1) or (len(entries) > 1 and entries[1] is not None)
+    per_sample = _per_sample_rows(source, shape, batch, with_positions)
     if per_sample is None:
         return False
     if capturing():

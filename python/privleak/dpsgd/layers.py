@@ -1679,12 +1679,15 @@ class FunctionalLayer(Layer):
     def _checked_replay(self, params: dict, replay, leaves: list, spec, split: list, pairs: list, unsqueezed: list,
                         batch: int, untraced: frozenset) -> dict:
         """:meth:`_replayed` for a call with arguments of the batch's dim 0 and no autograd history
-        beside others (:func:`_untraced_arguments`): one the batch shares (a mask, a position table,
-        at B = T), cut per sample, makes each sample's replay another function of the parameters,
-        whose gradients do not add up to the call's, or fails (a review's repros: Funnel's and a
-        Swin-style block's relative-position parameters 2-7 times off, with no sign). The
-        arguments taken per sample are all of them, else each of those without history shared
-        alone, else all of those, the first whose gradients add up to the call's."""
+        among several of that dim 0 (:func:`_untraced_arguments`): one the batch shares (a mask, a
+        position table, at B = T), cut per sample, makes each sample's replay another function of
+        the parameters, whose gradients do not add up to the call's, or fails (a review's repros:
+        Funnel's and a Swin-style block's relative-position parameters 2-7 times off, with no
+        sign). The arguments taken per sample are all of them, else each of those without history
+        shared alone, else all of those, the first whose gradients add up to the call's. Not where
+        the replay goes a few samples at a time (:meth:`norms_by_parameter`): there the arguments of
+        the batch's dim 0 are the batch's, unchecked (a shared table cut there gives a wrong
+        update, each sample still clipped to C)."""
         whole = self._batch_grads(params, replay, leaves, spec, pairs)
         for shared in [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1):
             one_at_a_time = self._one_at_a_time
@@ -1737,12 +1740,13 @@ class FunctionalLayer(Layer):
 
 def _untraced_arguments(leaves: list, rows: int) -> frozenset:
     """The tensor arguments of a call with the batch's size ``rows`` in dim 0 but no autograd
-    history, where another has it: a mask or a table the batch shares (Swin's shifted windows'
-    mask, Funnel's (T, T) class mask, at B = T) as much as the batch's own (an attention mask);
-    only the replay's gradients, added up, tell them apart (:func:`_adds_up`)."""
+    history, where there are several of that size: a mask or a table the batch shares (Swin's
+    shifted windows' mask, Funnel's (T, T) class mask, at B = T) as much as the batch's own (an
+    attention mask, the model's inputs); only the replay's gradients, added up, tell them apart
+    (:func:`_adds_up`)."""
     sized = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows]
     untraced = frozenset(i for i, x in sized if x.grad_fn is None and not x.requires_grad)
-    return untraced if len(untraced) < len(sized) else frozenset()
+    return untraced if len(sized) > 1 else frozenset()
 
 
 def _adds_up(per_sample: dict, whole: dict) -> bool:
