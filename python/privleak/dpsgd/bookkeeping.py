@@ -834,7 +834,7 @@ class BookKeeping:
         it has no gradient (DoRA's norm of its weights, computed from an identity matrix, and
         detached). Raises for a call without the batch whose output is used otherwise, or whose
         layer cannot take a shared input."""
-        shared = []
+        shared, walked = [], set()  # the nodes the walks of selected_tokens have cleared this step
         for layer in self.layers:
             for call, size in enumerate(layer.batch_sizes()):
                 edges = layer.call_edges(call)
@@ -864,7 +864,7 @@ class BookKeeping:
                                      "by the batch (only added to, multiplied into or expanded over it) (every layer "
                                      "input must have the batch in dim 0, and step() takes every forward pass since "
                                      f"the last step){flattened}")
-                elif selected_tokens(layer.sources[call], batch):
+                elif selected_tokens(layer.sources[call], batch, walked):
                     raise ValueError(f"{layer.describe()} ran on {size} rows selected from the batch (tokens, as "
                                      "h.flatten(0, 1)[keep], h[keep] with a (B, T) mask or [index] select them): as "
                                      "many as the batch's samples, but not each sample's own in order; give it the "

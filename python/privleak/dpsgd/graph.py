@@ -475,7 +475,7 @@ def _adds_or_drops_ones(node) -> bool:
     return [size for size in into if size != 1] == [size for size in out if size != 1]
 
 
-def selected_tokens(node, batch: int) -> bool:
+def selected_tokens(node, batch: int, cleared: Optional[set] = None) -> bool:
     """Whether the tensor autograd ``node`` made (through ops that keep its rows: elementwise ops,
     dropout, normalisations, views of the same rows) is rows selected from the batch, other than
     each sample's one row in order (the last token's, pooled): rows chosen along dim 0
@@ -487,11 +487,14 @@ def selected_tokens(node, batch: int) -> bool:
     as sample j (a mixture's experts on the tokens that are not padding released a sample at 1.75
     times C; a ModuleList's experts on the tokens routed to each, 2.21 times; a (B, T) mask's
     tokens, 1.49 times, also through dropout). The rows chosen are read on the host; in a CUDA
-    graph's capture, which may not, any selection is."""
+    graph's capture, which may not, any selection is. ``cleared``: nodes a walk before found no
+    such selection below, skipped, and this walk's added where it finds none (the layers' walks
+    down one residual stream take each node once a step)."""
+    cleared = set() if cleared is None else cleared
     stack, seen = [node], set()
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
+        if node is None or node in seen or node in cleared:
             continue
         seen.add(node)
         shape = tuple(node._input_metadata[0].shape)
@@ -506,6 +509,7 @@ def selected_tokens(node, batch: int) -> bool:
             stack.append(child)  # a view of the same rows
         elif shape and (inputs := _row_inputs(node, shape[0])) is not None:
             stack.extend(inputs)
+    cleared |= seen
     return False
 
 
