@@ -534,63 +534,62 @@ def _per_sample_rows(source, shape: tuple, batch: int, with_positions: bool) -> 
 def _selected_out_of_order(node, batch: int, out: tuple) -> bool:
     """:func:`selected_tokens` for a selection's node ``node`` (or the reshape of a masked_select's
     elements into rows), whose output is of shape ``out``."""
-    if type(node) in _RESHAPES:  # h.masked_select(keep).view(n, d): each element's row of h
-        node = node.next_functions[0][0]
-        source, output_nr = node.next_functions[0]
-        into = _forward_shape(source, output_nr) if source is not None else ()
-        per_sample = _per_sample_rows(source, into, batch, with_positions=True)
-        if per_sample is None:
-            return False
-        if capturing():
-            return True
-        mask = node._saved_mask.expand(into) if node._saved_mask.dim() <= len(into) else None
-        if mask is None or mask.sum() != math.prod(out):
-            return False
-        samples = (mask.nonzero()[:, 0] // per_sample).view(out[0], -1)
-        return not torch.equal(samples, torch.arange(out[0], device=samples.device)[:, None].expand_as(samples))
-    if type(node) is _GATHER:
-        if node._saved_dim != 0:
-            return False
-        source, output_nr = node.next_functions[0]
-        into = _forward_shape(source, output_nr) if source is not None else ()
-        per_sample = _per_sample_rows(source, into, batch, with_positions=False)
-        if per_sample is None:
-            return False
-        if capturing():
-            return True
-        samples = node._saved_index // per_sample
-        order = torch.arange(samples.shape[0], device=samples.device).view(-1, *(1,) * (samples.ndim - 1))
-        return not torch.equal(samples, order.expand(samples.shape))
-    if type(node) is _INDEX:
-        entries = list(node._saved_indices)
-        ones = next((k for k, entry in enumerate(entries) if entry is not None), len(entries))
-        if any(size != 1 for size in tuple(node._saved_self_sym_sizes)[:ones]):
-            return False  # dim 0 is not one of those chosen from
-        entries = entries[ones:]
-    elif type(node) is _INDEX_SELECT and node._saved_dim == 0:
-        entries = [node._saved_index]
-    else:
+    picked = _picked_rows(node, out)
+    if picked is None:
         return False
-    if not entries:
-        return False
-    source, output_nr = node.next_functions[0]
+    selection, with_positions, rows_of = picked
+    source, output_nr = selection.next_functions[0]
     while _adds_or_drops_ones(source):
         source, output_nr = source.next_functions[0]
-    shape = _forward_shape(source, output_nr) if source is not None else None
-    first = entries[0]
-    with_positions = (first.dtype == torch.bool and first.ndim > 1) or (len(entries) > 1 and entries[1] is not None)
+    shape = _forward_shape(source, output_nr) if source is not None else ()
     per_sample = _per_sample_rows(source, shape, batch, with_positions)
     if per_sample is None:
         return False
     if capturing():
         return True
-    chosen = [column for entry in entries if entry is not None
-              for column in (entry.nonzero().unbind(1) if entry.dtype == torch.bool else (entry,))]
-    samples = torch.broadcast_tensors(*chosen)[0] // per_sample
-    if samples.ndim == 0:
+    rows = rows_of(shape)
+    if rows is None or rows.ndim == 0:
         return False  # one row, its dims the layer's rows
+    samples = rows // per_sample
     order = torch.arange(samples.shape[0], device=samples.device).view(-1, *(1,) * (samples.ndim - 1))
     return not torch.equal(samples, order.expand(samples.shape))
+
+
+def _picked_rows(node, out: tuple) -> Optional[tuple]:
+    """(the selection's node, whether it chooses along the positions too, a function of the source's
+    shape giving each output element's row of the source, its dim 0 the output's) of a selection
+    along dim 0, or None."""
+    if type(node) in _RESHAPES:  # h.masked_select(keep).view(n, d): each element's row of h
+        selection = node.next_functions[0][0]
+
+        def masked_rows(shape: tuple) -> Optional[torch.Tensor]:
+            mask = selection._saved_mask
+            if mask.dim() > len(shape) or (mask := mask.expand(shape)).sum() != math.prod(out):
+                return None
+            return mask.nonzero()[:, 0].view(out[0], -1)
+        return selection, True, masked_rows
+    if type(node) is _GATHER:
+        return (node, False, lambda shape: node._saved_index) if node._saved_dim == 0 else None
+    if type(node) is _INDEX:
+        entries = list(node._saved_indices)
+        ones = next((k for k, entry in enumerate(entries) if entry is not None), len(entries))
+        if any(size != 1 for size in tuple(node._saved_self_sym_sizes)[:ones]):
+            return None  # dim 0 is not one of those chosen from
+        entries = entries[ones:]
+    elif type(node) is _INDEX_SELECT and node._saved_dim == 0:
+        entries = [node._saved_index]
+    else:
+        return None
+    if not entries:
+        return None
+    first = entries[0]
+    with_positions = (first.dtype == torch.bool and first.ndim > 1) or (len(entries) > 1 and entries[1] is not None)
+
+    def indexed_rows(shape: tuple) -> torch.Tensor:  # read on the host: not in a capture
+        chosen = [column for entry in entries if entry is not None
+                  for column in (entry.nonzero().unbind(1) if entry.dtype == torch.bool else (entry,))]
+        return torch.broadcast_tensors(*chosen)[0]
+    return node, with_positions, indexed_rows
 
 
 def flattened_outputs(edges: list, batch: int) -> list[int]:
