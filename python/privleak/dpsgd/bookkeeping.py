@@ -293,7 +293,7 @@ class BookKeeping:
         before the hooks already there: one that changes the output (o * 3) had run first, and the
         layer's output gradient was taken at the changed output, its per-sample gradients a third
         of the true ones."""
-        module, this = layer.module, weakref.ref(self)
+        module, this = layer.module, self._this
 
         def recording() -> bool:
             bk = this()
