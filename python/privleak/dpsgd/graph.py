@@ -449,7 +449,7 @@ _INDEX = node_type(lambda x: x[torch.tensor([0])])
 _INDEX_SELECT = node_type(lambda x: x.index_select(0, torch.tensor([0])))
 _MASKED_SELECT = node_type(lambda x: x.masked_select(torch.ones(2, 2, dtype=torch.bool)))
 _GATHER = node_type(lambda x: x.gather(0, torch.zeros(1, 2, dtype=torch.long)))
-_SELECTIONS = frozenset((_INDEX, _INDEX_SELECT, _MASKED_SELECT, _GATHER))
+_SELECTIONS = frozenset((_INDEX, _INDEX_SELECT, _GATHER))  # a masked_select's rows: at the view after it
 _SELECT, _SLICE = node_type(lambda x: x[:, 0]), node_type(lambda x: x[:, 1:])
 
 

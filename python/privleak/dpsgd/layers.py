@@ -1404,7 +1404,7 @@ class FunctionalLayer(Layer):
         self.shared_calls: set = set()  # calls whose outputs the batch shares (broadcast)
         self.chunked = False  # the replay gives norms a few samples at a time, and the clipped sum by the same again
         self.flattened_outputs: dict = {}  # call: {recorded output: batch size} for outputs of the batch flattened
-        self.untraced: dict = {}  # call: its arguments of the batch's dim 0 with no autograd history, beside some with
+        self.untraced: dict = {}  # call: its arguments without autograd history among several of the batch's dim 0
 
     def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
         """A call whose outputs the batch shares (BART's learned position embedding, which makes its
