@@ -1765,6 +1765,82 @@ def test_one_token_of_each_sample_selected_from_the_batch_is_its_row(flattened):
                                      torch.randn(4, 2, generator=generator))
 
 
+class Reordered(nn.Module):
+    """Hidden states taken along dim 0 in an order of the data (sorted by the first feature) by
+    ``take``, a Linear on them, and its outputs put back in order; or (``mixed``) each sample's
+    hidden states added to those of the sample of its rank in that order (manifold mixup)."""
+
+    def __init__(self, take):
+        super().__init__()
+        self.take, self.inp, self.out = take, nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        order = x[:, 0].argsort()
+        take = {"index": lambda h, o: h[o], "index_select": lambda h, o: h.index_select(0, o), "mixed": lambda h, o: h,
+                "gather": lambda h, o: h.gather(0, o[:, None].expand(-1, h.shape[1]))}[self.take]
+        hidden = self.inp(x)
+        if self.take == "mixed":
+            hidden = hidden + hidden[order]
+        return take(self.out(torch.tanh(take(hidden, order))), order.argsort())
+
+
+@pytest.mark.parametrize("take", ["index", "index_select", "gather", "mixed"])
+def test_a_layer_s_rows_taken_in_another_order_are_refused_at_any_step(take):
+    """A layer's rows taken in another order along the batch's dim: each row of a layer is read as
+    the sample of its index, so the rows of the two Linears were clipped with other samples' (a
+    review's repro: 1.41 times C in the second step, the first batch in order, which the first
+    sample's check passed, as it passes one whose first sample stays in place). Refused wherever
+    the order is not the batch's; in order, the model trains."""
+    torch.manual_seed(0)
+    model = Reordered(take)
+    bk = make(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, generator=generator)
+    in_order, first_in_place = x[x[:, 0].argsort()], x[x[:, 0].argsort()[[0, 2, 1, 4, 3]]]
+    assert len(bk.step(model(in_order).pow(2).sum(1))) == 2 * 2
+    for batch in (first_in_place, x.flip(0)):
+        with pytest.raises(ValueError, match=r"rows computed from the output of module '(inp|out)' \(Linear\) are "
+                                             r"taken along the batch's dim 0 in another order"):
+            bk.step(model(batch).pow(2).sum(1))
+    assert not any(p.grad is not None for p in model.parameters())
+
+
+class LabelTable(nn.Module):
+    """Rows of a table of the labels' size, unit rows of a parameter, looked up by each sample's
+    label (its first feature)."""
+
+    def __init__(self, labels):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(labels, 3))
+
+    def forward(self, x):
+        return F.normalize(self.weight, dim=1)[x[:, 0].long()]
+
+
+@pytest.mark.parametrize("labels", [4, 6], ids=["labels-B", "labels-not-B"])
+def test_a_table_computed_without_the_batch_and_indexed_by_labels_is_no_reorder(labels):
+    """A table's rows taken by labels along dim 0 are each sample's, whatever the table's size:
+    where it is the batch's, the rows taken are no reorder of the batch (the table depends on no
+    layer call), and the update is that of each sample's own backward pass."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.inp, self.out = LabelTable(labels), nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.inp(x) * self.table(x)))
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, generator=generator)
+    x[:, 0] = torch.tensor([3.0, 0.0, 3.0, 1.0])
+    model, target = Model(), torch.randn(4, 2, generator=generator)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(5)), want)
+
+
 @pytest.mark.parametrize("length", [5, 4], ids=["T-not-B", "T-is-B"])
 def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
     """Hidden states (B, T, d) flattened position by position ((T, B, d) reshaped to (T B, d)) for

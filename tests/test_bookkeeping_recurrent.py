@@ -342,3 +342,66 @@ def test_an_input_without_a_batch_is_refused():
     with pytest.raises(ValueError, match=r"module '' \(GRU\) got an input of shape \(6, 4\), without a batch"):
         model(torch.randn(6, 4))
     assert not bk.layers[0].calls
+
+
+class SortedByLength(nn.Module):
+    """An Embedding and an LSTM on sequences of different lengths, packed by torch (enforce_sorted
+    False: sorted by length, put back in order by pad_packed_sequence) or, in the idiom from before
+    that option (``by_hand``), sorted by hand, packed with enforce_sorted=True and put back in
+    order after padding; a Linear on each sample's first output. ``trained``: the modules that
+    train beside the Linear."""
+
+    def __init__(self, trained, by_hand=False):
+        super().__init__()
+        self.by_hand = by_hand
+        self.embed, self.lstm, self.head = nn.Embedding(20, 6, padding_idx=0), nn.LSTM(6, 4, batch_first=True), \
+            nn.Linear(4, 2)
+        for name in ("embed", "lstm"):
+            getattr(self, name).requires_grad_(name in trained)
+
+    def forward(self, ids):
+        lengths = (ids != 0).sum(1)
+        if self.by_hand:
+            lengths, order = lengths.sort(descending=True)
+            ids = ids[order]
+        packed = pack_padded_sequence(self.embed(ids), lengths.cpu(), batch_first=True, enforce_sorted=self.by_hand)
+        out, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=ids.shape[1])
+        if self.by_hand:
+            out = out[order.argsort()]
+        return self.head(out[:, 0])
+
+
+TRAINED = {"both": ("embed", "lstm"), "lstm": ("lstm",), "embed": ("embed",)}
+
+
+@pytest.mark.parametrize("trained", TRAINED)
+def test_torch_s_own_sort_by_length_and_its_putting_back_are_no_reorder_of_the_batch(trained):
+    """pack_padded_sequence's sort of the batch by length and pad_packed_sequence's restoring of
+    its order are passed over by the check of rows taken in another order: the update is that of
+    each sample's own backward pass, the Embedding trained or not (the sort is in the loss's graph
+    or not), the LSTM trained or not (its packed sequence's order is known or not)."""
+    torch.manual_seed(0)
+    model, generator = SortedByLength(TRAINED[trained]), torch.Generator().manual_seed(1)
+    x, target = tokens(LENGTHS, generator), torch.randn(len(LENGTHS), 2, generator=generator)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
+
+
+@pytest.mark.parametrize("trained", TRAINED)
+def test_a_batch_sorted_by_length_by_hand_and_put_back_is_refused(trained):
+    """The idiom from before enforce_sorted=False: the Embedding and the LSTM read the batch sorted,
+    the Linear in order, and each row was clipped with other samples' (up to 1.41 times C), silently
+    where the first batch was in order or its first sample the longest. Refused at any step where
+    the order is not the batch's; a batch in order trains."""
+    torch.manual_seed(0)
+    model, generator = SortedByLength(TRAINED[trained], by_hand=True), torch.Generator().manual_seed(1)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=6)
+    assert len(bk.step(regression(model(tokens(sorted(LENGTHS)[::-1], generator)), torch.zeros(6, 2))))
+    below = "embed' \\(Embedding" if trained == "embed" else "lstm' \\(LSTM"
+    for lengths in ([7, 3, 5, 6, 1, 2], LENGTHS):  # the longest first; the batch's own lengths
+        with pytest.raises(ValueError, match=f"rows computed from the output of module '{below}\\) are taken along "
+                                             "the batch's dim 0 in another order"):
+            bk.step(regression(model(tokens(lengths, generator)), torch.zeros(6, 2)))

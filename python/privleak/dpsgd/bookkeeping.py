@@ -55,6 +55,7 @@ from privleak.dpsgd.graph import (
     count_uses,
     flattened_batch,
     flattened_outputs,
+    reordered_rows,
     selected_tokens,
     shared_output_uses,
 )
@@ -534,6 +535,7 @@ class BookKeeping:
         parents: dict = {}
         self._check_uses(losses, parents)
         shared = self._shared_outputs(batch, parents)
+        self._check_order(batch, parents)
         for layer in self.layers:
             layer.check_inputs()
             layer.may_sync = synced
@@ -596,8 +598,7 @@ class BookKeeping:
                 for p in self.params]
         handles = [edge.node.register_prehook(functools.partial(look, f"the output of {layer.describe()}",
                                                                 edge.output_nr))
-                   for layer in self.layers if layer.rows_are_samples for call in range(len(layer.calls))
-                   if (id(layer), call) not in self._shared for edge in layer.call_edges(call)]
+                   for layer, edge in self._call_outputs(rows_are_samples=True)]
         # the ops whose output gradients are broadcast parameters' per-sample gradients: their dim 0 too
         owners = {id(p): name for name, p in self._module.named_parameters()}
         handles += [node.register_prehook(functools.partial(look, f"the op {node.name()} on parameter "
@@ -878,6 +879,29 @@ class BookKeeping:
                     layer.unflatten_outputs(call, batch, flat)
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared
+
+    def _call_outputs(self, rows_are_samples: bool = False) -> list:
+        """(layer, gradient edge) of each output of the step's calls not shared by the batch
+        (:meth:`_shared_outputs`); ``rows_are_samples``: of layers whose output rows are the
+        samples only (:attr:`~privleak.dpsgd.layers.Layer.rows_are_samples`)."""
+        return [(layer, edge) for layer in self.layers if layer.rows_are_samples or not rows_are_samples
+                for call in range(len(layer.calls)) if (id(layer), call) not in self._shared
+                for edge in layer.call_edges(call)]
+
+    def _check_order(self, batch: int, parents: dict) -> None:
+        """Raise where the loss's graph (``parents``) takes rows that depend on a layer call in
+        another order along the batch's dim (:func:`~privleak.dpsgd.graph.reordered_rows`):
+        book-keeping reads row i of every layer as sample i, so a layer whose rows were the samples
+        in another order than another's, or the losses', would clip the wrong rows together."""
+        restoring = [order for layer in self.layers for order in layer.batch_orders()]
+        layer = reordered_rows(parents, batch, {edge.node: layer for layer, edge in self._call_outputs()}, restoring)
+        if layer is not None:
+            raise ValueError(f"per_sample_losses: rows computed from the output of {layer.describe()} are taken along "
+                             "the batch's dim 0 in another order before the loss (h[order], index_select or gather "
+                             "along dim 0: the batch sorted, or put back in order after a sort), but book-keeping "
+                             "reads row i of every layer as sample i, and would clip parts of different samples "
+                             "together; order the batch before the model, inputs and targets alike (for an RNN, "
+                             "pack_padded_sequence(..., enforce_sorted=False) sorts and restores it itself)")
 
     def _take_shared_grad(self, uses, use: int, grad_outputs: tuple) -> None:
         """A pre-hook on a node using a shared layer output: that use's per-sample gradients."""

@@ -451,6 +451,7 @@ _MASKED_SELECT = node_type(lambda x: x.masked_select(torch.ones(2, 2, dtype=torc
 _GATHER = node_type(lambda x: x.gather(0, torch.zeros(1, 2, dtype=torch.long)))
 _SELECTIONS = frozenset((_INDEX, _INDEX_SELECT, _GATHER))  # a masked_select's rows: at the view after it
 _SELECT, _SLICE = node_type(lambda x: x[:, 0]), node_type(lambda x: x[:, 1:])
+_PACK = node_type(lambda x: torch._pack_padded_sequence(x, torch.tensor([2, 1]), True)[0])
 
 
 def _along_later_dim(node) -> bool:
@@ -504,13 +505,23 @@ def selected_tokens(node, batch: int, cleared: Optional[set] = None) -> bool:
                                          and type(child) is _MASKED_SELECT):
             if _selected_out_of_order(node, batch, shape):
                 return True
-        elif (_adds_or_drops_ones(node) or _along_later_dim(node)
-              or (type(node) in _RESHAPES and shape and below[:1] == shape[:1])):
-            stack.append(child)  # a view of the same rows
-        elif shape and (inputs := _row_inputs(node, shape[0])) is not None:
-            stack.extend(inputs)
+        else:
+            stack.extend(_same_rows_below(node) or ())
     cleared |= seen
     return False
+
+
+def _same_rows_below(node) -> Optional[list]:
+    """The nodes whose rows make, each alone, the rows of the tensor autograd ``node`` made: the
+    input of a view of the same rows (dims of 1 added or dropped, ``h[:, -1]``, a reshape keeping
+    dim 0), else :func:`_row_inputs`'s; None for any other op."""
+    shape = tuple(node._input_metadata[0].shape)
+    child, output_nr = node.next_functions[0] if node.next_functions else (None, 0)
+    below = _forward_shape(child, output_nr) if child is not None else ()
+    if (_adds_or_drops_ones(node) or _along_later_dim(node)
+            or (type(node) in _RESHAPES and shape and below[:1] == shape[:1])):
+        return [child]
+    return _row_inputs(node, shape[0]) if shape else None
 
 
 def _per_sample_rows(source, shape: tuple, batch: int, with_positions: bool) -> Optional[int]:
@@ -520,8 +531,7 @@ def _per_sample_rows(source, shape: tuple, batch: int, with_positions: bool) -> 
     flattened with its positions (:func:`flattened_batch`); None where neither is shown. Rows
     chosen along dim 0 alone of a tensor with the batch's size there are no tokens: a table of
     as many rows indexed by labels, or the batch permuted, as pad_packed_sequence puts back the
-    order that packing sorted (a permutation of the batch's rows otherwise is the first sample's
-    check's to find)."""
+    order that packing sorted (:func:`reordered_rows` finds the batch's rows in another order)."""
     if not shape or source is None:
         return None
     if shape[0] == batch and with_positions and getattr(source, "variable", None) is None:
@@ -590,6 +600,79 @@ def _picked_rows(node, out: tuple) -> Optional[tuple]:
                   for column in (entry.nonzero().unbind(1) if entry.dtype == torch.bool else (entry,))]
         return torch.broadcast_tensors(*chosen)[0]
     return node, with_positions, indexed_rows
+
+
+def reordered_rows(parents: dict, batch: int, outputs: dict, restoring: list) -> Optional[Any]:
+    """The first layer (a value of ``outputs``, which maps the autograd node of each of the step's
+    layer calls' outputs to its layer) under rows that the loss's graph (``parents``:
+    :func:`count_uses`'s) takes along dim 0 alone, as many as the batch's ``batch``, in another
+    order (``h[order]``, ``index_select``, ``gather`` along dim 0: the batch sorted, mixed with
+    itself, or put back in order after a sort that the graph does not show); None if there is none.
+
+    Book-keeping reads row i of every layer as sample i: where the layers' rows hold the samples in
+    k different orders, a sample's share of the update reaches up to sqrt(k) times the clip norm
+    (each order's part at most C; 1.41 times in a review's repro, two Linears, the second on the
+    hidden states sorted). So did the idiom of sorting a batch by length for an RNN
+    (pack_padded_sequence with enforce_sorted=True, the outputs put back in order), silently
+    where the first batch was in order or its first sample stayed in place.
+
+    Passed over: rows that depend on no layer call (a table, a parameter or computed from
+    parameters alone, indexed by labels); pack_padded_sequence's sort by length (the packed rows
+    are read in the packed sequence's order, by the recurrent rule, or by none: a layer on them
+    sees another batch size) and rows taken in the order that puts the batch back
+    (pad_packed_sequence's restoring index_select): the inverse of a sort the graph shows, or one
+    of ``restoring`` (the recurrent calls' packed sequences' unsorted_indices). In a CUDA graph's
+    capture, which may not read the rows taken, any such selection of rows that depend on a layer
+    call is found."""
+    found, sorts, free = [], [], set()
+    for node in parents:
+        if type(node) not in _SELECTIONS:
+            continue
+        out = tuple(node._input_metadata[0].shape)
+        picked = _picked_rows(node, out) if out and out[0] == batch else None
+        if picked is None or picked[1]:
+            continue  # the samples' and positions' dims: selected_tokens' to find
+        source, output_nr = node.next_functions[0]
+        while _adds_or_drops_ones(source):
+            source, output_nr = source.next_functions[0]
+        shape = _forward_shape(source, output_nr) if source is not None else ()
+        if shape[:1] != (batch,):
+            continue
+        if all(type(parent) is _PACK for parent, _ in parents.get(node, ())):
+            if not capturing():
+                sorts.append(picked[2](shape))
+            continue
+        found.append((source, picked[2], shape))
+    restoring = [*restoring, *(torch.argsort(rows) for rows in sorts if rows is not None and rows.ndim == 1)]
+    for source, rows_of, shape in found:
+        if not capturing():
+            rows = rows_of(shape)
+            if rows is None or rows.ndim == 0:
+                continue
+            order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1))
+            if torch.equal(rows, order.expand(rows.shape)) or any(
+                    rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in restoring):
+                continue
+        layer = _layer_below(source, outputs, free)
+        if layer is not None:
+            return layer
+    return None
+
+
+def _layer_below(node, outputs: dict, free: set) -> Optional[Any]:
+    """The value of ``outputs`` (by autograd node) of a node in the graph under ``node``, if any;
+    ``free``: nodes with none under them, skipped, and this walk's added where it finds none."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in free:
+            continue
+        if node in outputs:
+            return outputs[node]
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions)
+    free |= seen
+    return None
 
 
 def flattened_outputs(edges: list, batch: int) -> list[int]:

@@ -478,6 +478,12 @@ class Layer:
         default): the first sample's check reads them as it reads a layer's outputs."""
         return []
 
+    def batch_orders(self) -> list:
+        """Orders of the batch's rows, each a (B,) index, that put the batch back in order after the
+        step's calls read it in another (a packed sequence's ``unsorted_indices``): rows taken in
+        one of them after the layer are the samples in order again (none by default)."""
+        return []
+
     def forced_inputs(self) -> list:
         """Tensors the backward pass must reach, so that the nodes of :meth:`nodes` run."""
         return []

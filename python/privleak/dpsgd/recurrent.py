@@ -196,6 +196,12 @@ class RecurrentLayer(FunctionalLayer):
         return [out.data if isinstance(out, PackedSequence) else out,
                 *(states if isinstance(states, tuple) else (states,))]
 
+    def batch_orders(self) -> list:
+        """The unsorted_indices of the calls' packed inputs, sorted by length (pad_packed_sequence
+        puts the batch back in order by them)."""
+        packed = [layout.packed for layout in self.layouts if layout.packed is not None]
+        return [unsorted for _, _, unsorted in packed if unsorted is not None]
+
     def replayed_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """(padded input (B, T, d), lengths (B,) or None, initial states (B, L D, h) each), {}."""
         x, states = _arguments(args, kwargs)
