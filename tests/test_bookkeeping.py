@@ -1767,7 +1767,8 @@ def test_one_token_of_each_sample_selected_from_the_batch_is_its_row(flattened):
 
 class Reordered(nn.Module):
     """Hidden states taken along dim 0 in an order of the data (sorted by the first feature) by
-    ``take``, a Linear on them, and its outputs put back in order; or (``mixed``) each sample's
+    ``take`` (index_select and gather along dim -2: a review found the negative dim missed), a
+    Linear on them, and its outputs put back in order; or (``mixed``) each sample's
     hidden states added to those of the sample of its rank in that order (manifold mixup)."""
 
     def __init__(self, take):
@@ -1776,8 +1777,8 @@ class Reordered(nn.Module):
 
     def forward(self, x):
         order = x[:, 0].argsort()
-        take = {"index": lambda h, o: h[o], "index_select": lambda h, o: h.index_select(0, o), "mixed": lambda h, o: h,
-                "gather": lambda h, o: h.gather(0, o[:, None].expand(-1, h.shape[1]))}[self.take]
+        take = {"index": lambda h, o: h[o], "index_select": lambda h, o: h.index_select(-2, o), "mixed": lambda h, o: h,
+                "gather": lambda h, o: h.gather(-2, o[:, None].expand(-1, h.shape[1]))}[self.take]
         hidden = self.inp(x)
         if self.take == "mixed":
             hidden = hidden + hidden[order]

@@ -346,12 +346,14 @@ def test_an_input_without_a_batch_is_refused():
 
 class SortedByLength(nn.Module):
     """An Embedding and an LSTM on sequences of different lengths, packed by torch (enforce_sorted
-    False: sorted by length, put back in order by pad_packed_sequence) or, in the idiom from before
-    that option (``by_hand``), sorted by hand, packed with enforce_sorted=True and put back in
-    order after padding; a Linear on each sample's first output. ``trained``: the modules that
-    train beside the Linear."""
+    False: sorted by length, put back in order by pad_packed_sequence), or sorted by hand, packed
+    with enforce_sorted=True and put back in order after padding (``by_hand``): the token ids
+    sorted (the idiom from before that option), the embedded batch (AllenNLP's
+    sort_and_run_forward: ``index_select``, the sequences that are not empty packed), or the ids
+    with the final state put back instead (``h_n[-1][restore]``); a Linear on each sample's first
+    output or final state. ``trained``: the modules that train beside the Linear."""
 
-    def __init__(self, trained, by_hand=False):
+    def __init__(self, trained, by_hand=None):
         super().__init__()
         self.by_hand = by_hand
         self.embed, self.lstm, self.head = nn.Embedding(20, 6, padding_idx=0), nn.LSTM(6, 4, batch_first=True), \
@@ -361,27 +363,34 @@ class SortedByLength(nn.Module):
 
     def forward(self, ids):
         lengths = (ids != 0).sum(1)
-        if self.by_hand:
-            lengths, order = lengths.sort(descending=True)
-            ids = ids[order]
-        packed = pack_padded_sequence(self.embed(ids), lengths.cpu(), batch_first=True, enforce_sorted=self.by_hand)
-        out, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=ids.shape[1])
-        if self.by_hand:
-            out = out[order.argsort()]
-        return self.head(out[:, 0])
+        if self.by_hand is None:
+            packed = pack_padded_sequence(self.embed(ids), lengths.cpu(), batch_first=True, enforce_sorted=False)
+            out, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=ids.shape[1])
+            return self.head(out[:, 0])
+        lengths, order = lengths.sort(descending=True)
+        embedded = self.embed(ids).index_select(0, order) if self.by_hand == "embedded" else self.embed(ids[order])
+        valid = int((lengths > 0).sum())
+        out, (h, _) = self.lstm(pack_padded_sequence(embedded[:valid], lengths[:valid].cpu(), batch_first=True))
+        if self.by_hand == "final-state":
+            return self.head(h[-1][order.argsort()])
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        return self.head(out[order.argsort()][:, 0])
 
 
 TRAINED = {"both": ("embed", "lstm"), "lstm": ("lstm",), "embed": ("embed",)}
 
 
-@pytest.mark.parametrize("trained", TRAINED)
-def test_torch_s_own_sort_by_length_and_its_putting_back_are_no_reorder_of_the_batch(trained):
+@pytest.mark.parametrize("trained, by_hand", [*((trained, None) for trained in TRAINED), ("embed", "embedded")],
+                         ids=[*(f"by-torch-{trained}" for trained in TRAINED), "by-hand-around-a-frozen-lstm"])
+def test_a_sort_by_length_put_back_with_no_trained_layer_between_is_no_reorder_of_the_batch(trained, by_hand):
     """pack_padded_sequence's sort of the batch by length and pad_packed_sequence's restoring of
     its order are passed over by the check of rows taken in another order: the update is that of
     each sample's own backward pass, the Embedding trained or not (the sort is in the loss's graph
-    or not), the LSTM trained or not (its packed sequence's order is known or not)."""
+    or not), the LSTM trained or not (its packed sequence's order is known or not). So is a sort
+    by hand around an LSTM that does not train (AllenNLP's sort_and_run_forward around a frozen
+    encoder: every trained layer reads the batch in order)."""
     torch.manual_seed(0)
-    model, generator = SortedByLength(TRAINED[trained]), torch.Generator().manual_seed(1)
+    model, generator = SortedByLength(TRAINED[trained], by_hand), torch.Generator().manual_seed(1)
     x, target = tokens(LENGTHS, generator), torch.randn(len(LENGTHS), 2, generator=generator)
     grads = one_backward_per_sample(model, x, target)
     config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
@@ -389,19 +398,50 @@ def test_torch_s_own_sort_by_length_and_its_putting_back_are_no_reorder_of_the_b
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
 
 
-@pytest.mark.parametrize("trained", TRAINED)
-def test_a_batch_sorted_by_length_by_hand_and_put_back_is_refused(trained):
-    """The idiom from before enforce_sorted=False: the Embedding and the LSTM read the batch sorted,
-    the Linear in order, and each row was clipped with other samples' (up to 1.41 times C), silently
-    where the first batch was in order or its first sample the longest. Refused at any step where
-    the order is not the batch's; a batch in order trains."""
+@pytest.mark.parametrize("by_hand", ["ids", "embedded", "final-state"])
+@pytest.mark.parametrize("trained", ["both", "lstm"])
+def test_a_batch_sorted_by_length_by_hand_for_a_trained_lstm_is_refused(trained, by_hand):
+    """The idiom from before enforce_sorted=False: the LSTM reads the batch sorted, the Linear (and
+    the Embedding) in order, and each row was clipped with other samples' (up to 1.41 times C; a
+    review's repros, also with the embedded batch sorted by index_select, whose sort only the
+    packing op reads, and with the final state put back, ``h_n[-1][restore]``), silently where
+    the first batch was in order or its first sample the longest. Refused at any step where the
+    order is not the batch's; a batch in order trains."""
     torch.manual_seed(0)
-    model, generator = SortedByLength(TRAINED[trained], by_hand=True), torch.Generator().manual_seed(1)
+    model, generator = SortedByLength(TRAINED[trained], by_hand), torch.Generator().manual_seed(1)
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),
                            expected_batch_size=6)
     assert len(bk.step(regression(model(tokens(sorted(LENGTHS)[::-1], generator)), torch.zeros(6, 2))))
-    below = "embed' \\(Embedding" if trained == "embed" else "lstm' \\(LSTM"
     for lengths in ([7, 3, 5, 6, 1, 2], LENGTHS):  # the longest first; the batch's own lengths
-        with pytest.raises(ValueError, match=f"rows computed from the output of module '{below}\\) are taken along "
-                                             "the batch's dim 0 in another order"):
+        with pytest.raises(ValueError, match="rows computed from the output of module '(lstm|embed)' .* are taken "
+                                             "along the batch's dim 0 in another order"):
             bk.step(regression(model(tokens(lengths, generator)), torch.zeros(6, 2)))
+
+
+class TimeReversed(nn.Module):
+    """A sequence-first GRU run backward in time by hand, its input reversed by an index along dim 0
+    (the idiom before torch.flip) and its output reversed back."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.gru, self.out = nn.Linear(3, 4), nn.GRU(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x).transpose(0, 1)
+        reverse = torch.arange(h.shape[0] - 1, -1, -1)
+        return self.out(self.gru(h[reverse])[0].index_select(-3, reverse).mean(0))
+
+
+@pytest.mark.parametrize("length", [5, 4], ids=["T-not-B", "T-is-B"])
+def test_sequence_first_positions_reversed_are_no_reorder_of_the_batch_where_t_is_b(length):
+    """Positions of sequence-first tensors taken in another order along dim 0: at T = B (a Poisson
+    batch's size may meet T) dim 0 has the batch's size, but the rows are positions (the Linear's
+    output moved out of dim 0 by the transpose, the GRU's sequence-first output): the update is
+    that of each sample's own backward pass, as at T != B."""
+    torch.manual_seed(0)
+    model, generator = TimeReversed(), torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, length, 3, generator=generator), torch.randn(4, 2, generator=generator)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)

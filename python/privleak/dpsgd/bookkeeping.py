@@ -598,7 +598,7 @@ class BookKeeping:
                 for p in self.params]
         handles = [edge.node.register_prehook(functools.partial(look, f"the output of {layer.describe()}",
                                                                 edge.output_nr))
-                   for layer, edge in self._call_outputs(rows_are_samples=True)]
+                   for layer, edge, _ in self._call_outputs() if layer.rows_are_samples]
         # the ops whose output gradients are broadcast parameters' per-sample gradients: their dim 0 too
         owners = {id(p): name for name, p in self._module.named_parameters()}
         handles += [node.register_prehook(functools.partial(look, f"the op {node.name()} on parameter "
@@ -880,21 +880,21 @@ class BookKeeping:
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared
 
-    def _call_outputs(self, rows_are_samples: bool = False) -> list:
-        """(layer, gradient edge) of each output of the step's calls not shared by the batch
-        (:meth:`_shared_outputs`); ``rows_are_samples``: of layers whose output rows are the
-        samples only (:attr:`~privleak.dpsgd.layers.Layer.rows_are_samples`)."""
-        return [(layer, edge) for layer in self.layers if layer.rows_are_samples or not rows_are_samples
-                for call in range(len(layer.calls)) if (id(layer), call) not in self._shared
-                for edge in layer.call_edges(call)]
+    def _call_outputs(self) -> list:
+        """(layer, gradient edge, whether its dim 0 is the batch) of each output of the step's calls
+        not shared by the batch (:meth:`_shared_outputs`)."""
+        return [(layer, edge, first) for layer in self.layers for call in range(len(layer.calls))
+                if (id(layer), call) not in self._shared
+                for edge, first in zip(layer.call_edges(call), layer.batch_in_dim_0(call))]
 
     def _check_order(self, batch: int, parents: dict) -> None:
         """Raise where the loss's graph (``parents``) takes rows that depend on a layer call in
         another order along the batch's dim (:func:`~privleak.dpsgd.graph.reordered_rows`):
         book-keeping reads row i of every layer as sample i, so a layer whose rows were the samples
         in another order than another's, or the losses', would clip the wrong rows together."""
-        restoring = [order for layer in self.layers for order in layer.batch_orders()]
-        layer = reordered_rows(parents, batch, {edge.node: layer for layer, edge in self._call_outputs()}, restoring)
+        outputs = {edge.node: layer for layer, edge, first in self._call_outputs() if first}
+        packings = [packing for layer in self.layers for packing in layer.packings()]
+        layer = reordered_rows(parents, batch, outputs, packings)
         if layer is not None:
             raise ValueError(f"per_sample_losses: rows computed from the output of {layer.describe()} are taken along "
                              "the batch's dim 0 in another order before the loss (h[order], index_select or gather "

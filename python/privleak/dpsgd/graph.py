@@ -459,7 +459,7 @@ def _along_later_dim(node) -> bool:
     input's."""
     if type(node) not in (_SELECT, _SLICE):
         return False
-    dim, dims = node._saved_dim, len(node._saved_self_sym_sizes)
+    dim, dims = node._saved_dim, len(getattr(node, "_saved_self_sym_sizes", None) or node._saved_index.shape)
     dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim, saved unsigned
     return dim % dims != 0
 
@@ -579,14 +579,14 @@ def _picked_rows(node, out: tuple) -> Optional[tuple]:
             return mask.nonzero()[:, 0].view(out[0], -1)
         return selection, True, masked_rows
     if type(node) is _GATHER:
-        return (node, False, lambda shape: node._saved_index) if node._saved_dim == 0 else None
+        return (node, False, lambda shape: node._saved_index) if _chooses_along_dim_0(node) else None
     if type(node) is _INDEX:
         entries = list(node._saved_indices)
         ones = next((k for k, entry in enumerate(entries) if entry is not None), len(entries))
         if any(size != 1 for size in tuple(node._saved_self_sym_sizes)[:ones]):
             return None  # dim 0 is not one of those chosen from
         entries = entries[ones:]
-    elif type(node) is _INDEX_SELECT and node._saved_dim == 0:
+    elif type(node) is _INDEX_SELECT and _chooses_along_dim_0(node):
         entries = [node._saved_index]
     else:
         return None
@@ -602,29 +602,34 @@ def _picked_rows(node, out: tuple) -> Optional[tuple]:
     return node, with_positions, indexed_rows
 
 
-def reordered_rows(parents: dict, batch: int, outputs: dict, restoring: list) -> Optional[Any]:
+def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list) -> Optional[Any]:
     """The first layer (a value of ``outputs``, which maps the autograd node of each of the step's
-    layer calls' outputs to its layer) under rows that the loss's graph (``parents``:
-    :func:`count_uses`'s) takes along dim 0 alone, as many as the batch's ``batch``, in another
-    order (``h[order]``, ``index_select``, ``gather`` along dim 0: the batch sorted, mixed with
-    itself, or put back in order after a sort that the graph does not show); None if there is none.
+    layer calls' outputs with the batch in dim 0 to its layer) under rows that the loss's graph
+    (``parents``: :func:`count_uses`'s) takes along dim 0 alone, as many as the batch's ``batch``,
+    in another order (``h[order]``, ``index_select``, ``gather`` along dim 0: the batch sorted,
+    mixed with itself, or put back in order after a sort that the graph does not show); None if
+    there is none.
 
     Book-keeping reads row i of every layer as sample i: where the layers' rows hold the samples in
     k different orders, a sample's share of the update reaches up to sqrt(k) times the clip norm
     (each order's part at most C; 1.41 times in a review's repro, two Linears, the second on the
     hidden states sorted). So did the idiom of sorting a batch by length for an RNN
-    (pack_padded_sequence with enforce_sorted=True, the outputs put back in order), silently
-    where the first batch was in order or its first sample stayed in place.
+    (pack_padded_sequence with enforce_sorted=True, the outputs, or the final states, put back in
+    order), silently where the first batch was in order or its first sample stayed in place.
 
-    Passed over: rows that depend on no layer call (a table, a parameter or computed from
-    parameters alone, indexed by labels); pack_padded_sequence's sort by length (the packed rows
-    are read in the packed sequence's order, by the recurrent rule, or by none: a layer on them
-    sees another batch size) and rows taken in the order that puts the batch back
-    (pad_packed_sequence's restoring index_select): the inverse of a sort the graph shows, or one
-    of ``restoring`` (the recurrent calls' packed sequences' unsorted_indices). In a CUDA graph's
-    capture, which may not read the rows taken, any such selection of rows that depend on a layer
-    call is found."""
-    found, sorts, free = [], [], set()
+    Passed over: rows that depend on no layer call below them (a table, a parameter or computed
+    from parameters alone, indexed by labels), nor on one below a transpose that moved a dim of
+    the batch's size out of dim 0 (at T = B a sequence-first tensor reversed in time); a sort that
+    only pack_padded_sequence reads (through a slice of the sequences not empty), unless a
+    recorded RNN read a sequence packed without torch's sort (``packings``: the recorded RNN
+    calls' (sorted_indices, unsorted_indices), None for such), where it must be torch's own, and
+    rows taken in the order that puts such a sort back (pad_packed_sequence's restoring
+    index_select): its inverse, or an unsorted_indices of ``packings``. In a CUDA graph's capture,
+    which may not read the rows taken, any such selection of rows that depend on a layer call is
+    found."""
+    by_hand = any(order is None for order, _ in packings)
+    restoring = [back for _, back in packings if back is not None]
+    found, free = [], set()
     for node in parents:
         if type(node) not in _SELECTIONS:
             continue
@@ -633,35 +638,46 @@ def reordered_rows(parents: dict, batch: int, outputs: dict, restoring: list) ->
         if picked is None or picked[1]:
             continue  # the samples' and positions' dims: selected_tokens' to find
         source, output_nr = node.next_functions[0]
-        while _adds_or_drops_ones(source):
-            source, output_nr = source.next_functions[0]
         shape = _forward_shape(source, output_nr) if source is not None else ()
+        while len(shape) > 1 and shape[0] == 1 and type(node) is _INDEX:
+            shape = shape[1:]  # h[None, index]: chosen from the dim after those of 1
         if shape[:1] != (batch,):
             continue
-        if all(type(parent) is _PACK for parent, _ in parents.get(node, ())):
-            if not capturing():
-                sorts.append(picked[2](shape))
-            continue
-        found.append((source, picked[2], shape))
-    restoring = [*restoring, *(torch.argsort(rows) for rows in sorts if rows is not None and rows.ndim == 1)]
-    for source, rows_of, shape in found:
-        if not capturing():
-            rows = rows_of(shape)
-            if rows is None or rows.ndim == 0:
+        rows = None if capturing() else picked[2](shape)
+        if _packed(node, parents):
+            sorted_by_torch = rows is not None and any(
+                order is not None and torch.equal(rows, order.to(rows.device)) for order, _ in packings)
+            if not by_hand or sorted_by_torch:
+                restoring += [] if rows is None or rows.ndim != 1 else [torch.argsort(rows)]
+                continue
+        found.append((source, rows))
+    for source, rows in found:
+        if rows is not None:
+            if rows.ndim == 0:
                 continue
             order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1))
             if torch.equal(rows, order.expand(rows.shape)) or any(
                     rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in restoring):
                 continue
-        layer = _layer_below(source, outputs, free)
+        layer = _layer_below(source, outputs, batch, free)
         if layer is not None:
             return layer
     return None
 
 
-def _layer_below(node, outputs: dict, free: set) -> Optional[Any]:
-    """The value of ``outputs`` (by autograd node) of a node in the graph under ``node``, if any;
-    ``free``: nodes with none under them, skipped, and this walk's added where it finds none."""
+def _packed(node, parents: dict) -> bool:
+    """Whether the output of ``node`` is read by pack_padded_sequence's op alone, directly or
+    through slices (AllenNLP packs the sorted batch's sequences that are not empty,
+    ``sorted[:num_valid]``)."""
+    readers = parents.get(node, ())
+    return bool(readers) and all(type(reader) is _PACK or (type(reader) is _SLICE and _packed(reader, parents))
+                                 for reader, _ in readers)
+
+
+def _layer_below(node, outputs: dict, batch: int, free: set) -> Optional[Any]:
+    """The value of ``outputs`` (by autograd node) of a node in the graph under ``node``, not under
+    a transpose or permute that moved a dim of the batch's size out of dim 0, if any; ``free``:
+    nodes with none under them, skipped, and this walk's added where it finds none."""
     stack, seen = [node], set()
     while stack:
         node = stack.pop()
@@ -670,9 +686,16 @@ def _layer_below(node, outputs: dict, free: set) -> Optional[Any]:
         if node in outputs:
             return outputs[node]
         seen.add(node)
-        stack.extend(child for child, _ in node.next_functions)
+        if _moved_from_dim_0(node) != batch:
+            stack.extend(child for child, _ in node.next_functions)
     free |= seen
     return None
+
+
+def _chooses_along_dim_0(node) -> bool:
+    """Whether an index_select's or gather's ``node`` chooses along dim 0 (dim=-n of n dims too)."""
+    dim, dims = node._saved_dim, len(getattr(node, "_saved_self_sym_sizes", None) or node._saved_index.shape)
+    return (dim - 2**64 if dim >= 2**63 else dim) % max(dims, 1) == 0  # a negative dim, saved unsigned
 
 
 def flattened_outputs(edges: list, batch: int) -> list[int]:

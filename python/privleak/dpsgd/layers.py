@@ -478,11 +478,16 @@ class Layer:
         default): the first sample's check reads them as it reads a layer's outputs."""
         return []
 
-    def batch_orders(self) -> list:
-        """Orders of the batch's rows, each a (B,) index, that put the batch back in order after the
-        step's calls read it in another (a packed sequence's ``unsorted_indices``): rows taken in
-        one of them after the layer are the samples in order again (none by default)."""
+    def packings(self) -> list:
+        """(sorted_indices, unsorted_indices) of each packed sequence the step's calls read (either
+        None for one packed without torch's sort, enforce_sorted=True), where the layer reads the
+        batch in the packed sequence's order (none by default)."""
         return []
+
+    def batch_in_dim_0(self, call: int) -> list[bool]:
+        """Per recorded output of call ``call`` (in :meth:`call_edges`' order), whether its dim 0
+        is the batch (default: all)."""
+        return [True] * len(self.call_edges(call))
 
     def forced_inputs(self) -> list:
         """Tensors the backward pass must reach, so that the nodes of :meth:`nodes` run."""

@@ -196,11 +196,14 @@ class RecurrentLayer(FunctionalLayer):
         return [out.data if isinstance(out, PackedSequence) else out,
                 *(states if isinstance(states, tuple) else (states,))]
 
-    def batch_orders(self) -> list:
-        """The unsorted_indices of the calls' packed inputs, sorted by length (pad_packed_sequence
-        puts the batch back in order by them)."""
-        packed = [layout.packed for layout in self.layouts if layout.packed is not None]
-        return [unsorted for _, _, unsorted in packed if unsorted is not None]
+    def packings(self) -> list:
+        return [layout.packed[1:] for layout in self.layouts if layout.packed is not None]
+
+    def batch_in_dim_0(self, call: int) -> list[bool]:
+        """The output batch first, or packed (its rows the samples' steps, in the packed sequence's
+        order); h_n and c_n never (layers and directions first)."""
+        output_first = self.module.batch_first or self.layouts[call].packed is not None
+        return [output_first if output == 0 else False for output in self.calls[call][2]]
 
     def replayed_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """(padded input (B, T, d), lengths (B,) or None, initial states (B, L D, h) each), {}."""
