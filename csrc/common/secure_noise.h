@@ -12,7 +12,9 @@
 // point is post-processing, so the guarantees of the discrete mechanisms hold for what is
 // released: eps = Delta / (g t)-DP for the discrete Laplace with scale t (Ghosh et al. 2009), and
 // rho = Delta^2 / (2 g^2 sigma^2)-zCDP for the discrete Gaussian (CKS20, Thm. 4), with Delta the
-// sensitivity on the grid (at most the true sensitivity plus g, because of the rounding).
+// sensitivity on the grid: rounding moves each of n values by less than g / 2, so it is at most the
+// true L2 sensitivity plus g sqrt(n) (L1: plus g n); mechanisms.secure_scale raises the scale to
+// cover that.
 //
 // Each element has its own ChaCha20 stream (nonce = element index and distribution), so
 // rejection loops of any length keep elements independent and CPU and CUDA equal, bit for bit.

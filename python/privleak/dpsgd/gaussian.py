@@ -24,7 +24,9 @@ class Gaussian(DPSGDMechanism):
     With per-layer clipping to (c_t) the noise std is sigma |(c_t)|_2, the sensitivity of the
     concatenation (Opacus's convention). The noise is drawn inside the fused clipping kernel; with
     a :class:`~privleak.mechanisms.SecureNoiseGenerator` the discretised secure noise is added to
-    the exact clipped sum instead. ``noise_multiplier = 0`` is the noiseless clipped average.
+    the exact clipped sum instead, its std raised to cover the grid's rounding
+    (:func:`~privleak.mechanisms.secure_scale`). ``noise_multiplier = 0`` is the noiseless clipped
+    average.
     """
 
     noise_multiplier: float = 1.0
@@ -55,6 +57,8 @@ class Gaussian(DPSGDMechanism):
         std = self.noise_std(clipping) / batch_size
         if std == 0:
             return list(average) if inplace else [a.clone() for a in average]
+        if isinstance(generator, _noise.SecureNoiseGenerator):
+            std = _noise.secure_scale("gaussian", std, std / self.noise_multiplier, sum(a.numel() for a in average))
         add = _noise.add_gaussian_noise_ if inplace else _noise.add_gaussian_noise
         return list(add(list(average), std, generator=generator))
 
