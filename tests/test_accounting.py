@@ -304,3 +304,16 @@ def test_the_pld_accountant_takes_a_delta_below_its_default_tail_mass():
     rdp = [accounting.gaussian_epsilon(1.0, 10, delta, sampling_rate=0.01, accountant="rdp") for delta in deltas]
     assert all(math.isfinite(e) for e in eps) and eps[0] * 1.2 < min(eps[1:])  # 2.40 against 3.2-3.5
     assert all(e <= bound for e, bound in zip(eps, rdp))
+
+
+def test_fixed_size_sampling_of_a_fractional_batch_is_refused():
+    """Batches of q N examples: a q N that is not a whole number was accounted as the even integer it
+    rounds to (q N = 2.5 as batches of 2, a review: epsilon 14.4 where batches of 3 give 19.5)."""
+    with pytest.raises(ValueError, match=r"fixed-size sampling draws batches of sampling_rate \* dataset_size "
+                                         r"examples, a whole number: got 0.025 \* 100 = 2.5"):
+        accounting.gaussian_epsilon(1.0, 100, 1e-5, sampling_rate=0.025, sampling="fixed", dataset_size=100,
+                                    accountant="rdp")
+    three = accounting.gaussian_epsilon(1.0, 100, 1e-5, sampling_rate=0.03, sampling="fixed", dataset_size=100,
+                                        accountant="rdp")  # 0.03 * 100 = 3.0000000000000004 is 3
+    assert three > accounting.gaussian_epsilon(1.0, 100, 1e-5, sampling_rate=0.02, sampling="fixed",
+                                               dataset_size=100, accountant="rdp")

@@ -189,6 +189,20 @@ def test_a_bad_dp_state_is_refused():
     assert optimizer.steps == 4
 
 
+def test_a_state_loaded_after_a_step_of_this_run_is_refused():
+    """The loaded count would drop this run's releases from the report (a review: 4 releases
+    reported as 3, after a step taken before the checkpoint was loaded)."""
+    model = small_model()
+    saved = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0), 8.0).state_dict()
+    saved["steps"] = 3
+    optimizer = dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0), 8.0)
+    optimizer.step([torch.zeros(2, *p.shape) for p in model.parameters()])
+    with pytest.raises(ValueError, match=r"load_state_dict\(\): this run has taken 1 step\(s\), whose releases the "
+                                         "loaded count would drop"):
+        optimizer.load_state_dict(saved)
+    assert optimizer.steps == 1
+
+
 @pytest.mark.parametrize("changed", ["mechanism", "expected_batch_size", "sampling"])
 def test_a_state_saved_under_other_accounting_is_refused(changed):
     """The report composes the saved steps as this run's: 100 steps at sigma 0.6 resumed at 3.0
@@ -275,6 +289,16 @@ def test_privacy_report_follows_the_sampling_and_counts_no_steps_as_no_loss():
     with pytest.raises(ValueError, match="sampling must be"):
         dpsgd.privacy_report(config, shapes, expected_batch_size=24, dataset_size=600, steps=1, delta=1e-5,
                              sampling="shuffle")
+
+
+def test_a_report_of_fixed_size_batches_of_a_fractional_size_is_refused():
+    """As DPOptimizer refuses it: batches of 2.5 examples were reported as batches of 2."""
+    config, shapes = dpsgd.DPSGDConfig(1.0, noise_multiplier=1.0), [(3,)]
+    with pytest.raises(ValueError, match="expected_batch_size must be a whole number, got 2.5"):
+        dpsgd.privacy_report(config, shapes, expected_batch_size=2.5, dataset_size=100, steps=100, delta=1e-5,
+                             sampling="fixed")
+    assert dpsgd.privacy_report(config, shapes, expected_batch_size=2.5, dataset_size=100, steps=100,
+                                delta=1e-5).epsilon > 0
 
 
 def test_sampling_is_poisson_or_fixed():

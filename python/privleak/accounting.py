@@ -150,7 +150,11 @@ def gaussian_epsilon(noise_multiplier: float, steps: int, delta: float, *, sampl
     # dp-accounting's noise multiplier is the noise std over the sensitivity under its neighbouring
     # relation: replacing one example moves the clipped sum by up to 2 c, so it is sigma / 2.
     # (privleak passed sigma before, and reported at q = 1 the add/remove epsilon at sigma.)
-    event = dp_event.SampledWithoutReplacementDpEvent(n, max(1, round(q * n)), dp_event.GaussianDpEvent(sigma / 2))
+    batch = round(q * n)
+    if batch < 1 or not math.isclose(q * n, batch, rel_tol=1e-9):
+        raise ValueError(f"fixed-size sampling draws batches of sampling_rate * dataset_size examples, a whole number: "
+                         f"got {q!r} * {n} = {q * n!r}")
+    event = dp_event.SampledWithoutReplacementDpEvent(n, batch, dp_event.GaussianDpEvent(sigma / 2))
     engine = rdp.RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
     engine.compose(dp_event.SelfComposedDpEvent(event, steps))
     return float(engine.get_epsilon(delta))

@@ -75,7 +75,12 @@ def _check_sampling(sampling: str) -> str:
     return validation.choice(sampling, "sampling", ("poisson", "fixed"))
 
 
-def _check_expected_batch_size(value) -> float:
+def _check_expected_batch_size(value, sampling: str = "poisson") -> float:
+    """L > 0; under fixed-size sampling a whole number, every batch's size (a fractional L was
+    accounted as the even integer it rounds to: 2.5 reported at epsilon 14.4, as batches of 2, for
+    at least 19.5)."""
+    if sampling == "fixed":
+        return float(validation.integer(value, "expected_batch_size", low=1, integral_float=True))
     return validation.positive(value, "expected_batch_size")
 
 
@@ -116,7 +121,7 @@ def privacy_report(config: DPSGDConfig, parameter_shapes: Sequence[Sequence[int]
     sampling = _check_sampling(sampling)
     steps = validation.integer(steps, "steps", low=0)
     dataset_size = validation.integer(dataset_size, "dataset_size", low=1)
-    expected_batch_size = _check_expected_batch_size(expected_batch_size)
+    expected_batch_size = _check_expected_batch_size(expected_batch_size, sampling)
     if expected_batch_size > dataset_size:
         raise ValueError(f"expected_batch_size must be <= dataset_size, got {expected_batch_size!r} and {dataset_size}")
     delta = validation.probability(delta, "delta", open_high=True)
@@ -172,10 +177,7 @@ class DPOptimizer:
         self.sampling = _check_sampling(sampling)
         self.optimizer = optimizer
         self.config = check_config(config, len(self.params))
-        self.expected_batch_size = _check_expected_batch_size(expected_batch_size)
-        if self.sampling == "fixed":  # every batch has exactly this many examples
-            self.expected_batch_size = float(validation.integer(expected_batch_size, "expected_batch_size", low=1,
-                                                                integral_float=True))
+        self.expected_batch_size = _check_expected_batch_size(expected_batch_size, self.sampling)
         self.config.mechanism.check_generator(generator)
         self.generator = generator
         self.steps = 0
@@ -227,7 +229,8 @@ class DPOptimizer:
         mechanism, expected batch size or sampling is refused: the report would compose the saved
         steps as this run's (100 steps at sigma 0.6 resumed at 3.0 were reported at epsilon 0.11
         for 3.8); a state from before it was saved (no 'accounting') is taken on trust. The model
-        may differ (another set of trainable parameters)."""
+        may differ (another set of trainable parameters). Refused after a step of this run: the
+        count would drop its releases (a review's repro reported 4 releases as 3)."""
         from privleak import mechanisms
 
         if not isinstance(state, dict) or not {"steps", "generator"} <= set(state) <= {"steps", "generator",
@@ -235,6 +238,10 @@ class DPOptimizer:
             raise validation.ArgumentTypeError("state must be a dict with the keys 'steps' and 'generator' (and "
                                                f"'accounting'), as state_dict() makes, got {state!r}")
         steps = validation.integer(state["steps"], "state['steps']", low=0)
+        if self.steps:
+            raise ValueError(f"load_state_dict(): this run has taken {self.steps} step(s), whose releases the loaded "
+                             "count would drop from the privacy report (and a seeded generator would replay the "
+                             "saved run's noise): load the state before the first step")
         saved = state.get("accounting")
         if saved is not None:
             own = self._accounting()
