@@ -1692,6 +1692,19 @@ def test_an_unbatched_input_the_size_of_the_batch_is_told_apart_by_its_output():
     assert len(bk.step(model(x, batched=True).pow(2).sum((1, 2)))) == 4
 
 
+@pytest.mark.parametrize("move, moved_out, dim_0_from", [
+    (lambda x: x.transpose(0, -2), 2, 1), (lambda x: x.transpose(-1, 0), 2, 2), (lambda x: x.permute(-1, 0, 1), 2, 2),
+    (lambda x: x.permute(1, 0, 2), 2, 1), (lambda x: x.transpose(1, 2), None, 0)])
+def test_dims_saved_negative_are_read_as_negative(move, moved_out, dim_0_from):
+    """A negative dim comes from autograd unsigned (-1 as 2^64 - 1, which modulo 3 is 0): the dim
+    a transpose or permute moved out of dim 0 of a (2, 3, 4) tensor, and the input dim its output's
+    dim 0 is, against the shapes torch gives."""
+    x = torch.zeros(2, 3, 4, requires_grad=True)
+    y = move(x)
+    assert graph._moved_from_dim_0(y.grad_fn) == moved_out
+    assert graph._dim_below(y.grad_fn, 0, y.ndim) == dim_0_from and x.shape[dim_0_from] == y.shape[0]
+
+
 def test_a_batch_first_tensor_made_by_a_transpose_and_flattened_is_refused_where_t_is_b():
     """At T = B the transpose behind a batch-first attention's output (B, T, d) may as well have
     turned a batch-first tensor sequence-first: its flattened rows are refused (at T != B they are
@@ -1801,7 +1814,7 @@ def test_a_layer_s_rows_taken_in_another_order_are_refused_at_any_step(take):
     assert len(bk.step(model(in_order).pow(2).sum(1))) == 2 * 2
     for batch in (first_in_place, x.flip(0)):
         with pytest.raises(ValueError, match=r"rows computed from the output of module '(inp|out)' \(Linear\) are "
-                                             r"taken along the batch's dim 0 in another order"):
+                                             r"taken along the batch's dim in another order"):
             bk.step(model(batch).pow(2).sum(1))
     assert not any(p.grad is not None for p in model.parameters())
 

@@ -349,8 +349,9 @@ class SortedByLength(nn.Module):
     False: sorted by length, put back in order by pad_packed_sequence), or sorted by hand, packed
     with enforce_sorted=True and put back in order after padding (``by_hand``): the token ids
     sorted (the idiom from before that option), the embedded batch (AllenNLP's
-    sort_and_run_forward: ``index_select``, the sequences that are not empty packed), or the ids
-    with the final state put back instead (``h_n[-1][restore]``); a Linear on each sample's first
+    sort_and_run_forward: ``index_select``, the sequences that are not empty packed), the ids with
+    the final state put back instead (``h_n[-1][restore]``), or the embedded batch made sequence
+    first, sorted and put back along dim 1 (InferSent's encoder); a Linear on each sample's first
     output or final state. ``trained``: the modules that train beside the Linear."""
 
     def __init__(self, trained, by_hand=None):
@@ -358,8 +359,10 @@ class SortedByLength(nn.Module):
         self.by_hand = by_hand
         self.embed, self.lstm, self.head = nn.Embedding(20, 6, padding_idx=0), nn.LSTM(6, 4, batch_first=True), \
             nn.Linear(4, 2)
-        for name in ("embed", "lstm"):
-            getattr(self, name).requires_grad_(name in trained)
+        self.lstm_first = nn.LSTM(6, 4) if by_hand == "sequence-first" else None
+        for name in ("embed", "lstm", "lstm_first"):
+            if getattr(self, name) is not None:
+                getattr(self, name).requires_grad_(("lstm" if name.startswith("lstm") else name) in trained)
 
     def forward(self, ids):
         lengths = (ids != 0).sum(1)
@@ -368,6 +371,11 @@ class SortedByLength(nn.Module):
             out, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=ids.shape[1])
             return self.head(out[:, 0])
         lengths, order = lengths.sort(descending=True)
+        if self.by_hand == "sequence-first":  # InferSent's encoder: sorted and put back along dim 1
+            embedded = self.embed(ids).transpose(0, 1).index_select(1, order)
+            out, _ = self.lstm_first(pack_padded_sequence(embedded, lengths.cpu()))
+            out, _ = pad_packed_sequence(out, total_length=ids.shape[1])
+            return self.head(out.index_select(1, order.argsort())[0])
         embedded = self.embed(ids).index_select(0, order) if self.by_hand == "embedded" else self.embed(ids[order])
         valid = int((lengths > 0).sum())
         out, (h, _) = self.lstm(pack_padded_sequence(embedded[:valid], lengths[:valid].cpu(), batch_first=True))
@@ -398,14 +406,14 @@ def test_a_sort_by_length_put_back_with_no_trained_layer_between_is_no_reorder_o
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
 
 
-@pytest.mark.parametrize("by_hand", ["ids", "embedded", "final-state"])
+@pytest.mark.parametrize("by_hand", ["ids", "embedded", "final-state", "sequence-first"])
 @pytest.mark.parametrize("trained", ["both", "lstm"])
 def test_a_batch_sorted_by_length_by_hand_for_a_trained_lstm_is_refused(trained, by_hand):
     """The idiom from before enforce_sorted=False: the LSTM reads the batch sorted, the Linear (and
     the Embedding) in order, and each row was clipped with other samples' (up to 1.41 times C; a
     review's repros, also with the embedded batch sorted by index_select, whose sort only the
-    packing op reads, and with the final state put back, ``h_n[-1][restore]``), silently where
-    the first batch was in order or its first sample the longest. Refused at any step where the
+    packing op reads, with the final state put back, ``h_n[-1][restore]``, and sequence first along
+    dim 1), silently where the first batch was in order or its first sample the longest. Refused at any step where the
     order is not the batch's; a batch in order trains."""
     torch.manual_seed(0)
     model, generator = SortedByLength(TRAINED[trained], by_hand), torch.Generator().manual_seed(1)
@@ -413,8 +421,8 @@ def test_a_batch_sorted_by_length_by_hand_for_a_trained_lstm_is_refused(trained,
                            expected_batch_size=6)
     assert len(bk.step(regression(model(tokens(sorted(LENGTHS)[::-1], generator)), torch.zeros(6, 2))))
     for lengths in ([7, 3, 5, 6, 1, 2], LENGTHS):  # the longest first; the batch's own lengths
-        with pytest.raises(ValueError, match="rows computed from the output of module '(lstm|embed)' .* are taken "
-                                             "along the batch's dim 0 in another order"):
+        with pytest.raises(ValueError, match="rows computed from the output of module '(lstm|lstm_first|embed)' .* are "
+                                             "taken along the batch's dim in another order"):
             bk.step(regression(model(tokens(lengths, generator)), torch.zeros(6, 2)))
 
 

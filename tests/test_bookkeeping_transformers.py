@@ -255,6 +255,30 @@ def test_a_mixture_of_experts_gets_the_update_of_its_per_sample_gradients(name, 
                          replayed=(ROUTERS[name],) * 2)
 
 
+@pytest.mark.parametrize("name", MIXTURES)
+def test_experts_that_sort_one_token_a_sample_by_expert_are_no_reorder_of_the_batch(name, monkeypatch):
+    """Top-1 routing of one token a sample: the grouped_mm experts sort the tokens by expert (their
+    rows the batch's, in another order) inside their own forward, which their rule reads by
+    routing; the check of rows taken out of order passes over it (a review found it refused), and
+    the update is that of each sample's own backward pass."""
+    build, _ = MIXTURES[name]
+    torch.manual_seed(0)
+    model = build()
+    model.config.num_experts_per_tok = 1
+    if name == "deepseek-v3":
+        model.config.n_group = model.config.topk_group = 1
+    torch.manual_seed(0)
+    model = type(model)(model.config)
+    model.set_experts_implementation("grouped_mm")
+    ids = torch.randint(1, VOCAB, (5, 1), generator=torch.Generator().manual_seed(1))
+
+    def losses(model, ids):  # each sample's label a function of its token
+        return F.cross_entropy(model(ids).logits[:, -1], (7 * ids[:, 0] + 3) % VOCAB, reduction="none")
+    grads = one_sample_at_a_time(model, losses, ids)
+    assert_the_update_of(grads, model, lambda: losses(model, ids), "gaussian", False, monkeypatch,
+                         replayed=(ROUTERS[name],) * 2)
+
+
 @pytest.mark.parametrize("mechanism, per_layer", [("vmf", True), ("laplace", False), ("laplace", True)])
 @pytest.mark.parametrize("name", MIXTURES)
 def test_the_experts_per_layer_and_l1_norms_are_those_of_their_per_sample_gradients(name, mechanism, per_layer,

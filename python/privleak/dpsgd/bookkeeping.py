@@ -881,24 +881,25 @@ class BookKeeping:
         return shared
 
     def _call_outputs(self) -> list:
-        """(layer, gradient edge, whether its dim 0 is the batch) of each output of the step's calls
-        not shared by the batch (:meth:`_shared_outputs`)."""
-        return [(layer, edge, first) for layer in self.layers for call in range(len(layer.calls))
+        """(layer, gradient edge, the dim of the batch in it) of each output of the step's calls not
+        shared by the batch (:meth:`_shared_outputs`)."""
+        return [(layer, edge, dim) for layer in self.layers for call in range(len(layer.calls))
                 if (id(layer), call) not in self._shared
-                for edge, first in zip(layer.call_edges(call), layer.batch_in_dim_0(call))]
+                for edge, dim in zip(layer.call_edges(call), layer.batch_dims(call))]
 
     def _check_order(self, batch: int, parents: dict) -> None:
         """Raise where the loss's graph (``parents``) takes rows that depend on a layer call in
         another order along the batch's dim (:func:`~privleak.dpsgd.graph.reordered_rows`):
         book-keeping reads row i of every layer as sample i, so a layer whose rows were the samples
         in another order than another's, or the losses', would clip the wrong rows together."""
-        outputs = {edge.node: layer for layer, edge, first in self._call_outputs() if first}
+        outputs = {edge.node: (layer, dim) for layer, edge, dim in self._call_outputs()}
         packings = [packing for layer in self.layers for packing in layer.packings()]
-        layer = reordered_rows(parents, batch, outputs, packings)
+        inner = set().union(*(layer.inner_nodes() for layer in self.layers))
+        layer = reordered_rows(parents, batch, outputs, packings, inner)
         if layer is not None:
             raise ValueError(f"per_sample_losses: rows computed from the output of {layer.describe()} are taken along "
-                             "the batch's dim 0 in another order before the loss (h[order], index_select or gather "
-                             "along dim 0: the batch sorted, or put back in order after a sort), but book-keeping "
+                             "the batch's dim in another order before the loss (h[order], index_select or gather "
+                             "along it: the batch sorted, or put back in order after a sort), but book-keeping "
                              "reads row i of every layer as sample i, and would clip parts of different samples "
                              "together; order the batch before the model, inputs and targets alike (for an RNN, "
                              "pack_padded_sequence(..., enforce_sorted=False) sorts and restores it itself)")

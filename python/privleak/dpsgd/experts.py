@@ -112,8 +112,10 @@ class ExpertsLayer(Layer):
             return []
         bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
         hidden, index, weights = list(bound.arguments.values())[:3]
-        self.uses.append(graph.count_uses([output.grad_fn], self.parameters, stop=_input_nodes([hidden, weights]),
-                                          graph=f"the output of {self.describe()}"))
+        inputs, inner = _input_nodes([hidden, weights]), {}
+        self.uses.append(graph.count_uses([output.grad_fn], self.parameters, stop=inputs,
+                                          graph=f"the output of {self.describe()}", parents=inner))
+        self.inner |= inner.keys() - inputs
         device = output.device.type  # the recomputation runs under the same autocast as this call
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         self.calls.append((self.keep(hidden), index.detach(), self.keep(weights), autocast))
@@ -127,6 +129,12 @@ class ExpertsLayer(Layer):
         self.kept_rows: Optional[_Routed] = None  # the norms' recomputed pairs, kept for the sums
         self.groups: Optional[_Groups] = None  # the norms' (sample, expert) groups
         self.bias_rows: dict = {}  # per bias, its groups' rows whose norms were taken
+        self.inner: set = set()  # the autograd nodes of the calls' forwards
+
+    def inner_nodes(self) -> set:
+        """The experts' forwards take the tokens sorted by expert (transformers' grouped_mm), which
+        the rule reads by routing, not row by row."""
+        return self.inner
 
     def batch_sizes(self) -> list[int]:
         return [call[0].shape[0] for call in self.calls]

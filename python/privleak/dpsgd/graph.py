@@ -354,12 +354,18 @@ def _a_weight(child) -> bool:
     return node is None or hasattr(node, "variable")
 
 
+def _dim(saved: int, ndim: int) -> int:
+    """A dim an autograd node saved, in 0 .. ndim - 1: a negative one comes unsigned (-1 as 2^64 - 1,
+    which modulo 3 is 0, not 2)."""
+    return (saved - 2**64 if saved >= 2**63 else saved) % max(ndim, 1)
+
+
 def _along_later_dims(node) -> bool:
     """Whether a node of :data:`_ALONG_DIMS` works along dims after dim 0 only."""
     sizes = getattr(node, "_saved_self_sym_sizes", None)  # a sum's input; the others' output has its dims
     ndim = len(sizes if sizes is not None else node._input_metadata[0].shape)
     dims = node._saved_dim if isinstance(node._saved_dim, tuple) else (node._saved_dim,)
-    return all((dim if dim < 2**63 else dim - 2**64) % max(ndim, 1) != 0 for dim in dims)  # -1 comes unsigned
+    return all(_dim(dim, ndim) != 0 for dim in dims)
 
 
 def _moved_from_dim_0(node) -> Optional[int]:
@@ -370,13 +376,29 @@ def _moved_from_dim_0(node) -> Optional[int]:
     if type(node) not in (_TRANSPOSE, _TRANSPOSE_DIMS, _PERMUTE):
         return None
     out = node._input_metadata[0].shape
-    if type(node) is _TRANSPOSE:
-        return out[1]
-    if type(node) is _PERMUTE:
-        order = [d % len(out) for d in node._saved_dims]
-        return out[order.index(0)] if order[0] != 0 else None
-    swapped = {node._saved_dim0 % len(out), node._saved_dim1 % len(out)}
-    return out[(swapped - {0}).pop()] if 0 in swapped and len(swapped) == 2 else None
+    below = _dim_below(node, 0, len(out))
+    return None if below == 0 else out[next(d for d in range(len(out)) if _dim_below(node, d, len(out)) == 0)]
+
+
+def _dim_below(node, dim: int, ndim: int) -> int:
+    """The dim of the input of ``node`` that its output's ``dim`` (of ``ndim`` dims) is: moved by a
+    transpose or permute, shifted by a select (``h_n[-1]``) or a view that adds or drops dims of 1
+    (``h_n.squeeze(0)``), else the same."""
+    kind = type(node)
+    if kind is _TRANSPOSE:
+        return 1 - dim if dim < 2 else dim
+    if kind is _TRANSPOSE_DIMS:
+        swapped = (_dim(node._saved_dim0, ndim), _dim(node._saved_dim1, ndim))
+        return swapped[1] if dim == swapped[0] else swapped[0] if dim == swapped[1] else dim
+    if kind is _PERMUTE:
+        return _dim(node._saved_dims[dim], ndim)
+    if kind is _SELECT:
+        return dim + 1 if dim >= _dim(node._saved_dim, ndim + 1) else dim
+    if (kind in _VIEWS or kind in _RESHAPES) and dim < ndim and _adds_or_drops_ones(node):
+        into, out = _forward_shape(*node.next_functions[0]), tuple(node._input_metadata[0].shape)
+        if out[dim] != 1:
+            return [k for k, size in enumerate(into) if size != 1][sum(1 for size in out[:dim] if size != 1)]
+    return dim
 
 
 def _forward_shape(child, output_nr: int) -> tuple:
@@ -459,9 +481,7 @@ def _along_later_dim(node) -> bool:
     input's."""
     if type(node) not in (_SELECT, _SLICE):
         return False
-    dim, dims = node._saved_dim, len(getattr(node, "_saved_self_sym_sizes", None) or node._saved_index.shape)
-    dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim, saved unsigned
-    return dim % dims != 0
+    return _dim(node._saved_dim, len(node._saved_self_sym_sizes)) != 0
 
 
 def _adds_or_drops_ones(node) -> bool:
@@ -602,67 +622,85 @@ def _picked_rows(node, out: tuple) -> Optional[tuple]:
     return node, with_positions, indexed_rows
 
 
-def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list) -> Optional[Any]:
-    """The first layer (a value of ``outputs``, which maps the autograd node of each of the step's
-    layer calls' outputs with the batch in dim 0 to its layer) under rows that the loss's graph
-    (``parents``: :func:`count_uses`'s) takes along dim 0 alone, as many as the batch's ``batch``,
-    in another order (``h[order]``, ``index_select``, ``gather`` along dim 0: the batch sorted,
-    mixed with itself, or put back in order after a sort that the graph does not show); None if
-    there is none.
+def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list, inner: set) -> Optional[Any]:
+    """The first layer under rows that the loss's graph (``parents``: :func:`count_uses`'s) takes
+    along the batch's dim alone, as many as the batch's ``batch``, in another order (``h[order]``,
+    ``index_select``, ``gather``: the batch sorted, mixed with itself, or put back in order after a
+    sort that the graph does not show); None if there is none. ``outputs`` maps the autograd node
+    of each of the step's layer calls' outputs to (its layer, the dim that holds the batch there:
+    0, 1 for a sequence-first one, None for a packed sequence's rows, which hold it in any).
 
     Book-keeping reads row i of every layer as sample i: where the layers' rows hold the samples in
     k different orders, a sample's share of the update reaches up to sqrt(k) times the clip norm
     (each order's part at most C; 1.41 times in a review's repro, two Linears, the second on the
     hidden states sorted). So did the idiom of sorting a batch by length for an RNN
     (pack_padded_sequence with enforce_sorted=True, the outputs, or the final states, put back in
-    order), silently where the first batch was in order or its first sample stayed in place.
+    order, batch first or sequence first: InferSent's encoder), silently where the first batch was
+    in order or its first sample stayed in place.
 
-    Passed over: rows that depend on no layer call below them (a table, a parameter or computed
-    from parameters alone, indexed by labels), nor on one below a transpose that moved a dim of
-    the batch's size out of dim 0 (at T = B a sequence-first tensor reversed in time); a sort that
-    only pack_padded_sequence reads (through a slice of the sequences not empty), unless a
-    recorded RNN read a sequence packed without torch's sort (``packings``: the recorded RNN
-    calls' (sorted_indices, unsorted_indices), None for such), where it must be torch's own, and
-    rows taken in the order that puts such a sort back (pad_packed_sequence's restoring
-    index_select): its inverse, or an unsorted_indices of ``packings``. In a CUDA graph's capture,
-    which may not read the rows taken, any such selection of rows that depend on a layer call is
-    found."""
+    Rows taken along dim 0 or 1 are followed down to the layer outputs with the batch in that dim,
+    the dim moved by transposes and permutes on the way (:func:`_dim_below`): at T = B a
+    sequence-first tensor's positions reversed by an index are no batch. Passed over: rows that
+    depend on no layer call (a table, a parameter or computed from parameters alone, indexed by
+    labels); a sort that only pack_padded_sequence reads (through a slice of the sequences not
+    empty), unless a recorded RNN read a sequence packed without torch's sort (``packings``: the
+    recorded RNN calls' (sorted_indices, unsorted_indices), None for such), where it must be
+    torch's own; rows taken in the order of one of ``packings`` or the inverse of such a sort
+    (pad_packed_sequence's restoring index_select; the RNN's own of its states); and selections in
+    ``inner``, a layer call's own forward whose rows its rule reads by itself (transformers'
+    grouped_mm experts sort the tokens by expert: at T = 1 and top-1 routing, the batch's rows). In
+    a CUDA graph's capture, which may not read the rows taken, any such selection of rows that
+    depend on a layer call is found."""
     by_hand = any(order is None for order, _ in packings)
-    restoring = [back for _, back in packings if back is not None]
+    orders = [order for packing in packings for order in packing if order is not None]
     found, free = [], set()
     for node in parents:
-        if type(node) not in _SELECTIONS:
+        taken = _taken_along(node, batch) if type(node) in _SELECTIONS and node not in inner else None
+        if taken is None:
             continue
-        out = tuple(node._input_metadata[0].shape)
-        picked = _picked_rows(node, out) if out and out[0] == batch else None
-        if picked is None or picked[1]:
-            continue  # the samples' and positions' dims: selected_tokens' to find
-        source, output_nr = node.next_functions[0]
-        shape = _forward_shape(source, output_nr) if source is not None else ()
-        while len(shape) > 1 and shape[0] == 1 and type(node) is _INDEX:
-            shape = shape[1:]  # h[None, index]: chosen from the dim after those of 1
-        if shape[:1] != (batch,):
-            continue
-        rows = None if capturing() else picked[2](shape)
+        dim, rows_of = taken
+        rows = None if capturing() else rows_of()
         if _packed(node, parents):
-            sorted_by_torch = rows is not None and any(
-                order is not None and torch.equal(rows, order.to(rows.device)) for order, _ in packings)
+            sorted_by_torch = rows is not None and any(torch.equal(rows, order.to(rows.device)) for order in orders)
             if not by_hand or sorted_by_torch:
-                restoring += [] if rows is None or rows.ndim != 1 else [torch.argsort(rows)]
+                orders += [] if rows is None or rows.ndim != 1 else [torch.argsort(rows)]
                 continue
-        found.append((source, rows))
-    for source, rows in found:
+        found.append((node, dim, rows))
+    for node, dim, rows in found:
         if rows is not None:
-            if rows.ndim == 0:
-                continue
-            order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1))
+            order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1 - dim))
             if torch.equal(rows, order.expand(rows.shape)) or any(
-                    rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in restoring):
+                    rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in orders):
                 continue
-        layer = _layer_below(source, outputs, batch, free)
+        layer = _layer_below(node.next_functions[0][0], dim, outputs, free)
         if layer is not None:
             return layer
     return None
+
+
+def _taken_along(node, batch: int) -> Optional[tuple]:
+    """(dim, a function giving the rows taken along it, read on the host) for a selection ``node``
+    (index, index_select, gather) along dim 0 or 1 alone whose input and output have the batch's
+    size there; else None. An index's dims of 1 before the one it chooses along are dropped
+    (``h[None, order]``)."""
+    into = tuple(node._saved_self_sym_sizes) if type(node) is not _GATHER else \
+        _forward_shape(*node.next_functions[0])
+    out = tuple(node._input_metadata[0].shape)
+    if type(node) is _INDEX:
+        entries = list(node._saved_indices)
+        chosen = [k for k, entry in enumerate(entries) if entry is not None]
+        if len(chosen) != 1 or entries[chosen[0]].ndim != 1:
+            return None  # several dims at once: selected_tokens' to find
+        dim, entry = chosen[0], entries[chosen[0]]
+        ones = next((k for k, size in enumerate(into[:dim]) if size != 1), dim)
+        dim, into, out = dim - ones, into[ones:], out[ones:]
+        rows_of = (lambda: entry.nonzero().flatten()) if entry.dtype == torch.bool else (lambda: entry)
+    else:
+        dim = _dim(node._saved_dim, len(into))
+        rows_of = lambda: node._saved_index  # noqa: E731
+    if dim > 1 or len(into) <= dim or len(out) <= dim or into[dim] != batch or out[dim] != batch:
+        return None
+    return dim, rows_of
 
 
 def _packed(node, parents: dict) -> bool:
@@ -674,28 +712,29 @@ def _packed(node, parents: dict) -> bool:
                                  for reader, _ in readers)
 
 
-def _layer_below(node, outputs: dict, batch: int, free: set) -> Optional[Any]:
-    """The value of ``outputs`` (by autograd node) of a node in the graph under ``node``, not under
-    a transpose or permute that moved a dim of the batch's size out of dim 0, if any; ``free``:
-    nodes with none under them, skipped, and this walk's added where it finds none."""
-    stack, seen = [node], set()
+def _layer_below(node, dim: int, outputs: dict, free: set) -> Optional[Any]:
+    """The layer of ``outputs`` (:func:`reordered_rows`) whose output, in the graph under ``node``,
+    holds the batch in the dim that ``dim`` of the tensor ``node`` made is there, if any: followed
+    through transposes and permutes (:func:`_dim_below`), unchanged through other ops. ``free``:
+    (node, dim) pairs with none under them, skipped, and this walk's added where it finds none."""
+    stack, seen = [(node, dim)], set()
     while stack:
-        node = stack.pop()
-        if node is None or node in seen or node in free:
+        node, dim = at = stack.pop()
+        if node is None or at in seen or at in free:
             continue
-        if node in outputs:
-            return outputs[node]
-        seen.add(node)
-        if _moved_from_dim_0(node) != batch:
-            stack.extend(child for child, _ in node.next_functions)
+        found = outputs.get(node)
+        if found is not None and found[1] in (None, dim):
+            return found[0]
+        seen.add(at)
+        below = _dim_below(node, dim, len(node._input_metadata[0].shape)) if node._input_metadata else dim
+        stack.extend((child, below) for child, _ in node.next_functions)
     free |= seen
     return None
 
 
 def _chooses_along_dim_0(node) -> bool:
     """Whether an index_select's or gather's ``node`` chooses along dim 0 (dim=-n of n dims too)."""
-    dim, dims = node._saved_dim, len(getattr(node, "_saved_self_sym_sizes", None) or node._saved_index.shape)
-    return (dim - 2**64 if dim >= 2**63 else dim) % max(dims, 1) == 0  # a negative dim, saved unsigned
+    return _dim(node._saved_dim, len(getattr(node, "_saved_self_sym_sizes", None) or node._saved_index.shape)) == 0
 
 
 def flattened_outputs(edges: list, batch: int) -> list[int]:

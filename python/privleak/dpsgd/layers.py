@@ -484,10 +484,16 @@ class Layer:
         batch in the packed sequence's order (none by default)."""
         return []
 
-    def batch_in_dim_0(self, call: int) -> list[bool]:
-        """Per recorded output of call ``call`` (in :meth:`call_edges`' order), whether its dim 0
-        is the batch (default: all)."""
-        return [True] * len(self.call_edges(call))
+    def inner_nodes(self) -> set:
+        """Autograd nodes of the step's calls' forwards whose rows the rule reads by itself, not as
+        the batch's (a mixture of experts sorts its tokens by expert), which the check of rows
+        taken out of order passes over (none by default)."""
+        return set()
+
+    def batch_dims(self, call: int) -> list[Optional[int]]:
+        """Per recorded output of call ``call`` (in :meth:`call_edges`' order), the dim that holds
+        the batch (None: a packed sequence's rows, which hold it in any order; default: dim 0)."""
+        return [0] * len(self.call_edges(call))
 
     def forced_inputs(self) -> list:
         """Tensors the backward pass must reach, so that the nodes of :meth:`nodes` run."""

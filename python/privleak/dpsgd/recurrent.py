@@ -199,11 +199,10 @@ class RecurrentLayer(FunctionalLayer):
     def packings(self) -> list:
         return [layout.packed[1:] for layout in self.layouts if layout.packed is not None]
 
-    def batch_in_dim_0(self, call: int) -> list[bool]:
-        """The output batch first, or packed (its rows the samples' steps, in the packed sequence's
-        order); h_n and c_n never (layers and directions first)."""
-        output_first = self.module.batch_first or self.layouts[call].packed is not None
-        return [output_first if output == 0 else False for output in self.calls[call][2]]
+    def batch_dims(self, call: int) -> list[Optional[int]]:
+        """The output's: dim 0 batch first, 1 sequence first, None packed; h_n's and c_n's: 1."""
+        output = None if self.layouts[call].packed is not None else 0 if self.module.batch_first else 1
+        return [output if k == 0 else 1 for k in self.calls[call][2]]
 
     def replayed_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """(padded input (B, T, d), lengths (B,) or None, initial states (B, L D, h) each), {}."""
