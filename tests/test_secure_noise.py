@@ -154,10 +154,16 @@ def test_the_secure_scale_covers_the_sensitivity_that_rounding_to_the_grid_adds(
     assert raised < scale * (1 + 2.0**-19 * sigma * (math.sqrt(n) if norm == 2 else n)) + 1e-300
 
 
-def test_secure_laplace_noise_on_too_many_values_for_its_grid_is_refused():
-    """Laplace's rounding grows with n, and with the scale: past half the scale no scale covers it."""
-    with pytest.raises(ValueError, match="secure Laplace noise of scale 1.0 on 1048576 values .* use the Gaussian"):
-        M.secure_scale("laplace", 1.0, 1.0, 2**20)
+@pytest.mark.parametrize("distribution, sigma, n", [("laplace", 1.0, 2**20), ("gaussian", 1024.0, 2**20)])
+def test_secure_noise_on_too_many_values_for_its_grid_is_refused(distribution, sigma, n):
+    """The rounding grows with the scale: where it reaches half the sensitivity no scale covers it
+    (Laplace's grows with n: from 2^19 to 2^20 values at multiplier 1; the Gaussian's with sigma
+    sqrt(n))."""
+    norm = "L2" if distribution == "gaussian" else "L1"
+    with pytest.raises(ValueError, match=f"secure {distribution} noise of scale {sigma} on {n} values of {norm} "
+                                         "sensitivity 1.0: rounding them .* half the sensitivity or more"):
+        M.secure_scale(distribution, sigma, 1.0, n)
+    assert M.secure_scale(distribution, sigma, 1.0, n // 8) > sigma
 
 
 @pytest.mark.parametrize("path", ["noise", "release"])

@@ -333,19 +333,22 @@ def secure_scale(distribution: str, scale: float, sensitivity: float, count: int
 
         s' = s (1 + g(s') n^(1/2 or 1) / Delta),    g(s') = 2^k, 2^20 <= s' / g(s') < 2^21.
 
-    The Gaussian's factor is under 1 + 2^-20 sigma sqrt(n) (sigma = s / Delta): 1.01 at sigma 1
-    and n = 10^8. Laplace's grows with n, not its root: refused where the grid's rounding would
-    take a noise multiplier's 1 / 2 or more of the scale (n >= 2^19 / multiplier, about)."""
+    The factor is under 1 + 2^-20 sigma sqrt(n) for the Gaussian (sigma = s / Delta: 1.01 at sigma
+    1 and n = 10^8) and 1 + 2^-20 sigma n for Laplace. Refused where the grid's rounding reaches
+    half the sensitivity or more (sigma sqrt(n), or sigma n for Laplace, from 2^19 to 2^20,
+    depending on where s falls between powers of two): the grid grows with the scale, so more
+    noise would not cover it."""
     validation.positive(sensitivity, "sensitivity")
     spread = (math.sqrt(count) if distribution == "gaussian" else float(count)) / sensitivity
-    if distribution == "laplace" and 2.0 ** _grid(scale) * spread >= 0.5:
-        raise ValueError(f"secure Laplace noise of scale {scale} on {count} values of L1 sensitivity {sensitivity}: "
-                         f"rounding to its grid (2^{_grid(scale)}) moves neighbours apart by up to half the scale or "
-                         "more, which more noise cannot hide (the grid grows with it); use the Gaussian mechanism "
-                         "for secure noise on this many values, or fewer values")
+    if 2.0 ** _grid(scale) * spread >= 0.5:
+        norm = "L2" if distribution == "gaussian" else "L1"
+        raise ValueError(f"secure {distribution} noise of scale {scale} on {count} values of {norm} sensitivity "
+                         f"{sensitivity}: rounding them to its grid (2^{_grid(scale)}) moves neighbours apart by half "
+                         "the sensitivity or more, which more noise cannot cover (the grid grows with the scale); "
+                         "use fewer values, a smaller noise multiplier, or noise that is not secure")
     raised = scale
     while (wanted := scale * (1.0 + 2.0 ** _grid(raised) * spread)) > raised:
-        raised = wanted  # g(s') is a power of two: a few rounds
+        raised = wanted  # g(s') is a power of two: a few rounds, bounded by s / (1 - 2^-20 s spread)
     return raised
 
 
