@@ -137,7 +137,7 @@ def worst_pair_on_the_grid(g, n, sensitivity, norm):
 
 @pytest.mark.parametrize("distribution, sigma, n", [("gaussian", 10.0, 10**6), ("gaussian", 1.0, 10**5),
                                                     ("gaussian", 0.5, 3), ("laplace", 1.0, 10**4),
-                                                    ("laplace", 4.0, 2000)])
+                                                    ("laplace", 4.0, 2000), ("laplace", 1.0, 10**6)])
 def test_the_secure_scale_covers_the_sensitivity_that_rounding_to_the_grid_adds(distribution, sigma, n):
     """Rounding to the grid g moves each of n values by less than g / 2, so neighbours' values on
     the grid can be up to Delta + g sqrt(n) (L2) or Delta + g n (L1) apart (a review: 1.0071 C at
@@ -154,16 +154,19 @@ def test_the_secure_scale_covers_the_sensitivity_that_rounding_to_the_grid_adds(
     assert raised < scale * (1 + 2.0**-19 * sigma * (math.sqrt(n) if norm == 2 else n)) + 1e-300
 
 
-@pytest.mark.parametrize("distribution, sigma, n", [("laplace", 1.0, 2**20), ("gaussian", 1024.0, 2**20)])
-def test_secure_noise_on_too_many_values_for_its_grid_is_refused(distribution, sigma, n):
-    """The rounding grows with the scale: where it reaches half the sensitivity no scale covers it
-    (Laplace's grows with n: from 2^19 to 2^20 values at multiplier 1; the Gaussian's with sigma
-    sqrt(n))."""
+@pytest.mark.parametrize("distribution, sigma, n", [("laplace", 1.0, 2**21), ("gaussian", 2048.0, 2**20)])
+def test_secure_noise_where_no_scale_covers_its_grid_is_refused(distribution, sigma, n):
+    """The grid grows with the scale: past s n^(1/2 or 1) / Delta = 2^21 no scale covers its
+    rounding; under it one does (3 s at half of it: a review found the first form of the refusal,
+    at half of it, refused Laplace on 10^6 values, where 2 s covers it)."""
     norm = "L2" if distribution == "gaussian" else "L1"
     with pytest.raises(ValueError, match=f"secure {distribution} noise of scale {sigma} on {n} values of {norm} "
-                                         "sensitivity 1.0: rounding them .* half the sensitivity or more"):
+                                         "sensitivity 1.0: rounding them"):
         M.secure_scale(distribution, sigma, 1.0, n)
-    assert M.secure_scale(distribution, sigma, 1.0, n // 8) > sigma
+    fewer = n // 4 if distribution == "gaussian" else n // 2
+    raised = M.secure_scale(distribution, sigma, 1.0, fewer)
+    spread = math.sqrt(fewer) if distribution == "gaussian" else fewer
+    assert sigma < raised <= 4 * sigma and raised >= sigma * (1 + 2.0 ** M._grid(raised) * spread)
 
 
 @pytest.mark.parametrize("path", ["noise", "release"])

@@ -27,8 +27,8 @@ g Z, g = 2^k with k = floor(log2 scale) - 20, exact discrete Gaussian (variance 
 ceil(sigma^2 / g^2)) or discrete Laplace (scale ceil(b / g)) integers are added in integer
 arithmetic, and the sum is converted to floating point once, which is post-processing. The
 discrete Gaussian gives rho-zCDP with rho = Delta^2 / (2 sigma^2) and the discrete Laplace
-(Delta / b)-DP, for Delta the sensitivity on the grid: rounding moves each of n values by
-less than g, so two neighbours' values on the grid are up to the true L2 sensitivity plus
+(Delta / b)-DP, for Delta the sensitivity on the grid: rounding moves each of n values by at
+most g / 2, so two neighbours' values on the grid are up to the true L2 sensitivity plus
 g sqrt(n) apart (L1: plus g n). :func:`secure_scale` gives the scale that covers that for a
 release of n values (DP-SGD's mechanisms draw at it); rounding the scale up keeps both at least
 as private as asked. Secure draws cost a few ChaCha20 blocks per
@@ -326,30 +326,31 @@ def secure_scale(distribution: str, scale: float, sensitivity: float, count: int
     """The scale at which secure noise (``distribution`` "gaussian" or "laplace") added to
     ``count`` values whose sensitivity is ``sensitivity`` (L2 for the Gaussian, L1 for Laplace)
     is as private as noise of ``scale`` on the exact values. Rounding to the grid g moves each
-    value by less than g/2, so two neighbours' values on the grid are up to
-    Delta + g sqrt(n) (L2) or Delta + g n (L1) apart (a review's worst case at n = 10^6: 1.0071 C
-    for the Gaussian at sigma 10, 1.91 C_1 for Laplace at noise multiplier 1, the epsilon
-    reported for the true sensitivity). The scale grows by that factor, with its own grid's g:
+    value by at most g/2, so two neighbours' values on the grid are up to Delta + g sqrt(n) (L2)
+    or Delta + g n (L1) apart (a review's worst case at n = 10^6: 1.0071 C for the Gaussian at
+    sigma 10, 1.91 C_1 for Laplace at noise multiplier 1, the epsilon reported for the true
+    sensitivity). The scale grows by that factor, with its own grid's g (the least such s', found
+    by iterating from s, rounded up by 2^-40 of itself):
 
-        s' = s (1 + g(s') n^(1/2 or 1) / Delta),    g(s') = 2^k, 2^20 <= s' / g(s') < 2^21.
+        s' >= s (1 + g(s') n^(1/2 or 1) / Delta),    g(s') = 2^k, 2^20 <= s' / g(s') < 2^21.
 
-    The factor is under 1 + 2^-20 sigma sqrt(n) for the Gaussian (sigma = s / Delta: 1.01 at sigma
-    1 and n = 10^8) and 1 + 2^-20 sigma n for Laplace. Refused where the grid's rounding reaches
-    half the sensitivity or more (sigma sqrt(n), or sigma n for Laplace, from 2^19 to 2^20,
-    depending on where s falls between powers of two): the grid grows with the scale, so more
-    noise would not cover it."""
-    validation.positive(sensitivity, "sensitivity")
+    The factor is about 1 + 2^-20 sigma sqrt(n) at most for the Gaussian (sigma = s / Delta: 1.01
+    at sigma 1 and n = 10^8) and 1 + 2^-20 sigma n for Laplace. No s' exists where
+    s n^(1/2 or 1) / Delta >= 2^21 (the grid grows with the scale): refused."""
+    distribution = validation.choice(distribution, "distribution", ("gaussian", "laplace"))
+    count = validation.integer(count, "count", low=0)
+    sensitivity = validation.positive(sensitivity, "sensitivity")
     spread = (math.sqrt(count) if distribution == "gaussian" else float(count)) / sensitivity
-    if 2.0 ** _grid(scale) * spread >= 0.5:
+    if scale * spread >= 2.0**21:
         norm = "L2" if distribution == "gaussian" else "L1"
         raise ValueError(f"secure {distribution} noise of scale {scale} on {count} values of {norm} sensitivity "
-                         f"{sensitivity}: rounding them to its grid (2^{_grid(scale)}) moves neighbours apart by half "
-                         "the sensitivity or more, which more noise cannot cover (the grid grows with the scale); "
-                         "use fewer values, a smaller noise multiplier, or noise that is not secure")
+                         f"{sensitivity}: rounding them to a grid of about 2^-20 of any scale covering them moves "
+                         "neighbours apart by more than that scale can hide; use fewer values, a smaller noise "
+                         "multiplier, or noise that is not secure")
     raised = scale
     while (wanted := scale * (1.0 + 2.0 ** _grid(raised) * spread)) > raised:
-        raised = wanted  # g(s') is a power of two: a few rounds, bounded by s / (1 - 2^-20 s spread)
-    return raised
+        raised = wanted  # g is constant between powers of two: a few rounds up to the least s'
+    return raised * (1.0 + 2.0**-40)  # the float products' rounding
 
 
 def _apply(outs: list, distribution: str, scale: float, key: list[int], offset: int, grid_exponent: int,

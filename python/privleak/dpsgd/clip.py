@@ -321,8 +321,9 @@ def clip_and_accumulate(
             fixed one; default B.
         generator, key, offset: the noise stream, as in :mod:`privleak.mechanisms`. With a
             :class:`~privleak.mechanisms.SecureNoiseGenerator` the sum is formed by the kernel and
-            the secure (discretised) noise is added to it before scaling, its std raised to cover
-            the grid's rounding (:func:`~privleak.mechanisms.secure_scale`).
+            the secure (discretised) noise is added to it before scaling (at ``noise_std``:
+            DP-SGD's Gaussian mechanism raises it to cover the grid's rounding,
+            :func:`~privleak.mechanisms.secure_scale`).
         non_finite: "raise" (default) or "drop"; see the module docstring.
         norm_type: the norm samples are clipped in: 2 (L2, default; Gaussian DP-SGD) or 1 (L1,
             clip_c(g) = g min(1, c / |g|_1); Laplace DP-SGD). The returned norms are in it too.
@@ -370,10 +371,8 @@ def clip_and_accumulate(
     if norm_type == 2:
         norms = _sqrt(norms)
     if secure_noise:  # the discretised noise needs the exact sum, so it is added before scaling
-        sensitivity = math.sqrt(math.fsum(c * c for c in norms_allowed)) if per_layer else norms_allowed[0]
-        std = _mechanisms.secure_scale("gaussian", noise_std, sensitivity, sum(out.numel() for out in outs))
         for out in outs:
-            _mechanisms.add_gaussian_noise_(out, std, generator=generator)
+            _mechanisms.add_gaussian_noise_(out, noise_std, generator=generator)
             out.mul_(1.0 / scale_by)
     return ClippedSum(list(outs), norms, bad)
 

@@ -41,10 +41,20 @@ class Gaussian(DPSGDMechanism):
         """Standard deviation of the noise on the clipped sum: sigma c, or sigma |(c_t)|_2 per layer."""
         return self.noise_multiplier * clipping.total(2)
 
+    def drawn_std(self, clipping: Clipping, batch_size: float, count: int, generator) -> float:
+        """The std of the noise drawn on ``count`` values of the clipped sum over ``batch_size``:
+        sigma c / L, for secure noise raised to cover its grid's rounding (the sensitivity c / L,
+        :func:`~privleak.mechanisms.secure_scale`)."""
+        std = self.noise_std(clipping) / batch_size
+        if std > 0 and isinstance(generator, _noise.SecureNoiseGenerator):
+            return _noise.secure_scale("gaussian", std, clipping.total(2) / batch_size, count)
+        return std
+
     def release(self, per_sample_grads: Sequence[torch.Tensor], clipping: Clipping, batch_size: float,
                 generator, non_finite: str) -> list:
+        std = self.drawn_std(clipping, 1.0, sum(math.prod(g.shape[1:]) for g in per_sample_grads), generator)
         return clip_and_accumulate(per_sample_grads, list(clipping.norms), per_layer=clipping.per_layer,
-                                   noise_std=self.noise_std(clipping), batch_size=batch_size, generator=generator,
+                                   noise_std=std, batch_size=batch_size, generator=generator,
                                    non_finite=non_finite).grads
 
     def check_release_range(self, batch: int, clipping: Clipping, batch_size: float, generator) -> None:
@@ -54,11 +64,9 @@ class Gaussian(DPSGDMechanism):
 
     def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
               inplace: bool = False) -> list:
-        std = self.noise_std(clipping) / batch_size
+        std = self.drawn_std(clipping, batch_size, sum(a.numel() for a in average), generator)
         if std == 0:
             return list(average) if inplace else [a.clone() for a in average]
-        if isinstance(generator, _noise.SecureNoiseGenerator):
-            std = _noise.secure_scale("gaussian", std, std / self.noise_multiplier, sum(a.numel() for a in average))
         add = _noise.add_gaussian_noise_ if inplace else _noise.add_gaussian_noise
         return list(add(list(average), std, generator=generator))
 

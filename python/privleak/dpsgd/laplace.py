@@ -47,8 +47,8 @@ class Laplace(DPSGDMechanism):
     def noise(self, average: Sequence[torch.Tensor], clipping: Clipping, batch_size: float, generator, *,
               inplace: bool = False) -> list:
         scale = self.scale(clipping) / batch_size
-        if isinstance(generator, _noise.SecureNoiseGenerator):
-            scale = _noise.secure_scale("laplace", scale, scale / self.noise_multiplier,
+        if isinstance(generator, _noise.SecureNoiseGenerator):  # its grid's rounding covered
+            scale = _noise.secure_scale("laplace", scale, clipping.total(1) / batch_size,
                                         sum(a.numel() for a in average))
         add = _noise.add_laplace_noise_ if inplace else _noise.add_laplace_noise
         return list(add(list(average), scale, generator=generator))
