@@ -1780,8 +1780,8 @@ def test_one_token_of_each_sample_selected_from_the_batch_is_its_row(flattened):
 
 class Reordered(nn.Module):
     """Hidden states taken along dim 0 in an order of the data (sorted by the first feature) by
-    ``take`` (index_select and gather along dim -2: a review found the negative dim missed), a
-    Linear on them, and its outputs put back in order; or (``mixed``) each sample's
+    ``take`` (index_select and gather along dim -2, an index of (B, 1): reviews found them
+    missed), a Linear on them, and its outputs put back in order; or (``mixed``) each sample's
     hidden states added to those of the sample of its rank in that order (manifold mixup)."""
 
     def __init__(self, take):
@@ -1791,14 +1791,15 @@ class Reordered(nn.Module):
     def forward(self, x):
         order = x[:, 0].argsort()
         take = {"index": lambda h, o: h[o], "index_select": lambda h, o: h.index_select(-2, o), "mixed": lambda h, o: h,
-                "gather": lambda h, o: h.gather(-2, o[:, None].expand(-1, h.shape[1]))}[self.take]
+                "gather": lambda h, o: h.gather(-2, o[:, None].expand(-1, h.shape[1])),
+                "column": lambda h, o: h[o[:, None]].squeeze(1)}[self.take]
         hidden = self.inp(x)
         if self.take == "mixed":
             hidden = hidden + hidden[order]
         return take(self.out(torch.tanh(take(hidden, order))), order.argsort())
 
 
-@pytest.mark.parametrize("take", ["index", "index_select", "gather", "mixed"])
+@pytest.mark.parametrize("take", ["index", "index_select", "gather", "mixed", "column"])
 def test_a_layer_s_rows_taken_in_another_order_are_refused_at_any_step(take):
     """A layer's rows taken in another order along the batch's dim: each row of a layer is read as
     the sample of its index, so the rows of the two Linears were clipped with other samples' (a

@@ -453,3 +453,95 @@ def test_sequence_first_positions_reversed_are_no_reorder_of_the_batch_where_t_i
     config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
     want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
+
+
+class FinalStates(nn.Module):
+    """An RNN on features sorted by hand (a batch sorted by length; no graph shows it), its final
+    states or outputs put back in order by ``restore``, a Linear on them; or (``between``) a frozen
+    LSTM on a Linear's outputs sorted and packed by hand, a trained Linear on its padded outputs
+    before they are put back."""
+
+    def __init__(self, restore):
+        super().__init__()
+        self.restore = restore
+        bidirectional = restore in ("view", "unbind")
+        self.rnn = nn.GRU(3, 4, batch_first=True) if restore == "output" else \
+            nn.LSTM(3, 4, num_layers=2 if restore == "view" else 1, bidirectional=bidirectional, batch_first=True)
+        self.proj_in, self.proj, self.head = nn.Linear(3, 3), nn.Linear(4, 4), nn.Linear(8 if bidirectional else 4, 2)
+        if restore == "between":
+            self.rnn.requires_grad_(False)
+
+    def forward(self, x):
+        order = x[:, :, 0].sum(1).argsort()
+        back = order.argsort()
+        if self.restore == "between":
+            lengths = torch.full((len(x),), x.shape[1])  # the sort below only the packing op reads
+            out, _ = self.rnn(pack_padded_sequence(self.proj_in(x)[order], lengths, batch_first=True))
+            out, _ = pad_packed_sequence(out, batch_first=True)
+            return self.head(self.proj(out[:, -1])[back])
+        out, states = self.rnn(x[order])
+        h = states[0] if isinstance(states, tuple) else states
+        final = {"view": lambda: h.view(2, 2, len(x), 4)[-1].transpose(0, 1).reshape(len(x), 8)[back],
+                 "index": lambda: h[:, back][0], "unbind": lambda: torch.cat(h.unbind(0), 1)[back],
+                 "mean": lambda: h.mean(0)[back], "output": lambda: out[back][:, -1]}[self.restore]()
+        return self.head(final)
+
+
+@pytest.mark.parametrize("restore", ["view", "index", "unbind", "mean", "output", "between"])
+def test_final_states_or_outputs_put_back_in_order_are_refused(restore):
+    """A review's escapes of the first form of the check, each 1.41 times C after a first batch in
+    order: torch's idiom ``h_n.view(layers, directions, B, h)[-1]``, ``h_n[:, restore]`` of one
+    layer, ``h_n.unbind(0)``, ``h_n.mean(0)`` (the batch's dim followed through views, indexes
+    after a dim of 1, unbind and reductions), a batch-first GRU's output (its output and final
+    state come from one autograd node, their batch in different dims), and a trained Linear
+    between a frozen RNN packed by hand and the restoring."""
+    torch.manual_seed(0)
+    model, generator = FinalStates(restore), torch.Generator().manual_seed(1)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=4)
+    x = torch.randn(4, 5, 3, generator=generator)
+    in_order = x[x[:, :, 0].sum(1).argsort()]
+    assert len(bk.step(regression(model(in_order), torch.zeros(4, 2))))
+    with pytest.raises(ValueError, match="rows computed from the output of module '(rnn|proj)' .* are taken along "
+                                         "the batch's dim in another order"):
+        bk.step(regression(model(in_order.flip(0)), torch.zeros(4, 2)))
+
+
+class Positions(nn.Module):
+    """``layer`` (a batch-first GRU, nn.MultiheadAttention or nn.TransformerEncoderLayer, or a
+    sequence-first nn.MultiheadAttention) on a Linear's outputs, the positions reversed by an index
+    after it."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.inp, self.out = layer, nn.Linear(3, 4), nn.Linear(4, 2)
+        self.mix = {"gru": lambda: nn.GRU(4, 4, batch_first=True),
+                    "mha": lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+                    "encoder": lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
+                    "mha-sequence-first": lambda: nn.MultiheadAttention(4, 2)}[layer]()
+
+    def forward(self, x):
+        h = self.inp(x)
+        first = self.layer == "mha-sequence-first"
+        if first:
+            h = h.transpose(0, 1)
+        y = self.mix(h, h, h)[0] if self.layer.startswith("mha") else self.mix(h)
+        y = y[0] if isinstance(y, tuple) else y
+        reverse = torch.arange(x.shape[1] - 1, -1, -1)
+        y = y[reverse].transpose(0, 1) if first else y[:, reverse]
+        return self.out(y).mean(1)
+
+
+@pytest.mark.parametrize("layer", ["gru", "mha", "encoder", "mha-sequence-first"])
+def test_positions_reversed_after_a_layer_at_t_equal_to_b_are_no_reorder(layer):
+    """At T = B (a Poisson batch may meet T) positions reversed by an index have the batch's size:
+    a review found them refused after a batch-first GRU (its output's node is its final state's
+    too), attention (it projects sequence first) and an encoder layer; the update is that of each
+    sample's own backward pass."""
+    torch.manual_seed(0)
+    model, generator = Positions(layer), torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, 4, 3, generator=generator), torch.randn(4, 2, generator=generator)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)

@@ -892,7 +892,7 @@ class BookKeeping:
         another order along the batch's dim (:func:`~privleak.dpsgd.graph.reordered_rows`):
         book-keeping reads row i of every layer as sample i, so a layer whose rows were the samples
         in another order than another's, or the losses', would clip the wrong rows together."""
-        outputs = {edge.node: (layer, dim) for layer, edge, dim in self._call_outputs()}
+        outputs = {(edge.node, edge.output_nr): (layer, dim) for layer, edge, dim in self._call_outputs()}
         packings = [packing for layer in self.layers for packing in layer.packings()]
         inner = set().union(*(layer.inner_nodes() for layer in self.layers))
         layer = reordered_rows(parents, batch, outputs, packings, inner)

@@ -387,7 +387,7 @@ def _dim_below(node, dim: int, ndim: int) -> int:
     kind = type(node)
     if kind is _TRANSPOSE:
         return 1 - dim if dim < 2 else dim
-    if kind is _TRANSPOSE_DIMS:
+    if kind in (_TRANSPOSE_DIMS, _TRANSPOSE_IN_PLACE):
         swapped = (_dim(node._saved_dim0, ndim), _dim(node._saved_dim1, ndim))
         return swapped[1] if dim == swapped[0] else swapped[0] if dim == swapped[1] else dim
     if kind is _PERMUTE:
@@ -399,6 +399,48 @@ def _dim_below(node, dim: int, ndim: int) -> int:
         if out[dim] != 1:
             return [k for k, size in enumerate(into) if size != 1][sum(1 for size in out[:dim] if size != 1)]
     return dim
+
+
+def _dims_below(node, output_nr: int, piece: tuple) -> list:
+    """(child, its output_nr, its piece) for each input of ``node`` that holds the piece ``piece``
+    of the node's output ``output_nr``: (dim, outer, size), the factor of ``size`` after an outer
+    factor ``outer`` of that dim (a whole dim: (dim, 1, its size); the batch merged with the
+    positions, (B T, d), holds B as (0, 1, B) and T as (0, B, T)). Through transposes, permutes,
+    selects and views of dims of 1 (:func:`_dim_below`), reductions and unbind (the dims they
+    drop), other views (the input dim the piece lies in, by the elements before it), and any other
+    op aligned from the right, as broadcasting aligns (an input without that dim has none)."""
+    dim, outer, size = piece
+    out = tuple(node._input_metadata[output_nr].shape) if output_nr < len(node._input_metadata) else ()
+    kind, below, mapped = type(node), dim, True
+    if kind is _UNBIND:
+        below = dim + 1 if dim >= _dim(node._saved_dim, len(out) + 1) else dim
+    elif kind in _REDUCTIONS and not node._saved_keepdim:
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        ndim = len(sizes) if sizes is not None else node._saved_self.ndim
+        for d in sorted(_dim(d, ndim) for d in (node._saved_dim if isinstance(node._saved_dim, tuple)
+                                                  else (node._saved_dim,))):
+            below += below >= d
+    elif kind in _RESHAPES and not _adds_or_drops_ones(node) and dim < len(out):
+        into = _forward_shape(*node.next_functions[0])
+        start = math.prod(out[:dim]) * outer  # elements before the piece's first, in the order of a reshape
+        for k in range(len(into)):
+            first = math.prod(into[:k])
+            if first <= start and start * size <= first * into[k] and start % first == 0:
+                return [(node.next_functions[0][0], node.next_functions[0][1], (k, start // first, size))]
+        return []
+    elif kind in (_TRANSPOSE, _TRANSPOSE_DIMS, _TRANSPOSE_IN_PLACE, _PERMUTE, _SELECT) or kind in _VIEWS:
+        below = _dim_below(node, dim, len(out))
+    else:
+        mapped = False
+    children = []
+    for child, nr in node.next_functions:
+        if child is None:
+            continue
+        ndim = len(_forward_shape(child, nr))
+        aligned = below if mapped else below - (len(out) - ndim)
+        if 0 <= aligned < ndim:
+            children.append((child, nr, (aligned, outer, size)))
+    return children
 
 
 def _forward_shape(child, output_nr: int) -> tuple:
@@ -474,6 +516,10 @@ _GATHER = node_type(lambda x: x.gather(0, torch.zeros(1, 2, dtype=torch.long)))
 _SELECTIONS = frozenset((_INDEX, _INDEX_SELECT, _GATHER))  # a masked_select's rows: at the view after it
 _SELECT, _SLICE = node_type(lambda x: x[:, 0]), node_type(lambda x: x[:, 1:])
 _PACK = node_type(lambda x: torch._pack_padded_sequence(x, torch.tensor([2, 1]), True)[0])
+_UNBIND = node_type(lambda x: x.unbind(0)[0])
+_TRANSPOSE_IN_PLACE = node_type(lambda x: x.clone().transpose_(0, 1))
+#: reductions along dims they name (dropped where keepdim is False)
+_REDUCTIONS = frozenset(node_type(op) for op in (lambda x: x.sum(0), lambda x: x.mean(0), lambda x: x.amax(0)))
 
 
 def _along_later_dim(node) -> bool:
@@ -626,81 +672,89 @@ def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list, inn
     """The first layer under rows that the loss's graph (``parents``: :func:`count_uses`'s) takes
     along the batch's dim alone, as many as the batch's ``batch``, in another order (``h[order]``,
     ``index_select``, ``gather``: the batch sorted, mixed with itself, or put back in order after a
-    sort that the graph does not show); None if there is none. ``outputs`` maps the autograd node
-    of each of the step's layer calls' outputs to (its layer, the dim that holds the batch there:
-    0, 1 for a sequence-first one, None for a packed sequence's rows, which hold it in any).
+    sort that the graph does not show); None if there is none. ``outputs`` maps (autograd node,
+    output_nr) of each of the step's layer calls' outputs to (its layer, the dim that holds the
+    batch there: 0, 1 for a sequence-first one, None for a packed sequence's rows, which hold it in
+    any order, -1 for rows that are not the batch's alone).
 
     Book-keeping reads row i of every layer as sample i: where the layers' rows hold the samples in
     k different orders, a sample's share of the update reaches up to sqrt(k) times the clip norm
-    (each order's part at most C; 1.41 times in a review's repro, two Linears, the second on the
-    hidden states sorted). So did the idiom of sorting a batch by length for an RNN
-    (pack_padded_sequence with enforce_sorted=True, the outputs, or the final states, put back in
-    order, batch first or sequence first: InferSent's encoder), silently where the first batch was
-    in order or its first sample stayed in place.
+    (each order's part at most C; 1.41 times in reviews' repros: two Linears, the second on the
+    hidden states sorted; the idiom of sorting a batch by length for an RNN, with
+    pack_padded_sequence(enforce_sorted=True), the outputs or final states put back in order,
+    batch first or sequence first as InferSent's encoder), silently where the first batch was in
+    order or its first sample stayed in place.
 
-    Rows taken along dim 0 or 1 are followed down to the layer outputs with the batch in that dim,
-    the dim moved by transposes and permutes on the way (:func:`_dim_below`): at T = B a
-    sequence-first tensor's positions reversed by an index are no batch. Passed over: rows that
-    depend on no layer call (a table, a parameter or computed from parameters alone, indexed by
-    labels); a sort that only pack_padded_sequence reads (through a slice of the sequences not
-    empty), unless a recorded RNN read a sequence packed without torch's sort (``packings``: the
-    recorded RNN calls' (sorted_indices, unsorted_indices), None for such), where it must be
-    torch's own; rows taken in the order of one of ``packings`` or the inverse of such a sort
-    (pad_packed_sequence's restoring index_select; the RNN's own of its states); and selections in
-    ``inner``, a layer call's own forward whose rows its rule reads by itself (transformers'
-    grouped_mm experts sort the tokens by expert: at T = 1 and top-1 routing, the batch's rows). In
-    a CUDA graph's capture, which may not read the rows taken, any such selection of rows that
-    depend on a layer call is found."""
+    Rows taken along dim 0 or 1 are followed down to the layer outputs with the batch in that dim
+    (:func:`_dims_below`): at T = B a sequence-first tensor's positions reversed by an index are
+    no batch. Passed over: rows that depend on no layer call (a table, a parameter or computed
+    from parameters alone, indexed by labels); a sort that only pack_padded_sequence reads (through
+    a slice of the sequences not empty), unless a recorded RNN read a sequence packed without
+    torch's sort (``packings``: the recorded RNN calls' (sorted_indices, unsorted_indices), None
+    for such), where it must be torch's own; rows taken in the order of one of ``packings`` or the
+    inverse of such a sort (pad_packed_sequence's restoring index_select) where no layer output is
+    found above the sort or a packed sequence's rows (AllenNLP's sort around a frozen encoder; a
+    trained layer between them is found); and selections in ``inner``, a layer call's own forward
+    whose rows its rule reads by itself (transformers' grouped_mm experts sort the tokens by
+    expert: at T = 1 and top-1 routing, the batch's rows). In a CUDA graph's capture, which may not
+    read the rows taken, any such selection of rows that depend on a layer call is found."""
     by_hand = any(order is None for order, _ in packings)
-    orders = [order for packing in packings for order in packing if order is not None]
-    found, free = [], set()
+    restoring = [order for packing in packings for order in packing if order is not None]
+    found, sorts, free = [], set(), set()
     for node in parents:
         taken = _taken_along(node, batch) if type(node) in _SELECTIONS and node not in inner else None
         if taken is None:
             continue
-        dim, rows_of = taken
+        dim, below, rows_of = taken
         rows = None if capturing() else rows_of()
         if _packed(node, parents):
-            sorted_by_torch = rows is not None and any(torch.equal(rows, order.to(rows.device)) for order in orders)
+            sorted_by_torch = rows is not None and any(torch.equal(rows, order.to(rows.device)) for order in restoring)
             if not by_hand or sorted_by_torch:
-                orders += [] if rows is None or rows.ndim != 1 else [torch.argsort(rows)]
+                sorts.add(node)
+                restoring += [] if rows is None or rows.ndim != 1 else [torch.argsort(rows)]
                 continue
-        found.append((node, dim, rows))
-    for node, dim, rows in found:
+        found.append((node, dim, below, rows))
+    for node, dim, below, rows in found:
+        restores = False
         if rows is not None:
-            order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1 - dim))
-            if torch.equal(rows, order.expand(rows.shape)) or any(
-                    rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in orders):
+            in_order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1 - dim))
+            if torch.equal(rows, in_order.expand(rows.shape)):
                 continue
-        layer = _layer_below(node.next_functions[0][0], dim, outputs, free)
+            restores = any(rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in restoring)
+        source, output_nr = node.next_functions[0]
+        layer = _layer_below(source, output_nr, below, batch, outputs, set() if restores else free,
+                             sorts if restores else None)
         if layer is not None:
             return layer
     return None
 
 
 def _taken_along(node, batch: int) -> Optional[tuple]:
-    """(dim, a function giving the rows taken along it, read on the host) for a selection ``node``
-    (index, index_select, gather) along dim 0 or 1 alone whose input and output have the batch's
-    size there; else None. An index's dims of 1 before the one it chooses along are dropped
-    (``h[None, order]``)."""
+    """(dim, the dim of the selection's input it is, a function giving the rows taken along it,
+    read on the host) for a selection ``node`` (index, index_select, gather) along dim 0 or 1
+    alone, after any dims of 1 (``h[None, order]``, ``h_n[:, order]`` of one layer), whose input
+    and output have the batch's size there; else None. An index may be (B, 1, ...)
+    (``h[order[:, None]]``)."""
     into = tuple(node._saved_self_sym_sizes) if type(node) is not _GATHER else \
         _forward_shape(*node.next_functions[0])
     out = tuple(node._input_metadata[0].shape)
     if type(node) is _INDEX:
         entries = list(node._saved_indices)
         chosen = [k for k, entry in enumerate(entries) if entry is not None]
-        if len(chosen) != 1 or entries[chosen[0]].ndim != 1:
+        if len(chosen) != 1:
             return None  # several dims at once: selected_tokens' to find
-        dim, entry = chosen[0], entries[chosen[0]]
-        ones = next((k for k, size in enumerate(into[:dim]) if size != 1), dim)
-        dim, into, out = dim - ones, into[ones:], out[ones:]
-        rows_of = (lambda: entry.nonzero().flatten()) if entry.dtype == torch.bool else (lambda: entry)
+        below, entry = chosen[0], entries[chosen[0]]
+        if entry.ndim != 1 and not (entry.dtype != torch.bool and entry.shape[0] == entry.numel()):
+            return None
+        ones = next((k for k, size in enumerate(into[:below]) if size != 1), below)
+        dim, into, out = below - ones, into[ones:], out[ones:]
+        rows_of = (lambda: entry.nonzero().flatten()) if entry.dtype == torch.bool else (lambda: entry.flatten())
     else:
-        dim = _dim(node._saved_dim, len(into))
+        below = dim = _dim(node._saved_dim, len(into))
         rows_of = lambda: node._saved_index  # noqa: E731
     if dim > 1 or len(into) <= dim or len(out) <= dim or into[dim] != batch or out[dim] != batch:
         return None
-    return dim, rows_of
+    return dim, below, rows_of
 
 
 def _packed(node, parents: dict) -> bool:
@@ -712,22 +766,31 @@ def _packed(node, parents: dict) -> bool:
                                  for reader, _ in readers)
 
 
-def _layer_below(node, dim: int, outputs: dict, free: set) -> Optional[Any]:
-    """The layer of ``outputs`` (:func:`reordered_rows`) whose output, in the graph under ``node``,
-    holds the batch in the dim that ``dim`` of the tensor ``node`` made is there, if any: followed
-    through transposes and permutes (:func:`_dim_below`), unchanged through other ops. ``free``:
-    (node, dim) pairs with none under them, skipped, and this walk's added where it finds none."""
-    stack, seen = [(node, dim)], set()
+def _layer_below(node, output_nr: int, dim: int, batch: int, outputs: dict, free: set,
+                 sorts: Optional[set] = None) -> Optional[Any]:
+    """The layer of ``outputs`` (:func:`reordered_rows`) whose output, in the graph under output
+    ``output_nr`` of ``node``, holds the batch (of ``batch``) in the dim that its ``dim`` is there,
+    whole (:func:`_dims_below`), if any. ``sorts`` (for rows put back in a restoring order): the walk
+    stops at these selections (packing's sorts) and at packed sequences' rows, whose order the
+    restoring puts back. ``free``: (node, output_nr, dim) with none under them, skipped, and this
+    walk's added where it finds none."""
+    shape = tuple(node._input_metadata[output_nr].shape) if node is not None else ()
+    stack, seen = [(node, output_nr, (dim, 1, shape[dim] if dim < len(shape) else batch))], set()
     while stack:
-        node, dim = at = stack.pop()
-        if node is None or at in seen or at in free:
+        at = stack.pop()
+        node, output_nr, piece = at
+        if node is None or at in seen or at in free or (sorts is not None and node in sorts):
             continue
-        found = outputs.get(node)
-        if found is not None and found[1] in (None, dim):
-            return found[0]
         seen.add(at)
-        below = _dim_below(node, dim, len(node._input_metadata[0].shape)) if node._input_metadata else dim
-        stack.extend((child, below) for child, _ in node.next_functions)
+        layer, holds = outputs.get((node, output_nr), (None, -1))
+        if holds is None and sorts is not None:
+            continue  # a packed sequence's rows, in the order the restoring puts back
+        shape = tuple(node._input_metadata[output_nr].shape) if output_nr < len(node._input_metadata) else ()
+        dim, outer, size = piece
+        whole = outer == 1 and dim < len(shape) and shape[dim] == size == batch
+        if layer is not None and (holds is None or (holds == dim and whole)):
+            return layer
+        stack.extend(_dims_below(node, output_nr, piece))
     free |= seen
     return None
 
