@@ -279,7 +279,7 @@ class MultiheadAttentionLayer(Layer):
     def batch_dims(self, call: int) -> list:
         """torch's attention projects sequence first: (T, B, E) projections hold the batch in dim 1;
         the output projection's (T B, E) rows are no batch's alone (-1)."""
-        return [1 if edge.node._input_metadata[edge.output_nr].shape.__len__() == 3 else -1
+        return [1 if len(edge.node._input_metadata[edge.output_nr].shape) == 3 else -1
                 for edge in self.call_edge_lists[call]]
 
     def finish(self) -> None:

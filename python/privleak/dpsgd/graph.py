@@ -772,8 +772,8 @@ def _layer_below(node, output_nr: int, dim: int, batch: int, outputs: dict, free
     ``output_nr`` of ``node``, holds the batch (of ``batch``) in the dim that its ``dim`` is there,
     whole (:func:`_dims_below`), if any. ``sorts`` (for rows put back in a restoring order): the walk
     stops at these selections (packing's sorts) and at packed sequences' rows, whose order the
-    restoring puts back. ``free``: (node, output_nr, dim) with none under them, skipped, and this
-    walk's added where it finds none."""
+    restoring puts back. ``free``: (node, output_nr, piece) with none under them, skipped, and
+    this walk's added where it finds none."""
     shape = tuple(node._input_metadata[output_nr].shape) if node is not None else ()
     stack, seen = [(node, output_nr, (dim, 1, shape[dim] if dim < len(shape) else batch))], set()
     while stack:

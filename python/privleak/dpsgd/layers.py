@@ -492,7 +492,8 @@ class Layer:
 
     def batch_dims(self, call: int) -> list[Optional[int]]:
         """Per recorded output of call ``call`` (in :meth:`call_edges`' order), the dim that holds
-        the batch (None: a packed sequence's rows, which hold it in any order; default: dim 0)."""
+        the batch (None: a packed sequence's rows, which hold it in any order; -1: rows that are
+        no batch's alone; default: dim 0)."""
         return [0] * len(self.call_edges(call))
 
     def forced_inputs(self) -> list:
