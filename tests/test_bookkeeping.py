@@ -1778,6 +1778,24 @@ def test_one_token_of_each_sample_selected_from_the_batch_is_its_row(flattened):
                                      torch.randn(4, 2, generator=generator))
 
 
+#: ``h[o]`` by writes of h's rows: row j at position ``o.argsort()[j]``
+WRITTEN = {
+    "index_put": lambda h, o: torch.zeros_like(h).index_put_((o.argsort(),), h),
+    "index_copy": lambda h, o: torch.zeros_like(h).index_copy(0, o.argsort(), h),
+    "index_add": lambda h, o: torch.zeros_like(h).index_add(-2, o.argsort(), h),
+    "scatter": lambda h, o: torch.zeros_like(h).scatter(0, o.argsort()[:, None].expand_as(h), h),
+    "scatter_add": lambda h, o: torch.zeros_like(h).scatter_add(0, o.argsort()[:, None].expand_as(h), h),
+}
+#: h's rows in the order ``o`` (by a mask, in order for o in order) by pieces stacked or concatenated
+COMBINED = {
+    "stack": lambda h, o: torch.stack([h[i] for i in o.tolist()]),
+    "stack-unbound": lambda h, o: torch.stack([rows[i] for rows in [h.unbind(0)] for i in o.tolist()]),
+    "cat-slices": lambda h, o: torch.cat([h[i - len(h):][:1] for i in o.tolist()]),
+    "cat-splits": lambda h, o: torch.cat([rows[i] for rows in [h.split(1)] for i in o.tolist()]),
+    "cat-masks": lambda h, o: torch.cat([h[o < 2], h[o >= 2]]),
+}
+
+
 class Reordered(nn.Module):
     """Hidden states taken along dim 0 in an order of the data (sorted by the first feature) by
     ``take`` (index_select and gather along dim -2, an index of (B, 1): reviews found them
@@ -1792,14 +1810,14 @@ class Reordered(nn.Module):
         order = x[:, 0].argsort()
         take = {"index": lambda h, o: h[o], "index_select": lambda h, o: h.index_select(-2, o), "mixed": lambda h, o: h,
                 "gather": lambda h, o: h.gather(-2, o[:, None].expand(-1, h.shape[1])),
-                "column": lambda h, o: h[o[:, None]].squeeze(1)}[self.take]
+                "column": lambda h, o: h[o[:, None]].squeeze(1), **WRITTEN, **COMBINED}[self.take]
         hidden = self.inp(x)
         if self.take == "mixed":
             hidden = hidden + hidden[order]
         return take(self.out(torch.tanh(take(hidden, order))), order.argsort())
 
 
-@pytest.mark.parametrize("take", ["index", "index_select", "gather", "mixed", "column"])
+@pytest.mark.parametrize("take", ["index", "index_select", "gather", "mixed", "column", *WRITTEN, *COMBINED])
 def test_a_layer_s_rows_taken_in_another_order_are_refused_at_any_step(take):
     """A layer's rows taken in another order along the batch's dim: each row of a layer is read as
     the sample of its index, so the rows of the two Linears were clipped with other samples' (a

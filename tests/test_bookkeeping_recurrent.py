@@ -351,7 +351,8 @@ class SortedByLength(nn.Module):
     sorted (the idiom from before that option), the embedded batch (AllenNLP's
     sort_and_run_forward: ``index_select``, the sequences that are not empty packed), the ids with
     the final state put back instead (``h_n[-1][restore]``), or the embedded batch made sequence
-    first, sorted and put back along dim 1 (InferSent's encoder); a Linear on each sample's first
+    first, sorted and put back along dim 1 (InferSent's encoder), or the embedded batch with the
+    outputs put back by writing them (``back[order] = out``); a Linear on each sample's first
     output or final state. ``trained``: the modules that train beside the Linear."""
 
     def __init__(self, trained, by_hand=None):
@@ -376,20 +377,27 @@ class SortedByLength(nn.Module):
             out, _ = self.lstm_first(pack_padded_sequence(embedded, lengths.cpu()))
             out, _ = pad_packed_sequence(out, total_length=ids.shape[1])
             return self.head(out.index_select(1, order.argsort())[0])
-        embedded = self.embed(ids).index_select(0, order) if self.by_hand == "embedded" else self.embed(ids[order])
+        embedded = self.embed(ids).index_select(0, order) if self.by_hand in ("embedded", "written-back") \
+            else self.embed(ids[order])
         valid = int((lengths > 0).sum())
         out, (h, _) = self.lstm(pack_padded_sequence(embedded[:valid], lengths[:valid].cpu(), batch_first=True))
         if self.by_hand == "final-state":
             return self.head(h[-1][order.argsort()])
         out, _ = pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        if self.by_hand == "written-back":
+            back = torch.empty_like(out)
+            back[order] = out
+            return self.head(back[:, 0])
         return self.head(out[order.argsort()][:, 0])
 
 
 TRAINED = {"both": ("embed", "lstm"), "lstm": ("lstm",), "embed": ("embed",)}
 
 
-@pytest.mark.parametrize("trained, by_hand", [*((trained, None) for trained in TRAINED), ("embed", "embedded")],
-                         ids=[*(f"by-torch-{trained}" for trained in TRAINED), "by-hand-around-a-frozen-lstm"])
+@pytest.mark.parametrize("trained, by_hand", [*((trained, None) for trained in TRAINED), ("embed", "embedded"),
+                                              ("embed", "written-back")],
+                         ids=[*(f"by-torch-{trained}" for trained in TRAINED), "by-hand-around-a-frozen-lstm",
+                              "written-back-around-a-frozen-lstm"])
 def test_a_sort_by_length_put_back_with_no_trained_layer_between_is_no_reorder_of_the_batch(trained, by_hand):
     """pack_padded_sequence's sort of the batch by length and pad_packed_sequence's restoring of
     its order are passed over by the check of rows taken in another order: the update is that of
@@ -406,7 +414,7 @@ def test_a_sort_by_length_put_back_with_no_trained_layer_between_is_no_reorder_o
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
 
 
-@pytest.mark.parametrize("by_hand", ["ids", "embedded", "final-state", "sequence-first"])
+@pytest.mark.parametrize("by_hand", ["ids", "embedded", "final-state", "sequence-first", "written-back"])
 @pytest.mark.parametrize("trained", ["both", "lstm"])
 def test_a_batch_sorted_by_length_by_hand_for_a_trained_lstm_is_refused(trained, by_hand):
     """The idiom from before enforce_sorted=False: the LSTM reads the batch sorted, the Linear (and

@@ -899,7 +899,8 @@ class BookKeeping:
         if layer is not None:
             raise ValueError(f"per_sample_losses: rows computed from the output of {layer.describe()} are taken along "
                              "the batch's dim in another order before the loss (h[order], index_select or gather "
-                             "along it: the batch sorted, or put back in order after a sort), but book-keeping "
+                             "along it, new[order] = h, index_copy or scatter, or rows stacked or concatenated in "
+                             "another order: the batch sorted, or put back in order after a sort), but book-keeping "
                              "reads row i of every layer as sample i, and would clip parts of different samples "
                              "together; order the batch before the model, inputs and targets alike (for an RNN, "
                              "pack_padded_sequence(..., enforce_sorted=False) sorts and restores it itself)")

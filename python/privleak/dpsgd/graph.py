@@ -354,10 +354,15 @@ def _a_weight(child) -> bool:
     return node is None or hasattr(node, "variable")
 
 
+def _signed(saved: int) -> int:
+    """An int an autograd node saved: a negative one comes unsigned (-1 as 2^64 - 1)."""
+    return saved - 2**64 if saved >= 2**63 else saved
+
+
 def _dim(saved: int, ndim: int) -> int:
-    """A dim an autograd node saved, in 0 .. ndim - 1: a negative one comes unsigned (-1 as 2^64 - 1,
-    which modulo 3 is 0, not 2)."""
-    return (saved - 2**64 if saved >= 2**63 else saved) % max(ndim, 1)
+    """A dim an autograd node saved, in 0 .. ndim - 1 (-1 comes as 2^64 - 1, which modulo 3 is 0,
+    not 2)."""
+    return _signed(saved) % max(ndim, 1)
 
 
 def _along_later_dims(node) -> bool:
@@ -514,7 +519,27 @@ _INDEX_SELECT = node_type(lambda x: x.index_select(0, torch.tensor([0])))
 _MASKED_SELECT = node_type(lambda x: x.masked_select(torch.ones(2, 2, dtype=torch.bool)))
 _GATHER = node_type(lambda x: x.gather(0, torch.zeros(1, 2, dtype=torch.long)))
 _SELECTIONS = frozenset((_INDEX, _INDEX_SELECT, _GATHER))  # a masked_select's rows: at the view after it
+
+
+def _write_type(op) -> type:
+    """The autograd node class of ``op(zeros, rows, x)``, writing a 2 x 2 tensor ``x`` that requires
+    grad into zeros at the rows ``rows``."""
+    rows = torch.tensor([1, 0])
+    return node_type(lambda x: op(torch.zeros(2, 2), rows, x))
+
+
+_INDEX_PUT = _write_type(lambda zeros, rows, x: zeros.index_put((rows,), x))
+#: writes of a source's rows at the positions an index names (``new[order] = h``, index_copy,
+#: scatter, and their sums): the source's row j goes to, and takes the gradient of, the row named
+_WRITES = frozenset((_INDEX_PUT, *(_write_type(op) for op in (
+    lambda zeros, rows, x: zeros.index_copy(0, rows, x), lambda zeros, rows, x: zeros.index_add(0, rows, x),
+    lambda zeros, rows, x: zeros.scatter(0, rows[:, None].expand(2, 2), x),
+    lambda zeros, rows, x: zeros.scatter_add(0, rows[:, None].expand(2, 2), x)))))
 _SELECT, _SLICE = node_type(lambda x: x[:, 0]), node_type(lambda x: x[:, 1:])
+_SPLIT, _SPLIT_WITH_SIZES = node_type(lambda x: x.split(1)[0]), node_type(lambda x: x.split([1, 1])[0])
+#: rows combined in order of their pieces (``torch.stack`` of ``h[i]``, ``torch.cat`` of slices, masks, splits)
+_STACK, _CAT = node_type(lambda x: torch.stack([x[1], x[0]])), node_type(lambda x: torch.cat([x[1:], x[:1]]))
+_REORDERS = _SELECTIONS | _WRITES | {_STACK, _CAT}
 _PACK = node_type(lambda x: torch._pack_padded_sequence(x, torch.tensor([2, 1]), True)[0])
 _UNBIND = node_type(lambda x: x.unbind(0)[0])
 _TRANSPOSE_IN_PLACE = node_type(lambda x: x.clone().transpose_(0, 1))
@@ -671,8 +696,9 @@ def _picked_rows(node, out: tuple) -> Optional[tuple]:
 def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list, inner: set) -> Optional[Any]:
     """The first layer under rows that the loss's graph (``parents``: :func:`count_uses`'s) takes
     along the batch's dim alone, as many as the batch's ``batch``, in another order (``h[order]``,
-    ``index_select``, ``gather``: the batch sorted, mixed with itself, or put back in order after a
-    sort that the graph does not show); None if there is none. ``outputs`` maps (autograd node,
+    ``index_select``, ``gather``, or the rows written in another order: ``new[order] = h``,
+    ``index_copy``, ``scatter``, ``index_add``: the batch sorted, mixed with itself, or put back in
+    order after a sort that the graph does not show); None if there is none. ``outputs`` maps (autograd node,
     output_nr) of each of the step's layer calls' outputs to (its layer, the dim that holds the
     batch there: 0, 1 for a sequence-first one, None for a packed sequence's rows, which hold it in
     any order, -1 for rows that are not the batch's alone).
@@ -702,10 +728,10 @@ def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list, inn
     restoring = [order for packing in packings for order in packing if order is not None]
     found, sorts, free = [], set(), set()
     for node in parents:
-        taken = _taken_along(node, batch) if type(node) in _SELECTIONS and node not in inner else None
+        taken = _taken_along(node, batch) if type(node) in _REORDERS and node not in inner else None
         if taken is None:
             continue
-        dim, below, rows_of = taken
+        dim, below, rows_of, (source, output_nr) = taken
         rows = None if capturing() else rows_of()
         if _packed(node, parents):
             sorted_by_torch = rows is not None and any(torch.equal(rows, order.to(rows.device)) for order in restoring)
@@ -713,15 +739,14 @@ def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list, inn
                 sorts.add(node)
                 restoring += [] if rows is None or rows.ndim != 1 else [torch.argsort(rows)]
                 continue
-        found.append((node, dim, below, rows))
-    for node, dim, below, rows in found:
+        found.append((dim, below, rows, source, output_nr))
+    for dim, below, rows, source, output_nr in found:
         restores = False
         if rows is not None:
             in_order = torch.arange(batch, device=rows.device).view(-1, *(1,) * (rows.ndim - 1 - dim))
             if torch.equal(rows, in_order.expand(rows.shape)):
                 continue
             restores = any(rows.shape == back.shape and torch.equal(rows, back.to(rows.device)) for back in restoring)
-        source, output_nr = node.next_functions[0]
         layer = _layer_below(source, output_nr, below, batch, outputs, set() if restores else free,
                              sorts if restores else None)
         if layer is not None:
@@ -730,15 +755,22 @@ def reordered_rows(parents: dict, batch: int, outputs: dict, packings: list, inn
 
 
 def _taken_along(node, batch: int) -> Optional[tuple]:
-    """(dim, the dim of the selection's input it is, a function giving the rows taken along it,
-    read on the host) for a selection ``node`` (index, index_select, gather) along dim 0 or 1
-    alone, after any dims of 1 (``h[None, order]``, ``h_n[:, order]`` of one layer), whose input
+    """(dim, the dim of the source it is, a function giving the rows taken along it, read on the
+    host, the source's edge) for a selection ``node`` (index, index_select, gather) along dim 0 or
+    1 alone, after any dims of 1 (``h[None, order]``, ``h_n[:, order]`` of one layer), whose source
     and output have the batch's size there; else None. An index may be (B, 1, ...)
-    (``h[order[:, None]]``)."""
-    into = tuple(node._saved_self_sym_sizes) if type(node) is not _GATHER else \
-        _forward_shape(*node.next_functions[0])
-    out = tuple(node._input_metadata[0].shape)
-    if type(node) is _INDEX:
+    (``h[order[:, None]]``). A write of :data:`_WRITES` of a source of its output's shape, its
+    positions a permutation, is the selection of the inverse permutation's rows."""
+    kind, out = type(node), tuple(node._input_metadata[0].shape)
+    if kind in (_STACK, _CAT):
+        return _combined(node, batch)
+    edge = node.next_functions[1 if kind in _WRITES else 0]
+    if edge[0] is None:
+        return None  # a write of rows that take no gradient
+    into = tuple(node._saved_self_sym_sizes) if kind in (_INDEX, _INDEX_SELECT) else _forward_shape(*edge)
+    if kind in _WRITES and into != out:
+        return None  # a broadcast source, or rows written into a larger tensor: a part of it
+    if kind in (_INDEX, _INDEX_PUT):
         entries = list(node._saved_indices)
         chosen = [k for k, entry in enumerate(entries) if entry is not None]
         if len(chosen) != 1:
@@ -748,13 +780,84 @@ def _taken_along(node, batch: int) -> Optional[tuple]:
             return None
         ones = next((k for k, size in enumerate(into[:below]) if size != 1), below)
         dim, into, out = below - ones, into[ones:], out[ones:]
-        rows_of = (lambda: entry.nonzero().flatten()) if entry.dtype == torch.bool else (lambda: entry.flatten())
+        index = (lambda: entry.nonzero().flatten()) if entry.dtype == torch.bool else (lambda: entry.flatten())
     else:
         below = dim = _dim(node._saved_dim, len(into))
-        rows_of = lambda: node._saved_index  # noqa: E731
+        index = lambda: node._saved_index  # noqa: E731
     if dim > 1 or len(into) <= dim or len(out) <= dim or into[dim] != batch or out[dim] != batch:
         return None
-    return dim, below, rows_of
+    return dim, below, (lambda: _read_rows(index(), dim)) if kind in _WRITES else index, edge
+
+
+def _combined(node, batch: int) -> Optional[tuple]:
+    """:func:`_taken_along` for a stack or cat ``node`` along dim 0 or 1 whose inputs are all
+    pieces of one source along that dim (:func:`_piece`), the batch's rows in all: the rows of the
+    pieces, in the order combined (``torch.stack([h[i] for i in order])``,
+    ``torch.cat([h[keep], h[~keep]])``, ``torch.cat(h.split(k)[::-1])``)."""
+    out = tuple(node._input_metadata[0].shape)
+    dim = _dim(node._saved_dim, len(out))
+    if dim > 1 or len(out) <= dim or out[dim] != batch:
+        return None
+    source, pieces = None, []
+    for child, output_nr in node.next_functions:
+        piece = _piece(child, output_nr, dim, type(node) is _STACK)
+        if piece is None or (source is not None and (piece[0][0] is not source[0] or piece[0][1] != source[1])):
+            return None
+        source = piece[0]
+        pieces.append(piece[1])
+    shape = _forward_shape(*source)
+    if len(shape) <= dim or shape[dim] != batch:
+        return None
+
+    def rows_of() -> torch.Tensor:
+        device = next((rows.device for rows in pieces if isinstance(rows, torch.Tensor)), None)
+        return torch.cat([rows.nonzero().flatten() if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool
+                          else torch.as_tensor(rows, dtype=torch.long, device=device) for rows in pieces])
+    return dim, dim, rows_of, source
+
+
+def _piece(node, output_nr: int, dim: int, selected: bool) -> Optional[tuple]:
+    """(its source's edge, the rows along ``dim`` it holds: a range, a list, or an index on the
+    device) for a piece of a tensor along ``dim``: one row (``selected``: a select or unbind, as
+    stacked), or rows (a slice, split, chunk, or an index along that dim alone, of rows or a
+    mask); through slices along the dim above the source (``h[1:][:2]``)."""
+    kind = type(node)
+    if node is None or kind not in (_SELECT, _UNBIND, _SLICE, _SPLIT, _SPLIT_WITH_SIZES, _INDEX):
+        return None
+    source = node.next_functions[0]
+    if kind is _INDEX:
+        entries = list(node._saved_indices)
+        if selected or len(entries) <= dim or any(entry is not None for k, entry in enumerate(entries) if k != dim) \
+                or entries[dim] is None or entries[dim].ndim != 1:
+            return None
+        return source, entries[dim]
+    shape = _forward_shape(*source)
+    if _dim(node._saved_dim, len(shape)) != dim or (kind in (_SELECT, _UNBIND)) != selected:
+        return None
+    size = shape[dim]
+    if kind is _SELECT:
+        rows = [_dim(node._saved_index, size)]
+    elif kind is _UNBIND:
+        rows = [output_nr]
+    elif kind is _SLICE:
+        rows = range(*slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step).indices(size))
+    else:
+        sizes = [node._saved_split_size] * -(-size // node._saved_split_size) if kind is _SPLIT else \
+            list(node._saved_split_sizes)
+        start = sum(sizes[:output_nr])
+        rows = range(start, min(start + sizes[output_nr], size))
+    outer = _piece(*source, dim, False) if type(source[0]) is _SLICE else None
+    return (source, rows) if outer is None else (outer[0], [outer[1][row] for row in rows])
+
+
+def _read_rows(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """The rows a write to ``positions`` along ``dim`` takes (``new[positions] = h`` is
+    ``h[positions.argsort()]``) where they are a permutation along it; else the positions, in
+    order only where they are."""
+    along = dim if positions.ndim > dim else 0
+    in_order = torch.arange(positions.shape[along], device=positions.device)
+    in_order = in_order.view(-1, *(1,) * (positions.ndim - 1 - along)).expand(positions.shape)
+    return positions.argsort(dim=along) if torch.equal(positions.sort(dim=along).values, in_order) else positions
 
 
 def _packed(node, parents: dict) -> bool:
