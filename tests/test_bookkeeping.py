@@ -1895,6 +1895,65 @@ def test_a_batch_flattened_other_than_sample_by_sample_is_refused(length):
         bk.step(model(torch.randn(4, length, 3)).pow(2).sum((1, 2)))
 
 
+class RelativePositionBias(nn.Module):
+    """A table of the relative positions of a 2 x 2 window's pixels, (3, 3), indexed to (1, 4, 4):
+    the scores' bias that every window shares (a module of parameters and no input: replayed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 3) * 0.5)
+        rows, columns = torch.arange(4) // 2, torch.arange(4) % 2
+        self.register_buffer("dy", rows[:, None] - rows + 1)
+        self.register_buffer("dx", columns[:, None] - columns + 1)
+
+    def forward(self):
+        return self.table[self.dy, self.dx][None]
+
+
+class WindowAttention(nn.Module):
+    """Swin-style attention within windows: the embedded batch (B, 4, 4, C) split into 2 x 2
+    windows, (B nW, 4, C), or (``window_major``) the windows taken window by window, (nW B, 4, C);
+    scores q k^T plus a relative-position bias that the windows share and a constant mask that
+    differs between windows (as Swin's shifted windows'), softmax, times v, an output projection
+    on the windows' rows, the windows' mean."""
+
+    def __init__(self, window_major=False):
+        super().__init__()
+        self.window_major = window_major
+        self.embed, self.qkv, self.out, self.head = nn.Linear(3, 3), nn.Linear(3, 9), nn.Linear(3, 3), nn.Linear(3, 2)
+        self.bias = RelativePositionBias()
+
+    def forward(self, x):  # (B, 4, 4, 3)
+        batch = x.shape[0]
+        windows = torch.tanh(self.embed(x)).view(batch, 2, 2, 2, 2, 3).transpose(2, 3)
+        if self.window_major:
+            windows = windows.permute(1, 2, 0, 3, 4, 5)
+        windows = windows.reshape(-1, 4, 3)
+        q, k, v = self.qkv(windows).chunk(3, -1)
+        mask = torch.tensor([0.0, -1.0, 0.5, -2.0]).view(1, 4, 1, 1).expand(batch, 4, 4, 4).reshape(-1, 4, 4)
+        scores = q @ k.transpose(1, 2) + (self.bias() + mask)
+        return self.head(self.out(scores.softmax(-1) @ v).reshape(batch, -1, 3).mean(1))
+
+
+def test_windows_of_each_sample_in_turn_are_the_batch_flattened():
+    """Swin's windows, (B nW, N, C), each sample's in turn (reshapes keep the order), through a
+    batched product of scores and values (rows from the same rows of both) to the output
+    projection, are the batch flattened: book-kept, and the position table shared by the windows
+    (added with a constant mask) takes the sum of its sample's windows' gradients. The update is
+    that of each sample's own backward pass. Taken window by window, the windows are not each
+    sample's rows in turn: refused."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(5, 4, 4, 3, generator=generator), torch.randn(5, 2, generator=generator)
+    model = WindowAttention()
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
+    assert_same_update(book_kept(model, x, target, config, 5.0, M.NoiseGenerator(5)), want)
+    with pytest.raises(ValueError, match=r"module 'qkv' \(Linear\) saw a batch of 20 .* is not the batch flattened"):
+        book_kept(WindowAttention(window_major=True), x, target, config, 5.0, M.NoiseGenerator(5))
+
+
 class SequenceFirstMix(nn.Module):
     """A Linear run on the hidden states made sequence-first, (T, B, d), as code written for
     sequence-first layers does, between two batch-first ones; ``pool``: the head reads the mean

@@ -513,6 +513,51 @@ def test_peft_adapters_get_the_update_of_their_per_sample_gradients(case, mechan
     assert_the_update_of(grads, model, lambda: losses(model, ids), mechanism, per_layer, monkeypatch, replayed)
 
 
+def swin():
+    return transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=16, patch_size=2, num_channels=3, embed_dim=8, depths=[2, 1], num_heads=[2, 2], window_size=4,
+        mlp_ratio=2.0, num_labels=3, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def mobilevit():  # its BatchNorms in eval mode: their statistics frozen
+    return transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
+        image_size=16, num_channels=3, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 8, 8, 8, 8, 16],
+        num_attention_heads=2, num_labels=3, expand_ratio=2.0, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)).eval()
+
+
+#: vision models whose attention runs on the batch flattened with windows or patches, (B nW, N, C), and the
+#: modules they replay (each of Swin's position tables; MobileViT's BatchNorms, in eval mode)
+WINDOWED = {"swin": (swin, lambda model: ("relative_position_bias",) * 3),
+            "mobilevit": (mobilevit, lambda model: tuple(name.rsplit(".", 1)[-1] for name, module in
+                                                         model.named_modules()
+                                                         if isinstance(module, torch.nn.BatchNorm2d)))}
+
+
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("laplace", True)])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_attention_on_windows_of_each_sample_in_turn_is_book_kept(name, mechanism, per_layer, monkeypatch):
+    """Swin attends within windows, its batch (B, H, W, C) reshaped to (B nW, ws ws, C) (shifted
+    by a roll in every other block), the attention's output projection on the product of its
+    scores and values, and a relative-position bias table, indexed to (heads, N, N), added to the
+    scores of every window (with a constant mask in the shifted blocks); MobileViT attends across
+    the patches, its feature map unfolded to (B P, N, C). The rows are each sample's in turn (a
+    reshape keeps the order; ops on later dims and a batched product of two such tensors keep
+    the rows), so the projections are book-kept and Swin's table takes the sum of its sample's
+    windows' gradients. Both were refused before (the output projection's rows not proven the
+    samples')."""
+    build, replayed = WINDOWED[name]
+    torch.manual_seed(0)
+    model = build()
+    images = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def losses(model, x):
+        return F.cross_entropy(model(pixel_values=x).logits, x[:, 0, 0, 0].gt(0).long(), reduction="none")
+    grads = one_sample_at_a_time(model, losses, images)
+    assert_the_update_of(grads, model, lambda: losses(model, images), mechanism, per_layer, monkeypatch,
+                         replayed=replayed(model))
+
+
 @pytest.mark.filterwarnings("ignore:max_batch=.* a Poisson batch:UserWarning")  # a graph of 5 for L = 4
 @pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "bert", "falcon", "opt"])
 def test_a_graphed_step_reads_nothing_on_the_host_and_gets_the_update(name):

@@ -856,8 +856,9 @@ class BookKeeping:
                     flattened = ""
                     if layer.flattened_batch_calls and batch and size % batch == 0:
                         flattened = (f"; its dim 0, {size} = {batch} x {size // batch}, is not the batch flattened "
-                                     "with its positions as far as its autograd graph shows: a reshape of a "
-                                     "batch-first tensor, then elementwise ops, LayerNorms or Linears (not a "
+                                     "with its positions as far as its autograd graph shows: reshapes of a "
+                                     "batch-first tensor, then elementwise ops, LayerNorms, Linears, ops on the dims "
+                                     "after dim 0 or batched products of such tensors (not a "
                                      "sequence-first tensor's, at T = B not one made batch-first by a transpose, "
                                      "and not a model input's, which has no graph)")
                     raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "

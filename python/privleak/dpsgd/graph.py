@@ -71,10 +71,13 @@ class _Use(NamedTuple):
 
     def broadcasts_over(self, batch: int, out: Optional[tuple] = None) -> bool:
         """Whether the node's output (of shape ``out``; None: the node's, from the graph) has the
-        batch in dim 0 and the operand is broadcast along it (it has fewer dims, or a dim 0 of 1)."""
+        batch in dim 0, or the batch flattened there (:func:`flattened_batch`: Swin's attention
+        scores (B nW, heads, N, N), to which its relative-position bias is added), and the operand
+        is broadcast along it (it has fewer dims, or a dim 0 of 1)."""
         out = tuple(self.node._input_metadata[0].shape) if out is None else out
         aligned = (1,) * (len(out) - len(self.shape)) + self.shape
-        return len(out) >= len(self.shape) and out[0] == batch and aligned[0] == 1
+        return len(out) >= len(self.shape) and aligned[0] == 1 and \
+            (out[0] == batch or (batch > 0 and out[0] % batch == 0 and flattened_batch(self.node, out[0], batch)))
 
 
 def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[_Use]:
@@ -120,6 +123,8 @@ def _passed_on(node, position: int, shape: tuple) -> Optional[tuple[float, tuple
     norms); else None."""
     if type(node) in (_CAST, _CLONE):
         return 1.0, ()
+    if type(node) in (_ADD, _SUB) and node.next_functions[1 - position][0] is None:
+        return _broadcast_use(node, position, shape, ()).factor, ()  # plus a constant: its uses are the operand's
     if tuple(node._input_metadata[0].shape) != shape:
         return None
     if type(node) in (_ADD, _SUB, _WHERE, _MUL):
@@ -305,7 +310,8 @@ class Broadcasts:
         grad = grad.to(dtype)
         for multiplier in found.multipliers:
             grad = grad * _multiplier(*multiplier, dtype)
-        rows = grad.sum_to_size((batch, *aligned[1:])).reshape(batch, -1) * found.factor
+        rows = grad.sum_to_size((grad.shape[0], *aligned[1:])).reshape(batch, -1, math.prod(aligned[1:])).sum(1)
+        rows = rows * found.factor
         if found.positions is not None:
             placed = rows.new_zeros(batch, weight.numel())
             placed[:, found.positions] = rows
@@ -326,7 +332,8 @@ class Broadcasts:
 
 
 _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,
-                                                                       F.silu, lambda x: F.dropout(x, 0.5)))))
+                                                                       F.silu, lambda x: F.dropout(x, 0.5),
+                                                                       lambda x: torch.ops.aten.mul.Scalar(x, 0.5)))))
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
 #: ops whose output's trailing dims are their operands' trailing dims, aligned (broadcasting adds leading dims)
@@ -334,10 +341,12 @@ _SAME_DIMS = _ELEMENTWISE | _ROW_BY_ROW | {_WHERE}
 #: ops along dims that they name, each output row from the same input row where dim 0 is not one
 #: of them (a router's softmax, its top-k weights gathered from the scores, and their sum)
 _ALONG_DIMS = frozenset(node_type(op) for op in (
-    lambda x: x.softmax(-1), lambda x: x.sum(-1), lambda x: x.gather(1, torch.zeros(2, 1, dtype=torch.long))))
+    lambda x: x.softmax(-1), lambda x: torch.ops.aten._safe_softmax(x, -1), lambda x: x.log_softmax(-1),
+    lambda x: x.sum(-1), lambda x: x.gather(1, torch.zeros(2, 1, dtype=torch.long))))
 _MASKED_FILL = node_type(lambda x: x.masked_fill(torch.ones(2, 2, dtype=torch.bool), 0.0))
 _LAYER_NORM = node_type(lambda x: F.layer_norm(x, (2,)))
 _ADDMM, _MM = node_type(lambda x: torch.addmm(x[0], x, x)), node_type(lambda x: x @ x)
+_BMM = node_type(lambda x: torch.bmm(x[None], x[None]))
 _RESHAPES = frozenset(node_type(op) for op in (  # a view; a copy's view; an alias of a strided view
     lambda x: x.view(4), lambda x: x.t().reshape(4), lambda x: x[:, :1].reshape(2)))
 _TRANSPOSE, _TRANSPOSE_DIMS = node_type(lambda x: x.t()), node_type(lambda x: x.transpose(0, 1))
@@ -456,15 +465,18 @@ def _forward_shape(child, output_nr: int) -> tuple:
 
 def flattened_batch(node, rows: int, batch: int) -> bool:
     """Whether the tensor of dim 0 ``rows`` that autograd ``node`` made holds each sample's rows
-    together, sample after sample: it comes from reshapes merging the batch, in dim 0 of a tensor,
-    with the dims after it (OPT's decoder layers take their hidden states (B, T, d) as (B T, d)
-    for the MLP), through ops that make each row from the same row alone (elementwise ops, adds
-    of such tensors, LayerNorm over the last dims, a Linear). A reshape's order is the logical
-    one whatever the memory layout, so the rows of sample i are i T .. i T + T - 1. False where
-    that cannot be told (a leaf, another op, an operand without grad)."""
-    stack, seen = [node], set()
+    together, sample after sample (rows i k .. i k + k - 1 sample i's, k = rows / B): it comes
+    from reshapes of a tensor with the batch in dim 0 (OPT's decoder layers take their hidden
+    states (B, T, d) as (B T, d) for the MLP; Swin's windows, (B, H, W, C) split into windows
+    (B nW, ws ws, C), and its attention's (B nW heads, N, N)), through ops that make each row from
+    the same row alone (:func:`_row_inputs`: elementwise ops, adds of such tensors, LayerNorm
+    over the last dims, a Linear, transposes and expands keeping dim 0, a batched product of two
+    such tensors). A reshape keeps the logical order whatever the memory layout, so a tensor's
+    samples, each a block of that order, stay whole rows in order in any reshape whose dim 0 is a
+    multiple of B. False where that cannot be told (a leaf, another op, an operand without grad)."""
+    stack, seen = [(node, rows)], set()
     while stack:
-        node = stack.pop()
+        node, rows = stack.pop()
         if node is None:
             return False
         if node in seen:
@@ -472,20 +484,19 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
         seen.add(node)
         kind, children = type(node), node.next_functions
         if kind in _RESHAPES:
-            sizes, out = tuple(node._saved_self_sym_sizes), tuple(node._input_metadata[0].shape)
-            merged = len(sizes) - len(out) + 1  # the leading dims merged into dim 0
-            if merged > 1 and sizes[0] == batch and sizes[merged:] == out[1:] and math.prod(sizes[:merged]) == rows:
+            sizes = tuple(node._saved_self_sym_sizes)
+            if sizes and sizes[0] == batch:
                 # A transpose into batch-first (a batch-first nn.MultiheadAttention's output) is
                 # the batch, unless the dim it moved out had the batch's size too: then it may as
                 # well have turned a batch-first tensor sequence-first, at T = B.
                 if _moved_from_dim_0(children[0][0]) == batch:
                     return False
-                continue  # the batch flattened with its positions
-            if sizes[0] != rows:
+                continue  # the batch reshaped, its samples whole rows in order
+            if not sizes or sizes[0] % batch:
                 return False
-            stack.append(children[0][0])  # dims after the rows reshaped
+            stack.append((children[0][0], sizes[0]))
         elif (inputs := _row_inputs(node, rows)) is not None:
-            stack.extend(inputs)
+            stack.extend((child, rows) for child in inputs)
         else:
             return False
     return True
@@ -495,15 +506,17 @@ def _row_inputs(node, rows: int) -> Optional[list]:
     """The nodes whose rows make the rows of the tensor (of dim 0 ``rows``) that autograd ``node``
     made, each row from the same rows alone: an elementwise op (dropout too; of its operands with
     all the rows, the others broadcast along them), masked_fill, an op along later dims, LayerNorm
-    over the last dims, a Linear (its weight and bias parameters); None for any other op, or one
-    whose rows cannot be told (an operand without grad has none)."""
+    over the last dims, a Linear (its weight and bias parameters), a transpose, permute or expand
+    keeping dim 0, a batched matrix product (both operands, each product from the same row of
+    both); None for any other op, or one whose rows cannot be told (an operand without grad has
+    none)."""
     kind, children = type(node), node.next_functions
-    if kind in _ROW_BY_ROW or kind is _MASKED_FILL or (kind in _ALONG_DIMS and _along_later_dims(node)):
+    if kind in _ROW_BY_ROW or kind is _MASKED_FILL or (kind in _ALONG_DIMS and _along_later_dims(node)) \
+            or _keeps_dim_0(node):
         return [children[0][0]]
     if kind in _ELEMENTWISE:
-        dims = len(node._input_metadata[0].shape)
-        full = [child for child, nr in children if child is not None and (shape := _forward_shape(child, nr))
-                and len(shape) == dims and shape[0] == rows]
+        full = [child for child, nr in children if child is not None and _all_rows(child, nr, node, rows)
+                and not _shared_rows(child, rows)]
         return full or None
     if kind is _LAYER_NORM and len(node._saved_normalized_shape) < len(node._input_metadata[0].shape):
         return [children[0][0]] if all(_a_weight(child) for child in children[1:]) else None
@@ -511,7 +524,43 @@ def _row_inputs(node, rows: int) -> Optional[list]:
         rows_from = 1 if kind is _ADDMM else 0
         if all(_a_weight(child) for i, child in enumerate(children) if i != rows_from):
             return [children[rows_from][0]]
+    if kind is _BMM and all(child is not None and _forward_shape(child, nr)[:1] == (rows,) for child, nr in children):
+        return [child for child, _ in children]
     return None
+
+
+def _all_rows(child, output_nr: int, node, rows: int) -> bool:
+    """Whether the operand of an elementwise ``node`` that ``child``'s output ``output_nr`` is has
+    all ``rows`` rows of its output (it is not broadcast along dim 0)."""
+    shape = _forward_shape(child, output_nr)
+    return len(shape) == len(node._input_metadata[0].shape) and shape[0] == rows
+
+
+def _shared_rows(node, rows: int) -> bool:
+    """Whether the rows (``rows`` of them) of the tensor autograd ``node`` made hold nothing of the
+    batch through their gradient: an elementwise op whose operands with grad are all broadcast
+    along dim 0 (Swin's relative-position bias (1, heads, N, N) plus its shifted windows' mask
+    (B nW, 1, N, N), a constant)."""
+    return type(node) in _ELEMENTWISE and all(not _all_rows(child, nr, node, rows)
+                                              for child, nr in node.next_functions if child is not None)
+
+
+def _keeps_dim_0(node) -> bool:
+    """Whether ``node`` is a transpose or permute of dims after dim 0, an expand of them, or a
+    select, slice or split along one (``h[:, -1]``, ``qkv.chunk(3, -1)``): each row of its output
+    is the same row of its input."""
+    kind = type(node)
+    if kind in (_SELECT, _SLICE, _SPLIT, _SPLIT_WITH_SIZES):
+        return _dim(node._saved_dim, len(node._saved_self_sym_sizes)) != 0
+    if kind is _TRANSPOSE_DIMS:
+        ndim = len(node._input_metadata[0].shape)
+        return _dim(node._saved_dim0, ndim) != 0 and _dim(node._saved_dim1, ndim) != 0
+    if kind is _PERMUTE:
+        return _dim(node._saved_dims[0], len(node._saved_dims)) == 0
+    if kind is _EXPAND:
+        into, out = tuple(node._saved_self_sym_sizes), tuple(node._input_metadata[0].shape)
+        return len(into) == len(out) and into[:1] == out[:1]
+    return False
 
 
 _INDEX = node_type(lambda x: x[torch.tensor([0])])
@@ -545,14 +594,6 @@ _UNBIND = node_type(lambda x: x.unbind(0)[0])
 _TRANSPOSE_IN_PLACE = node_type(lambda x: x.clone().transpose_(0, 1))
 #: reductions along dims they name (dropped where keepdim is False)
 _REDUCTIONS = frozenset(node_type(op) for op in (lambda x: x.sum(0), lambda x: x.mean(0), lambda x: x.amax(0)))
-
-
-def _along_later_dim(node) -> bool:
-    """Whether ``node`` selects or slices along a dim after dim 0 (``h[:, -1]``): its rows are its
-    input's."""
-    if type(node) not in (_SELECT, _SLICE):
-        return False
-    return _dim(node._saved_dim, len(node._saved_self_sym_sizes)) != 0
 
 
 def _adds_or_drops_ones(node) -> bool:
@@ -609,8 +650,7 @@ def _same_rows_below(node) -> Optional[list]:
     shape = tuple(node._input_metadata[0].shape)
     child, output_nr = node.next_functions[0] if node.next_functions else (None, 0)
     below = _forward_shape(child, output_nr) if child is not None else ()
-    if (_adds_or_drops_ones(node) or _along_later_dim(node)
-            or (type(node) in _RESHAPES and shape and below[:1] == shape[:1])):
+    if _adds_or_drops_ones(node) or (type(node) in _RESHAPES and shape and below[:1] == shape[:1]):
         return [child]
     return _row_inputs(node, shape[0]) if shape else None
 
