@@ -515,14 +515,50 @@ def test_final_states_or_outputs_put_back_in_order_are_refused(restore):
         bk.step(regression(model(in_order.flip(0)), torch.zeros(4, 2)))
 
 
+class CellLoop(nn.Module):
+    """A GRUCell run over the positions, its states stacked batch first (``dim`` 1) or sequence
+    first (0), the samples then taken in the order of their first feature, a Linear head on the
+    last state."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim, self.cell, self.head = dim, nn.GRUCell(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        order, state, states = x[:, 0, 0].argsort(), x.new_zeros(x.shape[0], 4), []
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+            states.append(state)
+        stacked = torch.stack(states, self.dim)
+        return self.head(stacked[order][:, -1] if self.dim == 1 else stacked[:, order][-1])
+
+
+@pytest.mark.parametrize("dim", [1, 0], ids=["batch-first", "sequence-first"])
+def test_a_cell_s_stacked_states_taken_in_another_order_are_refused(dim):
+    """A review's escape at 1.41 times C after a first batch in order: states stacked along a new
+    dim, then the batch taken in another order; the stack's dims were aligned from the right, so
+    the walk down from the index never reached the cell. The batch in order trains."""
+    torch.manual_seed(0)
+    model, generator = CellLoop(dim), torch.Generator().manual_seed(1)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=4)
+    x = torch.randn(4, 3, 3, generator=generator)
+    in_order = x[x[:, 0, 0].argsort()]
+    assert len(bk.step(regression(model(in_order), torch.zeros(4, 2))))
+    with pytest.raises(ValueError, match=r"rows computed from the output of module 'cell' \(GRUCell\) are taken along "
+                                         "the batch's dim in another order"):
+        bk.step(regression(model(in_order.flip(0)), torch.zeros(4, 2)))
+
+
 class Positions(nn.Module):
     """``layer`` (a batch-first GRU, nn.MultiheadAttention or nn.TransformerEncoderLayer, or a
-    sequence-first nn.MultiheadAttention) on a Linear's outputs, the positions reversed by an index
-    after it."""
+    sequence-first nn.MultiheadAttention) on a Linear's outputs, the positions reversed after it
+    by an index or (``stacked``) by stacking each position's rows in reverse, twice, a tanh
+    between."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, stacked=False):
         super().__init__()
-        self.layer, self.inp, self.out = layer, nn.Linear(3, 4), nn.Linear(4, 2)
+        self.layer, self.stacked, self.inp, self.out = layer, stacked, nn.Linear(3, 4), nn.Linear(4, 2)
         self.mix = {"gru": lambda: nn.GRU(4, 4, batch_first=True),
                     "mha": lambda: nn.MultiheadAttention(4, 2, batch_first=True),
                     "encoder": lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
@@ -536,18 +572,24 @@ class Positions(nn.Module):
         y = self.mix(h, h, h)[0] if self.layer.startswith("mha") else self.mix(h)
         y = y[0] if isinstance(y, tuple) else y
         reverse = torch.arange(x.shape[1] - 1, -1, -1)
-        y = y[reverse].transpose(0, 1) if first else y[:, reverse]
+        if self.stacked:
+            y = torch.stack([y[t] if first else y[:, t] for t in reverse.tolist()], 1)
+            y = torch.stack([y[:, t] for t in reverse.tolist()], 1).tanh()[:, reverse]
+        else:
+            y = y[reverse].transpose(0, 1) if first else y[:, reverse]
         return self.out(y).mean(1)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["index", "stacked"])
 @pytest.mark.parametrize("layer", ["gru", "mha", "encoder", "mha-sequence-first"])
-def test_positions_reversed_after_a_layer_at_t_equal_to_b_are_no_reorder(layer):
-    """At T = B (a Poisson batch may meet T) positions reversed by an index have the batch's size:
-    a review found them refused after a batch-first GRU (its output's node is its final state's
-    too), attention (it projects sequence first) and an encoder layer; the update is that of each
+def test_positions_reversed_after_a_layer_at_t_equal_to_b_are_no_reorder(layer, stacked):
+    """At T = B (a Poisson batch may meet T) positions reversed by an index, or each position's
+    rows stacked in reverse, have the batch's size: reviews found them refused after a batch-first
+    GRU (its output's node is its final state's too), attention (it projects sequence first) and
+    an encoder layer (the stack's dims were aligned from the right); the update is that of each
     sample's own backward pass."""
     torch.manual_seed(0)
-    model, generator = Positions(layer), torch.Generator().manual_seed(1)
+    model, generator = Positions(layer, stacked), torch.Generator().manual_seed(1)
     x, target = torch.randn(4, 4, 3, generator=generator), torch.randn(4, 2, generator=generator)
     grads = one_backward_per_sample(model, x, target)
     config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)

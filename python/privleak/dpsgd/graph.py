@@ -421,8 +421,9 @@ def _dims_below(node, output_nr: int, piece: tuple) -> list:
     factor ``outer`` of that dim (a whole dim: (dim, 1, its size); the batch merged with the
     positions, (B T, d), holds B as (0, 1, B) and T as (0, B, T)). Through transposes, permutes,
     selects and views of dims of 1 (:func:`_dim_below`), reductions and unbind (the dims they
-    drop), other views (the input dim the piece lies in, by the elements before it), and any other
-    op aligned from the right, as broadcasting aligns (an input without that dim has none)."""
+    drop), stacks (the dim they add), other views (the input dim the piece lies in, by the
+    elements before it), and any other op aligned from the right, as broadcasting aligns (an
+    input without that dim has none)."""
     dim, outer, size = piece
     out = tuple(node._input_metadata[output_nr].shape) if output_nr < len(node._input_metadata) else ()
     kind, below, mapped = type(node), dim, True
@@ -444,6 +445,11 @@ def _dims_below(node, output_nr: int, piece: tuple) -> list:
         return []
     elif kind in (_TRANSPOSE, _TRANSPOSE_DIMS, _TRANSPOSE_IN_PLACE, _PERMUTE, _SELECT) or kind in _VIEWS:
         below = _dim_below(node, dim, len(out))
+    elif kind is _STACK:  # its inputs have no dim of the stacked; those after it one to the left
+        stacked = _dim(node._saved_dim, len(out))
+        if dim == stacked:
+            return []
+        below = dim - (dim > stacked)
     else:
         mapped = False
     children = []
