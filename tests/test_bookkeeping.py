@@ -1793,6 +1793,10 @@ COMBINED = {
     "cat-slices": lambda h, o: torch.cat([h[i - len(h):][:1] for i in o.tolist()]),
     "cat-splits": lambda h, o: torch.cat([rows[i] for rows in [h.split(1)] for i in o.tolist()]),
     "cat-masks": lambda h, o: torch.cat([h[o < 2], h[o >= 2]]),
+    "cat-unsqueezed": lambda h, o: torch.cat([torch.tanh(h[i])[None] for i in o.tolist()]),
+    "vstack": lambda h, o: torch.vstack([h[i] for i in o.tolist()]),
+    "stack-squeezed": lambda h, o: torch.stack([h[i:i + 1].squeeze(0) for i in o.tolist()]),
+    "cat-index-selects": lambda h, o: torch.cat([h.index_select(0, o[:2]), h.index_select(0, o[2:])]),
 }
 
 

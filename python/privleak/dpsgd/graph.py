@@ -839,38 +839,57 @@ def _combined(node, batch: int) -> Optional[tuple]:
     """:func:`_taken_along` for a stack or cat ``node`` along dim 0 or 1 whose inputs are all
     pieces of one source along that dim (:func:`_piece`), the batch's rows in all: the rows of the
     pieces, in the order combined (``torch.stack([h[i] for i in order])``,
-    ``torch.cat([h[keep], h[~keep]])``, ``torch.cat(h.split(k)[::-1])``)."""
+    ``torch.cat([h[keep], h[~keep]])``, ``torch.cat(h.split(k)[::-1])``), each through ops of
+    its rows alone and views adding or dropping dims of 1 (``torch.cat([h[i][None] ...])``,
+    ``torch.vstack``)."""
     out = tuple(node._input_metadata[0].shape)
     dim = _dim(node._saved_dim, len(out))
     if dim > 1 or len(out) <= dim or out[dim] != batch:
         return None
-    source, pieces = None, []
+    source, below, pieces = None, None, []
     for child, output_nr in node.next_functions:
-        piece = _piece(child, output_nr, dim, type(node) is _STACK)
-        if piece is None or (source is not None and (piece[0][0] is not source[0] or piece[0][1] != source[1])):
+        at, selected = dim, type(node) is _STACK
+        while child is not None and (type(child) in _ROW_BY_ROW or _adds_or_drops_ones(child)):
+            if type(child) not in _ROW_BY_ROW:
+                shape, into = tuple(child._input_metadata[0].shape), _forward_shape(*child.next_functions[0])
+                if not selected and len(into) < len(shape) and shape[at] == 1:
+                    selected = True  # the dim of 1 added where the pieces are combined: one row, selected
+                elif selected and len(into) > len(shape) and into[at] == 1:
+                    selected = False  # the dim of 1 dropped where a stack adds it back: a slice's one row
+                elif selected:
+                    return None
+                else:
+                    at = _dim_below(child, at, len(shape))
+            child, output_nr = child.next_functions[0]
+        piece = _piece(child, output_nr, at, selected)
+        if piece is None or (source is not None and (piece[0][0] is not source[0] or piece[0][1] != source[1]
+                                                     or at != below)):
             return None
-        source = piece[0]
+        source, below = piece[0], at
         pieces.append(piece[1])
     shape = _forward_shape(*source)
-    if len(shape) <= dim or shape[dim] != batch:
+    if len(shape) <= below or shape[below] != batch:
         return None
 
     def rows_of() -> torch.Tensor:
         device = next((rows.device for rows in pieces if isinstance(rows, torch.Tensor)), None)
         return torch.cat([rows.nonzero().flatten() if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool
                           else torch.as_tensor(rows, dtype=torch.long, device=device) for rows in pieces])
-    return dim, dim, rows_of, source
+    return dim, below, rows_of, source
 
 
 def _piece(node, output_nr: int, dim: int, selected: bool) -> Optional[tuple]:
     """(its source's edge, the rows along ``dim`` it holds: a range, a list, or an index on the
     device) for a piece of a tensor along ``dim``: one row (``selected``: a select or unbind, as
-    stacked), or rows (a slice, split, chunk, or an index along that dim alone, of rows or a
-    mask); through slices along the dim above the source (``h[1:][:2]``)."""
+    stacked), or rows (a slice, split, chunk, index_select, or an index along that dim alone, of
+    rows or a mask); through slices along the dim above the source (``h[1:][:2]``)."""
     kind = type(node)
-    if node is None or kind not in (_SELECT, _UNBIND, _SLICE, _SPLIT, _SPLIT_WITH_SIZES, _INDEX):
+    if node is None or kind not in (_SELECT, _UNBIND, _SLICE, _SPLIT, _SPLIT_WITH_SIZES, _INDEX, _INDEX_SELECT):
         return None
     source = node.next_functions[0]
+    if kind is _INDEX_SELECT:
+        ndim = len(node._saved_self_sym_sizes)
+        return (source, node._saved_index) if not selected and _dim(node._saved_dim, ndim) == dim else None
     if kind is _INDEX:
         entries = list(node._saved_indices)
         if selected or len(entries) <= dim or any(entry is not None for k, entry in enumerate(entries) if k != dim) \
