@@ -4,6 +4,7 @@ materialised path and Opacus, in one run.
     python bench/bench_training_step.py [--quick] [--models paper-cnn cifar-cnn transformer large]
                                         [--skip-large] [--device cpu|cuda] [--threads 1] [--max-gb 16]
                                         [--batches 64 256] [--physical 16] [--profile] [--memory-in-process]
+                                        [--check-every-step]
 
 A step is forward, backward, clipping, noise and the optimizer step (SGD) on one batch, clip norm
 1, noise multiplier 1, flat clipping. Sides: "non-private" is plain torch (mean loss, backward,
@@ -14,8 +15,9 @@ grad_sample_mode "hooks" (per-sample gradients from hooks) and "ghost" (ghost cl
 backward passes). On a GPU two more: "book-keeping graphed" is BookKeeping.graphed (forward,
 backward and clip replayed from a CUDA graph, the noise and the optimizer step eager), and
 "non-private graphed" the non-private step captured whole in a CUDA graph (torch's whole-network
-capture: the floor for a graphed step). Every side gets its own copy of the same initial model
-and the same batch.
+capture: the floor for a graphed step). --check-every-step adds "book-keeping checked",
+BookKeeping with check_every_step=True (one more backward pass a step, of the losses weighted at
+random). Every side gets its own copy of the same initial model and the same batch.
 
 Models: the paper's CNN (privleak.models.PaperNetwork, 28x28 images), a CIFAR-style CNN of about
 0.8M parameters (Conv2d + GroupNorm + Linear on 32x32x3), a 2-layer transformer of about 2.3M
@@ -84,6 +86,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 CLIP, SIGMA, LR = 1.0, 1.0, 0.05
 SIDES = ("non-private", "materialised", "book-keeping", "opacus hooks", "opacus ghost")
 GRAPHED = ("non-private graphed", "book-keeping graphed")  #: CUDA graph replays, run on a GPU only
+CHECKED = "book-keeping checked"  #: BookKeeping(check_every_step=True), with --check-every-step
 MATERIALISING = ("materialised", "opacus hooks")  # sides that hold B x P per-sample gradients
 
 
@@ -375,8 +378,8 @@ def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch
         dp = dpsgd.DPOptimizer(optimizer, config, batch)
         one = criterion_class(reduction="sum")
         return lambda x, y: dp.step(dpsgd.per_sample_gradients(model, one, x, y))
-    if side in ("book-keeping", "book-keeping graphed"):
-        bk = dpsgd.BookKeeping(model, optimizer, config, expected_batch_size=batch)
+    if side in ("book-keeping", "book-keeping graphed", CHECKED):
+        bk = dpsgd.BookKeeping(model, optimizer, config, expected_batch_size=batch, check_every_step=side == CHECKED)
         per_sample = criterion_class(reduction="none")
         if side == "book-keeping graphed":
             with warnings.catch_warnings():  # of Poisson batches larger than the graph: every batch here has B samples
@@ -603,6 +606,8 @@ def main() -> None:
                         help="on a GPU: each side's peak measured in this process, not a fresh one per side "
                              "(on a CPU peak RSS would keep what the allocator kept from the sides before)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of timing, the sides in turns")
+    parser.add_argument("--check-every-step", action="store_true",
+                        help=f'add "{CHECKED}": book-keeping with check_every_step=True')
     parser.add_argument("--physical", type=int, default=0,
                         help="take each batch in physical batches of this many samples (non-private and "
                              "book-keeping sides only)")
@@ -634,10 +639,10 @@ def main() -> None:
         batches = args.batches or (MODELS[name][4] if args.quick else MODELS[name][3])
         for batch in batches:
             model, x, y, criterion_class = setting(name, batch, args.device)
-            every = SIDES + GRAPHED if args.device == "cuda" else SIDES
+            every = SIDES + (GRAPHED if args.device == "cuda" else ()) + ((CHECKED,) if args.check_every_step else ())
             sides = [s for s in every if s not in MATERIALISING or needs_gb(model, batch) <= args.max_gb]
             if args.physical:
-                sides = ["non-private", "book-keeping"]
+                sides = ["non-private", "book-keeping", *([CHECKED] if args.check_every_step else [])]
             steps, failed = {}, {}
             for side in sides:  # a side that cannot train the model says why (Opacus on GPT-2)
                 try:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
@@ -60,6 +61,7 @@ from privleak.dpsgd.graph import (
     shared_output_uses,
 )
 from privleak.dpsgd.layers import FunctionalLayer, Layer, check_no_embedding_max_norm, ieee_float32, layer_for, total
+from privleak.dpsgd.row_check import RowCheck
 from privleak.dpsgd.training import DPOptimizer, PrivacyReport
 from privleak.mechanisms import SecureNoiseGenerator
 
@@ -115,6 +117,13 @@ class BookKeeping:
             non-private step's, where it is now 1.20x, against 1.19x without the check; a
             transformer's 1.01-1.03x). On a GPU, a check that runs out of memory is skipped with
             a warning.
+        check_every_step: check at every step that every layer's rows are its samples' (row i
+            of each layer output's gradient sample i's alone), by one more backward pass, of the
+            losses weighted at random (:mod:`privleak.dpsgd.row_check`): any way of moving or
+            mixing the samples' rows between a layer and the losses is refused, where the
+            checks of the graph refuse the ways they know and the first sample's check what
+            the first batch shows. Off by default: it costs about a third of a step. Not in a
+            CUDA graph (:meth:`graphed`).
 
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
@@ -167,7 +176,8 @@ class BookKeeping:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, *, expected_batch_size: float,
-                 generator=None, sampling: str = "poisson", check_first_sample: bool = True):
+                 generator=None, sampling: str = "poisson", check_first_sample: bool = True,
+                 check_every_step: bool = False):
         if not isinstance(model, nn.Module):
             raise validation.ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, torch.jit.ScriptModule):
@@ -201,6 +211,9 @@ class BookKeeping:
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         # whether a batch's first sample was checked by its own backward pass (or is not to be)
         self._checked = not validation.boolean(check_first_sample, "check_first_sample")
+        # the random loss weights of the check at every step (they need not be secret: a reorder does not know them)
+        self._row_weights = torch.Generator().manual_seed(0x5EED) \
+            if validation.boolean(check_every_step, "check_every_step") else None
         self._accumulated = None  # the clipped sums of the physical batches since the last step
         self._failure = None  # across processes: the error of this process's batch, raised at the step
         # the last of the checks, as it turns DDP's all-reduce off
@@ -455,6 +468,9 @@ class BookKeeping:
         there is no graph, and the returned step runs the padded step eagerly."""
         from privleak.dpsgd.graphed import GraphedStep
 
+        if self._row_weights is not None and any(x.is_cuda for x in example_inputs if isinstance(x, torch.Tensor)):
+            raise ValueError("check_every_step compares each step's rows on the host, which a CUDA graph cannot: "
+                             "build the BookKeeping without it for graphed()")
         return GraphedStep(self, loss_fn, example_inputs, max_batch=max_batch, warmup=warmup)
 
     def _check_batch_size(self, samples: int) -> None:
@@ -547,7 +563,14 @@ class BookKeeping:
         if not self._checked and batch > 1 and not capturing():
             own = self._first_sample_norms(losses)
             self._checked = own is None  # out of memory: not again
-        self._backward(losses, parents, shared, edges)
+        rows = None
+        if self._row_weights is not None and batch > 1:
+            rows = RowCheck(self._sample_rows(batch), batch, losses.device, self._row_weights)
+            rows.weighted_pass(losses, lowest(edges, parents))
+        with rows.watching() if rows is not None else contextlib.nullcontext():
+            self._backward(losses, parents, shared, edges, rows)
+        if rows is not None:
+            rows.raise_if_moved()
         for layer in self.layers:
             layer.finish()
         # The layers' own parameters enter some products (the convolution's weight gradient). The
@@ -686,14 +709,16 @@ class BookKeeping:
                              f"sample's loss alone gives it {own:.6g}. {cause}{outside}{cancels}")
         self._checked = True
 
-    def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list) -> None:
+    def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list,
+                  rows: Optional[RowCheck] = None) -> None:
         """The one backward pass, its gradients handed to the layers. The layers that act on their
         gradients in the backward (reduce them, so that they are freed as it goes on) take them
         from tensor hooks as it reaches them; the others' are its results (they keep them to the
         end anyway). Asking autograd for the lowest layers' gradients too makes the backward run
         through all the layers, without holding the others'. A method of its own so that its
         locals, the results among them, are gone before the clip: the layers free their gradients
-        as their sums are made."""
+        as their sums are made. ``rows``: the check at every step, which sketches the gradients
+        this pass reaches."""
         handles = [node.register_prehook(functools.partial(self._take_shared_grad, uses, use))
                    for _, _, found in shared for uses in found for (_, use), node in uses.nodes()]
         after = [(layer, call, layer.call_edges(call)) for layer in self.layers if not layer.acts_in_backward
@@ -706,9 +731,11 @@ class BookKeeping:
             # Parameters whose gradients come from pre-hooks on the nodes using them (broadcast
             # parameters): asking for theirs makes the backward run those nodes.
             forced = [t for layer in self.layers for t in layer.forced_inputs()]
-            grads = torch.autograd.grad(
-                losses, wanted + [edge for edge in lowest(edges, parents) if edge not in taken] + forced,
-                grad_outputs=torch.ones_like(losses), allow_unused=True)
+            lowest_edges = [edge for edge in lowest(edges, parents) if edge not in taken]
+            grads = torch.autograd.grad(losses, wanted + lowest_edges + forced, grad_outputs=torch.ones_like(losses),
+                                        allow_unused=True)
+            if rows is not None:  # the results' nodes did not run: their pre-hooks did not see them
+                rows.observe(wanted + lowest_edges, grads)
         finally:
             self._collecting, self._shared = False, frozenset()
             for handle in handles:
@@ -880,6 +907,16 @@ class BookKeeping:
                     layer.unflatten_outputs(call, batch, flat)
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared
+
+    def _sample_rows(self, batch: int) -> list:
+        """(what, gradient edge, the dim of the batch in it) of each tensor whose rows the step
+        reads as samples: the layers' outputs, the ops whose output gradients are broadcast
+        parameters' per-sample gradients."""
+        owners = {id(p): name for name, p in self._module.named_parameters()}
+        return [(f"the output of {layer.describe()}", edge, dim) for layer, edge, dim in self._call_outputs()] + [
+            (f"the op {node.name()} on parameter '{owners[id(parameter)]}'", GradientEdge(node, 0), 0)
+            for layer in self.layers for call in range(len(layer.calls))
+            for parameter, node in layer.sample_row_nodes(call, batch)]
 
     def _call_outputs(self) -> list:
         """(layer, gradient edge, the dim of the batch in it) of each output of the step's calls not

@@ -1513,7 +1513,9 @@ class FunctionalLayer(Layer):
 
     def sample_row_nodes(self, call: int, batch: int) -> list:
         broadcasts = self.calls[call][4]
-        return [] if broadcasts is None else [
+        if broadcasts is None or self.flattened or self._replayed_for_dim_0:
+            return []  # replayed: their rows are not read
+        return [
             (self.parameters[i], use.node) for i, uses in enumerate(broadcasts.uses) for use in uses
             if use.broadcasts_over(batch)]  # an op with the positions or heads in dim 0 is replayed, not read so
 
