@@ -1958,6 +1958,65 @@ def test_windows_of_each_sample_in_turn_are_the_batch_flattened():
         book_kept(WindowAttention(window_major=True), x, target, config, 5.0, M.NoiseGenerator(5))
 
 
+class ConstantBiased(nn.Module):
+    """A parameter (4, 1) plus a constant (1, 2), its first two rows (a view of the sum) added to
+    the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, 1))
+        self.register_buffer("m", torch.randn(1, 2))
+
+    def forward(self, x):  # (B, 2, 2)
+        return x + (self.p + self.m)[:2]
+
+
+def test_a_parameter_broadcast_by_a_constant_then_viewed_gets_its_own_gradient():
+    """A use passed on through an add of a constant that broadcasts the parameter: a view after it
+    places the sum's elements, not the parameter's (a review's repro: 24% off silently, or an
+    IndexError for a reshape). The update is that of each sample's own backward pass."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.biased, self.out = nn.Linear(3, 4), ConstantBiased(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.biased(self.inp(x).view(-1, 2, 2))).view(-1, 4))
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(4, 3, generator=generator), torch.randn(4, 2, generator=generator)
+    model = Model()
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(5))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(5), check_first_sample=False)
+    assert_same_update(bk.step(regression(model(x), target)), want)
+
+
+def test_rows_broadcast_from_the_batch_in_a_later_dim_are_not_the_batch_flattened():
+    """A (1, B d) tensor holds the batch in dim 1: added to a (2 B, B d) tensor whose rows are the
+    samples', the sum mixes every sample into every row (a review's repro: 1.50 times C with the
+    first sample's check off). Its rows are not shared (it is not computed from parameters alone):
+    the Linear on the sum is refused."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.wide, self.out = nn.Linear(3, 3), nn.Linear(3, 12), nn.Linear(6, 1)
+            self.register_buffer("m", torch.zeros(4, 1))
+
+        def forward(self, x):  # B = 2
+            z = torch.tanh(self.inp(x)).reshape(1, 6)
+            return self.out(torch.tanh(self.wide(x).reshape(4, 6) + (z + self.m))).view(2, 2)
+
+    torch.manual_seed(0)
+    model = Model()
+    bk = make(model, check_first_sample=False, expected_batch_size=2)
+    with pytest.raises(ValueError, match=r"module 'out' \(Linear\) saw a batch of 4 .* is not the batch flattened"):
+        bk.step(model(torch.randn(2, 3)).pow(2).sum(1))
+
+
 class SequenceFirstMix(nn.Module):
     """A Linear run on the hidden states made sequence-first, (T, B, d), as code written for
     sequence-first layers does, between two batch-first ones; ``pool``: the head reads the mean

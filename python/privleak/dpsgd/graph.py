@@ -196,6 +196,9 @@ def _uses_from(node, position: int, shape: tuple, views: tuple, parents: dict) -
     passed = _passed_on(node, position, shape)
     if passed is not None and above:
         (factor, multipliers), found = passed, _uses_above(above, shape, views, parents)
+        if found is not None and tuple(node._input_metadata[0].shape) != shape \
+                and any(use.views != views for use in found):
+            found = None  # broadcast by a constant: a view after it places elements of the sum, not of the operand
         # a multiplier is in the shape of the node's output: the uses' operand, unless a view came between;
         # the parameter's, where none came before
         if found is not None and (not multipliers or all(use.views == views for use in found)):
@@ -544,11 +547,30 @@ def _all_rows(child, output_nr: int, node, rows: int) -> bool:
 
 def _shared_rows(node, rows: int) -> bool:
     """Whether the rows (``rows`` of them) of the tensor autograd ``node`` made hold nothing of the
-    batch through their gradient: an elementwise op whose operands with grad are all broadcast
-    along dim 0 (Swin's relative-position bias (1, heads, N, N) plus its shifted windows' mask
-    (B nW, 1, N, N), a constant)."""
-    return type(node) in _ELEMENTWISE and all(not _all_rows(child, nr, node, rows)
-                                              for child, nr in node.next_functions if child is not None)
+    batch: an elementwise op whose operands with grad are all broadcast along dim 0 and computed
+    from parameters alone (Swin's relative-position bias (1, heads, N, N) plus its shifted
+    windows' mask (B nW, 1, N, N), a constant; not the batch flattened into a later dim,
+    ``h.reshape(1, -1)``)."""
+    operands = [(child, nr) for child, nr in node.next_functions if child is not None]
+    return type(node) in _ELEMENTWISE and all(not _all_rows(child, nr, node, rows) and _from_parameters(child)
+                                              for child, nr in operands)
+
+
+def _from_parameters(node, budget: int = 64) -> bool:
+    """Whether the tensor autograd ``node`` made comes from parameters alone, as far as ``budget``
+    nodes of its graph show: every input of every node below has grad (an input without grad may
+    be the batch's data: ``x.reshape(1, -1) * p``), down to the parameters' accumulators."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > budget or any(child is None for child, _ in node.next_functions):
+            return False
+        if getattr(node, "variable", None) is None:
+            stack.extend(child for child, _ in node.next_functions)
+    return True
 
 
 def _keeps_dim_0(node) -> bool:
