@@ -1903,15 +1903,17 @@ class RelativePositionBias(nn.Module):
     """A table of the relative positions of a 2 x 2 window's pixels, (3, 3), indexed to (1, 4, 4):
     the scores' bias that every window shares (a module of parameters and no input: replayed)."""
 
-    def __init__(self):
+    def __init__(self, scaled=False):
         super().__init__()
         self.table = nn.Parameter(torch.randn(3, 3) * 0.5)
         rows, columns = torch.arange(4) // 2, torch.arange(4) % 2
         self.register_buffer("dy", rows[:, None] - rows + 1)
         self.register_buffer("dx", columns[:, None] - columns + 1)
+        self.register_buffer("scale", torch.tensor([[0.5], [1.0], [2.0]]) if scaled else None)
 
-    def forward(self):
-        return self.table[self.dy, self.dx][None]
+    def forward(self):  # ``scaled``: the table times a buffer first (Swin v2's bias is made by an MLP of buffers)
+        table = self.table if self.scale is None else self.table * self.scale
+        return table[self.dy, self.dx][None]
 
 
 class WindowAttention(nn.Module):
@@ -1921,11 +1923,11 @@ class WindowAttention(nn.Module):
     differs between windows (as Swin's shifted windows'), softmax, times v, an output projection
     on the windows' rows, the windows' mean."""
 
-    def __init__(self, window_major=False):
+    def __init__(self, window_major=False, scaled_bias=False):
         super().__init__()
         self.window_major = window_major
         self.embed, self.qkv, self.out, self.head = nn.Linear(3, 3), nn.Linear(3, 9), nn.Linear(3, 3), nn.Linear(3, 2)
-        self.bias = RelativePositionBias()
+        self.bias = RelativePositionBias(scaled_bias)
 
     def forward(self, x):  # (B, 4, 4, 3)
         batch = x.shape[0]
@@ -1939,17 +1941,19 @@ class WindowAttention(nn.Module):
         return self.head(self.out(scores.softmax(-1) @ v).reshape(batch, -1, 3).mean(1))
 
 
-def test_windows_of_each_sample_in_turn_are_the_batch_flattened():
+@pytest.mark.parametrize("scaled_bias", [False, True], ids=["table", "table-times-a-buffer"])
+def test_windows_of_each_sample_in_turn_are_the_batch_flattened(scaled_bias):
     """Swin's windows, (B nW, N, C), each sample's in turn (reshapes keep the order), through a
     batched product of scores and values (rows from the same rows of both) to the output
     projection, are the batch flattened: book-kept, and the position table shared by the windows
-    (added with a constant mask) takes the sum of its sample's windows' gradients. The update is
+    (added with a constant mask; made of a table times a buffer, as a review found refused) takes
+    the sum of its sample's windows' gradients. The update is
     that of each sample's own backward pass. Taken window by window, the windows are not each
     sample's rows in turn: refused."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     x, target = torch.randn(5, 4, 4, 3, generator=generator), torch.randn(5, 2, generator=generator)
-    model = WindowAttention()
+    model = WindowAttention(scaled_bias=scaled_bias)
     grads = one_backward_per_sample(model, x, target)
     config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
     want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
@@ -1995,11 +1999,12 @@ def test_a_parameter_broadcast_by_a_constant_then_viewed_gets_its_own_gradient()
     assert_same_update(bk.step(regression(model(x), target)), want)
 
 
-def test_rows_broadcast_from_the_batch_in_a_later_dim_are_not_the_batch_flattened():
+@pytest.mark.parametrize("form", ["plus-a-constant", "as-it-is", "of-an-input-with-grad"])
+def test_rows_broadcast_from_the_batch_in_a_later_dim_are_not_the_batch_flattened(form):
     """A (1, B d) tensor holds the batch in dim 1: added to a (2 B, B d) tensor whose rows are the
-    samples', the sum mixes every sample into every row (a review's repro: 1.50 times C with the
-    first sample's check off). Its rows are not shared (it is not computed from parameters alone):
-    the Linear on the sum is refused."""
+    samples', the sum mixes every sample into every row (reviews' repros: 1.50 times C with the
+    first sample's check off, 1.05 added as it is, or made from an input with grad, whose leaf is
+    no parameter). It is not computed from parameters alone: the Linear on the sum is refused."""
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -2007,14 +2012,15 @@ def test_rows_broadcast_from_the_batch_in_a_later_dim_are_not_the_batch_flattene
             self.register_buffer("m", torch.zeros(4, 1))
 
         def forward(self, x):  # B = 2
-            z = torch.tanh(self.inp(x)).reshape(1, 6)
-            return self.out(torch.tanh(self.wide(x).reshape(4, 6) + (z + self.m))).view(2, 2)
+            z = (x if form == "of-an-input-with-grad" else torch.tanh(self.inp(x))).reshape(1, 6)
+            return self.out(torch.tanh(self.wide(x).reshape(4, 6) + (z if form == "as-it-is" else z + self.m)))
 
     torch.manual_seed(0)
     model = Model()
     bk = make(model, check_first_sample=False, expected_batch_size=2)
+    x = torch.randn(2, 3, requires_grad=form == "of-an-input-with-grad")
     with pytest.raises(ValueError, match=r"module 'out' \(Linear\) saw a batch of 4 .* is not the batch flattened"):
-        bk.step(model(torch.randn(2, 3)).pow(2).sum(1))
+        bk.step(model(x).view(2, 2).pow(2).sum(1))
 
 
 class SequenceFirstMix(nn.Module):

@@ -11,7 +11,7 @@ from privleak import mechanisms as M
 from test_bookkeeping import Centred, WindowAttention
 from test_bookkeeping_recurrent import LENGTHS, Positions, SortedByLength, tokens
 from torch import nn
-from torch.nn.utils.rnn import pad_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 
 
 def partial_writes(h, order):
@@ -84,6 +84,58 @@ def test_a_model_that_starts_mixing_its_samples_after_the_first_batch_is_found()
         bk.step(model(torch.randn(4, 3)).pow(2).sum(1))
 
 
+def moved(rows, order):
+    """Rows taken in ``order`` by a one-hot product, which the graph checks do not follow."""
+    return torch.einsum("ij,j...->i...", F.one_hot(order, len(order)).to(rows.dtype), rows)
+
+
+class AroundALayer(nn.Module):
+    """The batch's rows moved before ``layer`` (an LSTM on packed sequences, the add of a position
+    embedding the batch shares, nn.MultiheadAttention with its input projection frozen) and
+    moved back after it, from the second batch on: only that layer reads them in another order."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.moving, self.head = layer, False, nn.Linear(4, 2)
+        self.embed = nn.Embedding(20, 4, padding_idx=0)
+        self.embed.requires_grad_(layer != "position-add")
+        self.inner = {"packed-lstm": lambda: nn.LSTM(4, 4, batch_first=True),
+                      "position-add": lambda: nn.Embedding(6, 4),
+                      "attention-out-projection": lambda: nn.MultiheadAttention(4, 2, batch_first=True)}[layer]()
+        if layer == "attention-out-projection":
+            self.inner.in_proj_weight.requires_grad_(False)
+            self.inner.in_proj_bias.requires_grad_(False)
+
+    def forward(self, ids):
+        order = torch.arange(len(ids)).flip(0) if self.moving else torch.arange(len(ids))
+        back, h = order.argsort(), moved(self.embed(ids), order)
+        if self.layer == "packed-lstm":
+            packed = pack_padded_sequence(h, (ids != 0).sum(1)[order], batch_first=True, enforce_sorted=False)
+            h = pad_packed_sequence(self.inner(packed)[0], batch_first=True, total_length=ids.shape[1])[0]
+        elif self.layer == "position-add":
+            h = h + self.inner(torch.arange(ids.shape[1]))[None]
+        else:
+            h = self.inner(h, h, h, need_weights=False)[0]
+        return self.head(torch.tanh(moved(h, back))).mean(1)
+
+
+@pytest.mark.parametrize("layer", ["packed-lstm", "position-add", "attention-out-projection"])
+def test_rows_moved_around_a_layer_whose_rows_hold_the_batch_otherwise_are_refused(layer):
+    """A review's escapes at 1.11-1.40 times C: rows the step reads as samples that the check did
+    not compare (a packed sequence's, attention's output projection's (T B, E), the add of a
+    shared output). Each is compared as its layer reads it."""
+    torch.manual_seed(0)
+    model = AroundALayer(layer)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                           dpsgd.DPSGDConfig(1.0), expected_batch_size=4, check_every_step=True)
+    ids = tokens([5, 3, 6, 2], torch.Generator().manual_seed(1))
+    bk.step(model(ids).pow(2).sum(1))
+    model.moving = True
+    with pytest.raises(ValueError, match=r"row \d of the output gradient of the (output of|op \w+ using the "
+                                         r"output of) module 'inner'"):
+        bk.step(model(ids).pow(2).sum(1))
+
+
 class ScaledBranch(nn.Module):
     """A branch scaled by 1e-6 (a LayerScale at its start) beside a Linear of its own: its output
     gradients 1e-6 of the other's; ``mixed``: its rows mixed over the batch."""
@@ -112,6 +164,35 @@ def test_a_layer_whose_gradients_are_a_millionth_of_the_others_is_checked_on_its
     model.mixed = True
     with pytest.raises(ValueError, match=r"of the output of module 'branch' \(Linear\) is not sample \d's alone"):
         bk.step(model(torch.randn(4, 3, generator=generator)).pow(2))
+
+
+class Quiet(nn.Module):
+    """Two Linears, the second on the first's rows with samples 1 and 2 swapped from the second
+    batch on; the losses of samples 1 and 2 scaled by 1e-12 (a confidently right prediction's
+    gradient is as small beside an outlier's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.swapped = nn.Linear(3, 4), nn.Linear(4, 2), False
+
+    def forward(self, x):
+        order = torch.tensor([0, 2, 1, 3]) if self.swapped else torch.arange(4)
+        h = self.mid(moved(torch.tanh(self.inp(x)), order))
+        return moved(h, order.argsort()).pow(2).sum(1) * torch.tensor([1.0, 1e-12, 1e-12, 1.0])
+
+
+def test_rows_of_samples_with_tiny_gradients_are_compared_too():
+    """A review's escape at 1.27 times C: rows under 1e-4 of their output's largest were not
+    compared, yet clipped (a clip norm under their norm). Each row is compared on its own scale."""
+    torch.manual_seed(0)
+    model = Quiet()
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), dpsgd.DPSGDConfig(1e-15),
+                           expected_batch_size=4, check_every_step=True)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    bk.step(model(x))
+    model.swapped = True
+    with pytest.raises(ValueError, match=r"row [12] of the output gradient of the output of module '(inp|mid)'"):
+        bk.step(model(x))
 
 
 def gpt2():

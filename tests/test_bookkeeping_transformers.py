@@ -558,6 +558,27 @@ def test_attention_on_windows_of_each_sample_in_turn_is_book_kept(name, mechanis
                          replayed=replayed(model))
 
 
+def test_swin_under_bfloat16_autocast_gets_its_update_to_bfloat16_precision():
+    """Under autocast the relative-position bias plus the shifted windows' mask is cast to
+    bfloat16 before it meets the scores: the sum is shared through the cast (a review found Swin
+    refused there). The update is the float32 per-sample reference's to bfloat16's precision."""
+    def losses(model, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(pixel_values=x).logits
+        return F.cross_entropy(logits.float(), x[:, 0, 0, 0].gt(0).long(), reduction="none")
+
+    torch.manual_seed(0)
+    model = swin()
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, losses, images)
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(7))
+    for got, reference in zip(bk.step(losses(model, images)), want):
+        assert float((got - reference).norm()) <= 3e-2 * float(reference.norm()) + 1e-12
+
+
 @pytest.mark.filterwarnings("ignore:max_batch=.* a Poisson batch:UserWarning")  # a graph of 5 for L = 4
 @pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "bert", "falcon", "opt"])
 def test_a_graphed_step_reads_nothing_on_the_host_and_gets_the_update(name):

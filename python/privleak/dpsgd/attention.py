@@ -282,6 +282,10 @@ class MultiheadAttentionLayer(Layer):
         return [1 if len(edge.node._input_metadata[edge.output_nr].shape) == 3 else -1
                 for edge in self.call_edge_lists[call]]
 
+    def batch_first(self, call: int, output: int, grad: torch.Tensor, batch: int) -> torch.Tensor:
+        """The output projection's (T B, E) rows as :meth:`finish` reads them, position by position."""
+        return grad.unflatten(0, (-1, batch)).transpose(0, 1) if grad.ndim == 2 else grad.transpose(0, 1)
+
     def finish(self) -> None:
         """Each weight's uses as disjoint row blocks of inputs and output gradients, batch first
         (:func:`_blocks`); the biases' and ``bias_k``/``bias_v``'s per-sample gradients formed."""

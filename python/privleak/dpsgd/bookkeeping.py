@@ -119,11 +119,13 @@ class BookKeeping:
             a warning.
         check_every_step: check at every step that every layer's rows are its samples' (row i
             of each layer output's gradient sample i's alone), by one more backward pass, of the
-            losses weighted at random (:mod:`privleak.dpsgd.row_check`): any way of moving or
-            mixing the samples' rows between a layer and the losses is refused, where the
-            checks of the graph refuse the ways they know and the first sample's check what
-            the first batch shows. Off by default: the step takes 1.17-1.46x as long
-            (docs/dpsgd.md). Not in a CUDA graph (:meth:`graphed`).
+            losses weighted at random (:mod:`privleak.dpsgd.row_check`): moving or mixing the
+            samples' rows between a layer and the losses is refused whatever its form, unless
+            the samples moved drew the same weight that step (1 pair in 17), where the checks
+            of the graph refuse the forms they know and the first sample's check what the first
+            batch shows. Not for float16 models (their small gradients round). Off by default:
+            the step takes 1.17-1.46x as long (docs/dpsgd.md). Not in a CUDA graph
+            (:meth:`graphed`).
 
     Refused with an error naming the module or parameter: any other parameter shared by two
     modules; a tied parameter under an L1 mechanism (Laplace); a parameter used outside its
@@ -565,7 +567,7 @@ class BookKeeping:
             self._checked = own is None  # out of memory: not again
         rows = None
         if self._row_weights is not None and batch > 1:
-            rows = RowCheck(self._sample_rows(batch), batch, losses.device, self._row_weights)
+            rows = RowCheck(self._sample_rows(batch, shared), batch, losses.device, self._row_weights)
             rows.weighted_pass(losses, lowest(edges, parents))
         with rows.watching() if rows is not None else contextlib.nullcontext():
             self._backward(losses, parents, shared, edges, rows)
@@ -623,11 +625,8 @@ class BookKeeping:
                                                                 edge.output_nr))
                    for layer, edge, _ in self._call_outputs() if layer.rows_are_samples]
         # the ops whose output gradients are broadcast parameters' per-sample gradients: their dim 0 too
-        owners = {id(p): name for name, p in self._module.named_parameters()}
-        handles += [node.register_prehook(functools.partial(look, f"the op {node.name()} on parameter "
-                                                                  f"'{owners[id(parameter)]}'", 0))
-                    for layer in self.layers for call in range(len(layer.calls))
-                    for parameter, node in layer.sample_row_nodes(call, batch)]
+        handles += [node.register_prehook(functools.partial(look, f"the op {node.name()} on {what}", 0))
+                    for what, node in self._sample_row_nodes(batch)]
         try:
             for slot, p in enumerate(self.params):
                 p.grad = None
@@ -908,15 +907,31 @@ class BookKeeping:
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
         return shared
 
-    def _sample_rows(self, batch: int) -> list:
-        """(what, gradient edge, the dim of the batch in it) of each tensor whose rows the step
-        reads as samples: the layers' outputs, the ops whose output gradients are broadcast
-        parameters' per-sample gradients."""
+    def _sample_rows(self, batch: int, shared: list) -> list:
+        """(what, gradient edge, a function of its gradient giving it with the samples in dim 0 as
+        the step reads them, or None) of each tensor whose rows the step reads as samples: the
+        layers' outputs (a packed sequence's padded, attention's output projection's position by
+        position), the ops whose output gradients are broadcast parameters' per-sample gradients,
+        and those adding a shared output (``shared``: :meth:`_shared_outputs`'s) to the batch."""
+        def same(grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+        rows = [(f"the output of {layer.describe()}", edge, functools.partial(layer.batch_first, call, output,
+                                                                              batch=batch))
+                for layer in self.layers for call in range(len(layer.calls)) if (id(layer), call) not in self._shared
+                for output, edge in enumerate(layer.call_edges(call))]
+        return rows + [(f"the op {node.name()} using {what}", GradientEdge(node, 0), same)
+                       for what, node in self._sample_row_nodes(batch, shared)]
+
+    def _sample_row_nodes(self, batch: int, shared: list = ()) -> list:
+        """(what it uses, node) of each op whose output gradient's rows are read as the samples':
+        broadcast parameters' (their layers' :meth:`~privleak.dpsgd.layers.Layer.sample_row_nodes`)
+        and, of ``shared`` (:meth:`_shared_outputs`'s), the ops adding a shared output to the batch."""
         owners = {id(p): name for name, p in self._module.named_parameters()}
-        return [(f"the output of {layer.describe()}", edge, dim) for layer, edge, dim in self._call_outputs()] + [
-            (f"the op {node.name()} on parameter '{owners[id(parameter)]}'", GradientEdge(node, 0), 0)
-            for layer in self.layers for call in range(len(layer.calls))
-            for parameter, node in layer.sample_row_nodes(call, batch)]
+        return [(f"parameter '{owners[id(parameter)]}'", node) for layer in self.layers
+                for call in range(len(layer.calls)) for parameter, node in layer.sample_row_nodes(call, batch)] + [
+            (f"the output of {layer.describe()}", node) for layer, _, found in shared for uses in found
+            for _, node in uses.nodes()]
 
     def _call_outputs(self) -> list:
         """(layer, gradient edge, the dim of the batch in it) of each output of the step's calls not

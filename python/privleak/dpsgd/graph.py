@@ -504,11 +504,20 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
             if not sizes or sizes[0] % batch:
                 return False
             stack.append((children[0][0], sizes[0]))
-        elif (inputs := _row_inputs(node, rows)) is not None:
+        elif (inputs := _row_inputs(node, rows)) is not None and _broadcast_from_parameters(node, rows):
             stack.extend((child, rows) for child in inputs)
         else:
             return False
     return True
+
+
+def _broadcast_from_parameters(node, rows: int) -> bool:
+    """Whether the operands with grad that an elementwise ``node`` broadcasts along dim 0 (of
+    ``rows``) come from parameters alone: one holding the batch in a later dim, ``h.reshape(1,
+    -1)``, would mix every sample into every row."""
+    return type(node) not in _ELEMENTWISE or all(
+        _all_rows(child, nr, node, rows) or _from_parameters(child) for child, nr in node.next_functions
+        if child is not None)
 
 
 def _row_inputs(node, rows: int) -> Optional[list]:
@@ -547,29 +556,36 @@ def _all_rows(child, output_nr: int, node, rows: int) -> bool:
 
 def _shared_rows(node, rows: int) -> bool:
     """Whether the rows (``rows`` of them) of the tensor autograd ``node`` made hold nothing of the
-    batch: an elementwise op whose operands with grad are all broadcast along dim 0 and computed
-    from parameters alone (Swin's relative-position bias (1, heads, N, N) plus its shifted
-    windows' mask (B nW, 1, N, N), a constant; not the batch flattened into a later dim,
-    ``h.reshape(1, -1)``)."""
+    batch: an elementwise op (past casts and copies: bfloat16 autocast's) whose operands with grad
+    are all broadcast along dim 0 and computed from parameters alone (Swin's relative-position
+    bias (1, heads, N, N) plus its shifted windows' mask (B nW, 1, N, N), a constant; not the
+    batch flattened into a later dim, ``h.reshape(1, -1)``)."""
+    while type(node) in (_CAST, _CLONE):
+        node = node.next_functions[0][0]
     operands = [(child, nr) for child, nr in node.next_functions if child is not None]
     return type(node) in _ELEMENTWISE and all(not _all_rows(child, nr, node, rows) and _from_parameters(child)
                                               for child, nr in operands)
 
 
 def _from_parameters(node, budget: int = 64) -> bool:
-    """Whether the tensor autograd ``node`` made comes from parameters alone, as far as ``budget``
-    nodes of its graph show: every input of every node below has grad (an input without grad may
-    be the batch's data: ``x.reshape(1, -1) * p``), down to the parameters' accumulators."""
+    """Whether the tensor autograd ``node`` made comes from the model's parameters alone, and
+    constants (Swin's relative-position bias, a table indexed; Swin v2's, a table times a buffer):
+    down to accumulators of parameters only (an input leaf with grad is data), through nodes whose
+    inputs all have grad but for an elementwise op's constant operand (an input without grad
+    elsewhere, a product's, may be the batch's data). False past ``budget`` nodes: a table takes a
+    few ops, and a longer graph is taken for one that holds the batch."""
     stack, seen = [node], set()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if len(seen) > budget or any(child is None for child, _ in node.next_functions):
+        variable = getattr(node, "variable", None)
+        if len(seen) > budget or (variable is not None and not isinstance(variable, torch.nn.Parameter)):
             return False
-        if getattr(node, "variable", None) is None:
-            stack.extend(child for child, _ in node.next_functions)
+        if type(node) not in _ELEMENTWISE and any(child is None for child, _ in node.next_functions):
+            return False
+        stack.extend(child for child, _ in node.next_functions if child is not None)
     return True
 
 

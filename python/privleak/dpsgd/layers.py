@@ -496,6 +496,14 @@ class Layer:
         no batch's alone; default: dim 0)."""
         return [0] * len(self.call_edges(call))
 
+    def batch_first(self, call: int, output: int, grad: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
+        """The gradient ``grad`` of recorded output ``output`` of call ``call`` with the samples in
+        dim 0, as the layer reads its rows (the batch of ``batch`` flattened with other dims: whole
+        rows, sample after sample), or None where its rows are not read as samples: by
+        :meth:`batch_dims` (dim 0 or 1)."""
+        dim = self.batch_dims(call)[output]
+        return grad.movedim(dim, 0) if dim in (0, 1) and grad.ndim > dim else None
+
     def forced_inputs(self) -> list:
         """Tensors the backward pass must reach, so that the nodes of :meth:`nodes` run."""
         return []

@@ -224,6 +224,9 @@ class RecurrentLayer(FunctionalLayer):
             grad = self._batch_first(call, self.calls[call][2][output], grad)
         super().take_grad(call, output, grad, norm_type)
 
+    def batch_first(self, call: int, output: int, grad: torch.Tensor, batch: int) -> torch.Tensor:
+        return self._batch_first(call, self.calls[call][2][output], grad)  # a packed sequence's rows padded
+
     def _batch_first(self, call: int, output: int, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of output ``output`` (0: the output, else a final state (L D, B, h)) of
         call ``call`` as torch holds it, batch first."""
