@@ -1911,7 +1911,7 @@ class RelativePositionBias(nn.Module):
         self.register_buffer("dx", columns[:, None] - columns + 1)
         self.register_buffer("scale", torch.tensor([[0.5], [1.0], [2.0]]) if scaled else None)
 
-    def forward(self):  # ``scaled``: the table times a buffer first (Swin v2's bias is made by an MLP of buffers)
+    def forward(self):  # ``scaled``: the table times a buffer first
         table = self.table if self.scale is None else self.table * self.scale
         return table[self.dy, self.dx][None]
 

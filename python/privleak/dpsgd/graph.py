@@ -569,11 +569,14 @@ def _shared_rows(node, rows: int) -> bool:
 
 def _from_parameters(node, budget: int = 64) -> bool:
     """Whether the tensor autograd ``node`` made comes from the model's parameters alone, and
-    constants (Swin's relative-position bias, a table indexed; Swin v2's, a table times a buffer):
-    down to accumulators of parameters only (an input leaf with grad is data), through nodes whose
-    inputs all have grad but for an elementwise op's constant operand (an input without grad
-    elsewhere, a product's, may be the batch's data). False past ``budget`` nodes: a table takes a
-    few ops, and a longer graph is taken for one that holds the batch."""
+    constants (Swin's relative-position bias, a table indexed; a table times a buffer): down to
+    accumulators of parameters only (an input leaf with grad is data), through nodes whose inputs
+    all have grad but for an elementwise op's operand without grad, taken for a constant. The
+    graph does not show what such an operand is: batch data without grad multiplied in there
+    (``x.reshape(1, -1) * p``) is not seen (the first sample's check and ``check_every_step``
+    see its mixing); elsewhere an input without grad is taken for data, so a table made by a
+    product with a buffer (an MLP of coordinates) is refused. False past ``budget`` nodes: a
+    table takes a few ops, and a longer graph is taken for one that holds the batch."""
     stack, seen = [node], set()
     while stack:
         node = stack.pop()
