@@ -565,12 +565,12 @@ class BookKeeping:
         if not self._checked and batch > 1 and not capturing():
             own = self._first_sample_norms(losses)
             self._checked = own is None  # out of memory: not again
-        rows = None
+        rows, below = None, lowest(edges, parents)
         if self._row_weights is not None and batch > 1:
             rows = RowCheck(self._sample_rows(batch, shared), batch, losses.device, self._row_weights)
-            rows.weighted_pass(losses, lowest(edges, parents))
+            rows.weighted_pass(losses, below)
         with rows.watching() if rows is not None else contextlib.nullcontext():
-            self._backward(losses, parents, shared, edges, rows)
+            self._backward(losses, shared, below, rows)
         if rows is not None:
             rows.raise_if_moved()
         for layer in self.layers:
@@ -708,13 +708,13 @@ class BookKeeping:
                              f"sample's loss alone gives it {own:.6g}. {cause}{outside}{cancels}")
         self._checked = True
 
-    def _backward(self, losses: torch.Tensor, parents: dict, shared: list, edges: list,
-                  rows: Optional[RowCheck] = None) -> None:
+    def _backward(self, losses: torch.Tensor, shared: list, below: list, rows: Optional[RowCheck] = None) -> None:
         """The one backward pass, its gradients handed to the layers. The layers that act on their
         gradients in the backward (reduce them, so that they are freed as it goes on) take them
         from tensor hooks as it reaches them; the others' are its results (they keep them to the
-        end anyway). Asking autograd for the lowest layers' gradients too makes the backward run
-        through all the layers, without holding the others'. A method of its own so that its
+        end anyway). Asking autograd for the lowest layers' gradients too (``below``:
+        :func:`lowest`'s) makes the backward run through all the layers, without holding the
+        others'. A method of its own so that its
         locals, the results among them, are gone before the clip: the layers free their gradients
         as their sums are made. ``rows``: the check at every step, which sketches the gradients
         this pass reaches."""
@@ -730,7 +730,7 @@ class BookKeeping:
             # Parameters whose gradients come from pre-hooks on the nodes using them (broadcast
             # parameters): asking for theirs makes the backward run those nodes.
             forced = [t for layer in self.layers for t in layer.forced_inputs()]
-            lowest_edges = [edge for edge in lowest(edges, parents) if edge not in taken]
+            lowest_edges = [edge for edge in below if edge not in taken]
             grads = torch.autograd.grad(losses, wanted + lowest_edges + forced, grad_outputs=torch.ones_like(losses),
                                         allow_unused=True)
             if rows is not None:  # the results' nodes did not run: their pre-hooks did not see them

@@ -10,8 +10,8 @@ pass (of sum_i L_i) exactly where row j depends on sample i alone. A row read as
 holds sample k's gradient (rows moved) has w_k in place of w_j; one that mixes samples, a
 combination of theirs. Each row is compared by its norm and its projection on a random direction:
 both must be w_j times the step's (exactly, the weights being powers of two, but for kernels
-whose order of summation varies). Its cost: one more backward pass to the
-layers' outputs (no parameter gradient): 1.17-1.46x book-keeping's step on the benchmarks' models.
+whose order of summation varies). Its cost: one more backward pass to the layers' outputs (no
+parameter gradient): 1.17-1.46x book-keeping's step on the benchmarks' models.
 """
 from __future__ import annotations
 
