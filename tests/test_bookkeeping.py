@@ -2663,6 +2663,61 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
         model(x).pow(2).sum().backward()
 
 
+class InPlaceOnOutput(nn.Module):
+    """A Linear with a bias on a sequence (its output a view of its addmm's result), that output
+    then changed in place: a residual ``h += x``, ``ReLU(inplace=True)``, a scale, a row of
+    positions written."""
+
+    CHANGES = {"residual": lambda h, x: h.add_(x), "relu": lambda h, x: nn.ReLU(inplace=True)(h),
+               "scale": lambda h, x: h.mul_(2.0), "write": lambda h, x: h[:, 0].zero_()}
+
+    def __init__(self, change):
+        super().__init__()
+        self.fc, self.head, self.change = nn.Linear(4, 4), nn.Linear(4, 2), self.CHANGES[change]
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.change(h, x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("change", InPlaceOnOutput.CHANGES)
+def test_a_sequence_linear_s_output_changed_in_place_is_book_kept(change, per_layer):
+    """The in-place op rebased the output view's history on its base, the node whose gradient the
+    layer had recorded left the graph, and the layer was refused as used out of its hooks' sight
+    (a false refusal of an ordinary MLP); now the update is the one of a backward pass per sample."""
+    torch.manual_seed(0)
+    model = InPlaceOnOutput(change)
+    x, target = torch.randn(5, 3, 4), torch.randn(5, 3, 2)
+    params = trainable(model)
+    rows = [torch.autograd.grad(regression(model(x[i:i + 1]), target[i:i + 1]).sum(), params) for i in range(5)]
+    grads = [torch.stack(column) for column in zip(*rows)]
+    config = dpsgd.DPSGDConfig(clip_between(grads, per_layer), noise_multiplier=0.0, per_layer=per_layer)
+    want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
+    assert_same_update(book_kept(model, x, target, config, 5.0, M.NoiseGenerator(5)), want)
+
+
+class ScaledView(nn.Module):
+    """No rule (replayed): returns a view of the product it makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return (x * self.log_scale.exp()).flatten(1)[:, :].view(x.shape)
+
+
+def test_a_replayed_module_s_view_output_changed_in_place_is_refused_as_such():
+    """Where the output cannot be taken another way (a replayed module's forward is the user's),
+    the refusal says what happened: the message blamed a use outside the module's forward."""
+    model = nn.Sequential(ScaledView(), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"the output of module '0' \(ScaledView\) \(parameter '0.log_scale'\) was "
+                                         r"changed in place after its forward call .*view"):
+        make(model).step(model(torch.randn(4, 3, 4)).pow(2).sum((1, 2)))
+
+
 def test_a_layer_that_forms_its_rows_in_the_backward_lets_its_input_go():
     """A LayerNorm forms its per-sample gradients as the backward reaches it and drops its input:
     by the time the backward reaches the layer below, nothing of book-keeping's holds that input

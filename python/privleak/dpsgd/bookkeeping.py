@@ -56,6 +56,7 @@ from privleak.dpsgd.graph import (
     count_uses,
     flattened_batch,
     flattened_outputs,
+    rebased_view,
     reordered_rows,
     selected_tokens,
     shared_output_uses,
@@ -984,6 +985,15 @@ class BookKeeping:
         for slot, (count, recorded) in enumerate(zip(used, seen)):
             if count > recorded:
                 owner = self._owner(slot)
+                for layer in self.layers:
+                    if any(p is self.params[slot] for p in layer.parameters) and any(
+                            rebased_view(edge, parents) for call in range(len(layer.calls))
+                            for edge in layer.call_edges(call)):
+                        raise ValueError(f"the output of {layer.describe()} (parameter '{owner}') was changed in "
+                                         "place after its forward call (`h += x`, an in-place activation), and it "
+                                         "was a view of a tensor its forward made: the change moved the view's "
+                                         "autograd history onto that tensor, and the gradient that book-keeping "
+                                         "takes at the output never comes; change a copy, or write `h = h + x`")
                 raise ValueError(f"parameter '{owner}' is used {count} time(s) in the graph of per_sample_losses, but "
                                  f"its module's forward calls in that graph recorded {recorded}: it is used where the "
                                  "book-keeping hooks cannot see (outside its module's forward, e.g. functionally or by "

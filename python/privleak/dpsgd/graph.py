@@ -356,6 +356,32 @@ _TRANSPOSE, _TRANSPOSE_DIMS = node_type(lambda x: x.t()), node_type(lambda x: x.
 _PERMUTE = node_type(lambda x: x.permute(1, 0))
 
 
+def whole_view_of_product(output: Any) -> Optional[torch.Tensor]:
+    """The result of the matrix product (addmm) of which ``output`` is a view of every element in
+    order, as F.linear with a bias makes its output on more than two dims; else None."""
+    base = output._base if isinstance(output, torch.Tensor) and output.requires_grad else None
+    if (base is None or type(base.grad_fn) is not _ADDMM or base.numel() != output.numel()
+            or base.storage_offset() != output.storage_offset()
+            or not (base.is_contiguous() and output.is_contiguous())):
+        return None
+    return base
+
+
+def rebased_view(edge, parents: dict) -> bool:
+    """Whether the gradient edge ``edge`` of a recorded output left the loss's graph
+    (``parents``, :func:`count_uses`'s) as a view changed in place leaves it: an in-place op on a
+    view puts the view's history on its base (CopySlices), so its view node, no longer in the
+    graph, still leads through views to a node that is."""
+    node = edge.node
+    if node in parents:
+        return False
+    while type(node) in _VIEWS or type(node) in _RESHAPES:
+        node = node.next_functions[0][0]
+        if node in parents:
+            return True
+    return False
+
+
 def _a_weight(child) -> bool:
     """Whether a node's input edge comes from a parameter, or its transpose (nn.Linear's W^T), or a
     cast of either (a router's ``weight.type(torch.float32)`` in a bfloat16 model)."""

@@ -785,6 +785,17 @@ class LinearLayer(Layer):
     rows_are_samples = broadcast_calls = flattened_batch_calls = True
     transposed: ClassVar[bool] = False  #: the weight is stored (d, p), as y = a W + b
 
+    def separated(self, args: tuple, kwargs: dict, output: Any) -> Any:
+        """With a bias, on more than two dims, the forward returns a view of the product it made
+        (``addmm(b, a.view(-1, d), W^T).view(B, T, p)``). An in-place op on that output (``h +=
+        x``, ``ReLU(inplace=True)``) rebases the view's history on its base: the recorded
+        output's node leaves the graph, its gradient never comes, and the layer was refused as
+        unseen. The product is the call's own, which addmm's node does not save (it saves its
+        operands), so the output is returned as the alias F.linear without a bias returns
+        (matmul's ``_unsafe_view``), whose in-place ops keep its node in the graph."""
+        base = graph.whole_view_of_product(output)
+        return output if base is None else torch.ops.aten._unsafe_view(base, output.shape)
+
     def finish(self) -> None:
         """The calls become one, a (B, T, d) and g (B, T, p), their positions laid end to end,
         which the norms and the sums both read. g is made contiguous here, once: the ghost-norm
