@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.nn.modules.module import _global_forward_hooks
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
@@ -53,13 +54,14 @@ from privleak.dpsgd.clip import kernel_rows, non_finite_error
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
     capturing,
+    changed_in_place,
     count_uses,
     flattened_batch,
     flattened_outputs,
-    rebased_view,
     reordered_rows,
     selected_tokens,
     shared_output_uses,
+    unviewed,
 )
 from privleak.dpsgd.layers import FunctionalLayer, Layer, check_no_embedding_max_norm, ieee_float32, layer_for, total
 from privleak.dpsgd.row_check import RowCheck
@@ -339,6 +341,10 @@ class BookKeeping:
             if bk is None or not bk._recording:
                 return None
             output = layer.separated(args, kwargs, output)
+            # only where no hook saw the view before this one (a global one, one prepended since)
+            if (layer.returns_own_view and not _global_forward_hooks
+                    and next(iter(module._forward_hooks.values())) is itself()):
+                output = unviewed(output)
             outputs = layer.record(args, kwargs, output)
             call = len(layer.calls) - 1
             if layer.acts_in_backward:  # else the backward hands the gradients over as its results
@@ -347,6 +353,7 @@ class BookKeeping:
             for key, node in layer.nodes(call) if outputs else ():
                 node.register_prehook(functools.partial(bk._take_node_grad, layer, key))
             return output
+        itself = weakref.ref(record)  # not the function itself: a cycle would hold the layer until a collection
         return record
 
     def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:
@@ -969,13 +976,24 @@ class BookKeeping:
         layer recorded in a call whose outputs the graph holds; any other (a parameter used
         outside its module's forward, e.g. ``F.linear(x, other_module.weight)``; the losses of a
         forward pass before the last step, whose uses the calls of another since stood for, a
-        review's repro: the noise alone released) would escape clipping. The walk fills in
+        review's repro: the noise alone released) would escape clipping. A recorded output that is a
+        view changed in place after its call (:func:`~privleak.dpsgd.graph.changed_in_place`; a
+        Linear's and an InstanceNorm's are handed on as aliases, :func:`~privleak.dpsgd.graph.unviewed`)
+        is refused: the gradient taken at it would miss the uses after the change. The walk fills in
         ``parents``, each node's parents (:func:`~privleak.dpsgd.graph.count_uses`)."""
         used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents)
         if losses.shape[0] and not any(used):
             raise ValueError("per_sample_losses does not depend on any of the model's trainable parameters (the "
                              "losses of another model, or of outputs detached from it): the step would release the "
                              "noise alone")
+        for layer in self.layers:
+            for call in range(len(layer.calls)):
+                if any(changed_in_place(edge, parents) for edge in layer.call_edges(call)):
+                    raise ValueError(f"the output of {layer.describe()} was changed in place after its forward call "
+                                     "(`h += x`, an in-place activation), and it is a view of a tensor that its "
+                                     "forward made: the change moved the view's autograd history onto that tensor, "
+                                     "around the node where book-keeping takes the output's gradient; change a copy, "
+                                     "or write `h = h + x`")
         seen = [0] * len(self.params)
         for layer in self.layers:
             for call, uses in enumerate(layer.uses):
@@ -985,15 +1003,6 @@ class BookKeeping:
         for slot, (count, recorded) in enumerate(zip(used, seen)):
             if count > recorded:
                 owner = self._owner(slot)
-                for layer in self.layers:
-                    if any(p is self.params[slot] for p in layer.parameters) and any(
-                            rebased_view(edge, parents) for call in range(len(layer.calls))
-                            for edge in layer.call_edges(call)):
-                        raise ValueError(f"the output of {layer.describe()} (parameter '{owner}') was changed in "
-                                         "place after its forward call (`h += x`, an in-place activation), and it "
-                                         "was a view of a tensor its forward made: the change moved the view's "
-                                         "autograd history onto that tensor, and the gradient that book-keeping "
-                                         "takes at the output never comes; change a copy, or write `h = h + x`")
                 raise ValueError(f"parameter '{owner}' is used {count} time(s) in the graph of per_sample_losses, but "
                                  f"its module's forward calls in that graph recorded {recorded}: it is used where the "
                                  "book-keeping hooks cannot see (outside its module's forward, e.g. functionally or by "

@@ -356,30 +356,50 @@ _TRANSPOSE, _TRANSPOSE_DIMS = node_type(lambda x: x.t()), node_type(lambda x: x.
 _PERMUTE = node_type(lambda x: x.permute(1, 0))
 
 
-def whole_view_of_product(output: Any) -> Optional[torch.Tensor]:
-    """The result of the matrix product (addmm) of which ``output`` is a view of every element in
-    order, as F.linear with a bias makes its output on more than two dims; else None."""
+#: the autograd nodes of ops whose backward does not read their result (addmm saves its operands, batch
+#: norm its input and statistics), by name: cuDNN's batch norm node exists only where CUDA runs
+_RESULT_UNSAVED = frozenset(("AddmmBackward0", "NativeBatchNormBackward0", "CudnnBatchNormBackward0"))
+
+
+def unviewed(output: Any) -> Any:
+    """``output`` as a non-view alias of the result it views whole, in order, where the op that made
+    that result does not save it for its backward (F.linear with a bias on more than two dims views
+    its addmm's result, instance_norm its batch norm's); else ``output`` itself. An in-place op on
+    a view (``h += x``, ``ReLU(inplace=True)``) moves the view's autograd history onto its base, and
+    the view's node, where a layer took its output's gradient, leaves the graph; on the alias
+    (matmul's ``_unsafe_view``, as F.linear without a bias returns) it keeps its node. Only for a
+    forward that holds the result nowhere else, before anything but the forward saw the view: the
+    alias has a version counter of its own, so a tensor saved from the view would not be seen
+    changed."""
     base = output._base if isinstance(output, torch.Tensor) and output.requires_grad else None
-    if (base is None or type(base.grad_fn) is not _ADDMM or base.numel() != output.numel()
-            or base.storage_offset() != output.storage_offset()
+    if (base is None or base.grad_fn is None or base.grad_fn.name() not in _RESULT_UNSAVED
+            or base.numel() != output.numel() or base.storage_offset() != output.storage_offset()
             or not (base.is_contiguous() and output.is_contiguous())):
-        return None
-    return base
+        return output
+    return torch.ops.aten._unsafe_view(base, output.shape)
 
 
-def rebased_view(edge, parents: dict) -> bool:
-    """Whether the gradient edge ``edge`` of a recorded output left the loss's graph
-    (``parents``, :func:`count_uses`'s) as a view changed in place leaves it: an in-place op on a
-    view puts the view's history on its base (CopySlices), so its view node, no longer in the
-    graph, still leads through views to a node that is."""
+def _written_through_view(x: torch.Tensor) -> torch.Tensor:
+    y = x * 1
+    y[0].mul_(2)
+    return y
+
+
+_COPY_SLICES = node_type(_written_through_view)
+
+
+def changed_in_place(edge, parents: dict) -> bool:
+    """Whether the tensor of a recorded output's gradient edge ``edge``, a view, was changed in
+    place after it was made (through itself or another view of its base), as the loss's graph
+    (``parents``, :func:`count_uses`'s) shows: the base's node then has a CopySlices above it,
+    which takes the gradient of every use after the change around the view's node (out of the
+    graph, or holding the uses before the change alone)."""
     node = edge.node
-    if node in parents:
+    if type(node) not in _VIEWS and type(node) not in _RESHAPES:
         return False
     while type(node) in _VIEWS or type(node) in _RESHAPES:
         node = node.next_functions[0][0]
-        if node in parents:
-            return True
-    return False
+    return any(type(parent) is _COPY_SLICES for parent, _ in parents.get(node, ()))
 
 
 def _a_weight(child) -> bool:

@@ -314,6 +314,10 @@ class Layer:
     #: each row of a call's output (dim 0) is one sample's, as the rule reads its input's: the first sample's check
     #: (BookKeeping) finds that sample's loss with no gradient in the other rows
     rows_are_samples: ClassVar[bool] = False
+    #: the module's forward is torch's own and may return a view of a result that nothing else holds (F.linear with
+    #: a bias on more than two dims, instance_norm): handed on as an alias that an in-place op leaves in the graph
+    #: (:func:`~privleak.dpsgd.graph.unviewed`)
+    returns_own_view: ClassVar[bool] = False
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -782,19 +786,8 @@ class LinearLayer(Layer):
     formed (:func:`bias_rows`). Falcon's ``FalconLinear`` (``x @ W.T + b``, an nn.Linear with its
     forward written out) has the same rule, registered by name."""
 
-    rows_are_samples = broadcast_calls = flattened_batch_calls = True
+    rows_are_samples = broadcast_calls = flattened_batch_calls = returns_own_view = True
     transposed: ClassVar[bool] = False  #: the weight is stored (d, p), as y = a W + b
-
-    def separated(self, args: tuple, kwargs: dict, output: Any) -> Any:
-        """With a bias, on more than two dims, the forward returns a view of the product it made
-        (``addmm(b, a.view(-1, d), W^T).view(B, T, p)``). An in-place op on that output (``h +=
-        x``, ``ReLU(inplace=True)``) rebases the view's history on its base: the recorded
-        output's node leaves the graph, its gradient never comes, and the layer was refused as
-        unseen. The product is the call's own, which addmm's node does not save (it saves its
-        operands), so the output is returned as the alias F.linear without a bias returns
-        (matmul's ``_unsafe_view``), whose in-place ops keep its node in the graph."""
-        base = graph.whole_view_of_product(output)
-        return output if base is None else torch.ops.aten._unsafe_view(base, output.shape)
 
     def finish(self) -> None:
         """The calls become one, a (B, T, d) and g (B, T, p), their positions laid end to end,
@@ -1850,6 +1843,8 @@ class InstanceNormLayer(_RunningStatisticsLayer):
     statistics into its running buffers, which ship with the model without noise (a review's
     repro: one sample scaled by 100 moved running_mean by 0.56): refused then, as Opacus's
     validator refuses it."""
+
+    returns_own_view = True
 
     def refusal(self) -> Optional[str]:
         if self.module.training and self.module.track_running_stats:
