@@ -2492,6 +2492,13 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         batchnorm(x)
     with torch.no_grad():
         batchnorm(x)  # evaluation in training mode trains nothing
+    # without running statistics torch normalises by the batch in eval mode too (a review's repro: with the first
+    # sample's check off, one sample removed moved the clipped sum by 1.34 C)
+    untracked = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3, track_running_stats=False)).eval()
+    bk = make(untracked, check_first_sample=False)
+    with pytest.raises(ValueError, match=r"module '1' \(BatchNorm2d\) is without running statistics "
+                                         r"\(track_running_stats=False\): it normalises with statistics of the whole"):
+        untracked(torch.randn(4, 3, 2, 2))
     for affine in (False, True):  # its running statistics take the batch's, outside the noise (a review's repro)
         tracked = nn.Sequential(nn.Conv1d(3, 3, 1), nn.InstanceNorm1d(3, affine=affine, track_running_stats=True))
         bk = make(tracked)

@@ -1825,14 +1825,19 @@ class _RunningStatisticsLayer(FunctionalLayer):
 @layer_kind(nn.modules.batchnorm._BatchNorm)
 class BatchNormLayer(_RunningStatisticsLayer):
     """BatchNorm: in training mode it normalises with the batch's statistics, so no sample has a
-    gradient of its own; it is refused (use GroupNorm or LayerNorm). In eval mode it is a fixed
-    affine map per channel, through the fallback."""
+    gradient of its own; it is refused (use GroupNorm or LayerNorm). So it does in eval mode
+    without running statistics (``track_running_stats=False``: torch normalises by the batch then
+    too; a review's repro, with the first sample's check off, moved the clipped sum by 1.34 C for
+    one sample removed). In eval mode with its running statistics it is a fixed affine map per
+    channel, through the fallback."""
 
     def refusal(self) -> Optional[str]:
-        if self.module.training:  # a training forward; evaluation under no_grad is fine
-            return (f"{self.describe()} is in training mode: it normalises with statistics of the whole batch, so "
+        module = self.module  # a training forward is refused; evaluation under no_grad is fine
+        if module.training or (module.running_mean is None and module.running_var is None):
+            mode = "in training mode" if module.training else "without running statistics (track_running_stats=False)"
+            return (f"{self.describe()} is {mode}: it normalises with statistics of the whole batch, so "
                     "per-sample gradients (and their clipping) are undefined; use GroupNorm or LayerNorm, or call "
-                    ".eval() on it")
+                    ".eval() on a BatchNorm that tracks running statistics")
         return None
 
 
