@@ -2484,6 +2484,47 @@ def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
         model(torch.randint(0, 5, (4, 3)))
 
 
+class WritesBuffer(nn.Module):
+    """No rule (replayed), its forward writes a buffer: a call counter its output is divided by
+    (a warm-up), an average of its outputs updated in place, or one assigned anew."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.weight, self.write = nn.Parameter(torch.randn(4, 4) * 0.3), write
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        y = torch.tanh(x @ self.weight)
+        if self.write is None:
+            return y
+        if self.write == "counter":
+            self.calls += 1
+            return y / self.calls
+        with torch.no_grad():
+            if self.write == "in place":
+                self.average.mul_(0.9).add_(0.1 * y.mean(0))
+            else:
+                self.average = 0.9 * self.average + 0.1 * y.mean(0)
+        return y
+
+
+@pytest.mark.parametrize("write", ["counter", "in place", "assigned"])
+def test_a_replayed_module_that_writes_its_buffers_is_refused(write):
+    """The replay ran the forward again per sample on the live buffers: a counter read 5 after a
+    step of 4 samples, and the gradients were computed with the buffer as the replay left it (a
+    review's repro, the first sample's check off: 5-77% off, silently)."""
+    model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
+    bk = make(model, check_first_sample=False)  # noqa: F841 (its hooks live as long as it does)
+    with pytest.raises(ValueError, match=rf"module '1' \(WritesBuffer\) wrote its buffer "
+                                         rf"'{'calls' if write == 'counter' else 'average'}' in its forward call"):
+        model(torch.randn(4, 4))
+    assert float(model[1].calls) == (1.0 if write == "counter" else 0.0)  # the call's own write, no replay's
+    model.eval()
+    model[1].write = None
+    bk.step(model(torch.randn(4, 4)).pow(2).sum(1))  # a forward that writes none trains
+
+
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
     x = torch.randn(4, 3)
     batchnorm = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, affine=False))

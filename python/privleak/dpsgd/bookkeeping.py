@@ -319,10 +319,12 @@ class BookKeeping:
             return bk is not None and bk._recording and torch.is_grad_enabled()
 
         hooks = [module.register_forward_hook(self._hook(layer, this), with_kwargs=True, prepend=True)]
-        if type(layer).refusal is not Layer.refusal:
+        if type(layer).refusal is not Layer.refusal or type(layer).before_call is not Layer.before_call:
             def refuse(_module, _args):
-                if recording() and (why := layer.refusal()) is not None:
-                    raise ValueError(why)
+                if recording():
+                    if (why := layer.refusal()) is not None:
+                        raise ValueError(why)
+                    layer.before_call()
 
             hooks.append(module.register_forward_pre_hook(refuse, prepend=True))
         if layer.intercepts_forward:

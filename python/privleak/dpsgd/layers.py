@@ -373,8 +373,12 @@ class Layer:
     def refusal(self) -> Optional[str]:
         """Why a forward call of the module with grad is refused in its present state, or None:
         asked before the call runs, so that a refused call changes nothing (a layer that
-        overrides it gets a forward pre-hook)."""
+        overrides it gets a forward pre-hook, which also calls :meth:`before_call`)."""
         return None
+
+    def before_call(self) -> None:
+        """Before a recorded forward call of the module (a layer that overrides it gets a forward
+        pre-hook): what :meth:`record` compares the call's effects with."""
 
     def enter_forward(self) -> None:
         """Before a forward call of the module with grad (:attr:`intercepts_forward` layers): a new
@@ -1367,7 +1371,8 @@ class FunctionalLayer(Layer):
     of experts' router and experts), gives each sample its T rows; a call on the batch whose
     outputs have it so flattened (DeepSeek-V3's router flattens its (B, T, d) input itself) takes
     each sample's T output rows as their cotangent. The forward must treat samples
-    independently and be deterministic: one that draws random numbers (dropout in training mode)
+    independently, write none of the module's buffers (refused, naming the buffer: the replay
+    would write it again per sample) and be deterministic: one that draws random numbers (dropout in training mode)
     could not be replayed and is refused at the step (vmap says it drew them); a dropout module
     it holds but does not run (peft's LoRA embedding) is no matter. A forward that torch.func
     cannot transform (shapes that depend on the data; a parametrization registered in it) is
@@ -1428,6 +1433,26 @@ class FunctionalLayer(Layer):
     def parameters_of(self, module: nn.Module) -> list:
         return [p for _, p in fallback_parameters(module, self.claims_children)]
 
+    def before_call(self) -> None:
+        self._buffers_before = [(name, buffer, buffer._version) for name, buffer in self.module.named_buffers()
+                                if name not in self._parametrization_buffers]
+
+    def _check_buffers_kept(self) -> None:
+        """Raise where the forward call wrote a buffer of the module (or of its children, which its
+        replay runs too): the replay would write it again for each sample, and compute with it as
+        written, not as the call saw it (a review's repro: a call counter at 15 after 3 steps, and
+        gradients 5-77% off with the first sample's check off). A buffer written from the data
+        would be released outside the noise besides, as BatchNorm's running statistics would be."""
+        for name, buffer, version in getattr(self, "_buffers_before", ()):
+            now = self.module.get_buffer(name)
+            if now is not buffer or now._version != version:
+                raise ValueError(f"{self.describe()} wrote its buffer '{name}' in its forward call: book-keeping "
+                                 "replays that forward for the module's per-sample gradients (the module has no "
+                                 "rule), which would write the buffer again for each sample and compute with it as "
+                                 "written, not as the call saw it; update the buffer outside the module's forward "
+                                 "(after the step), or give the parameters a module of their own, apart from it")
+        self._buffers_before = []
+
     def clear(self) -> None:
         super().clear()
         self.watched: list = []  # per call, (key, autograd node) pairs whose output gradients it takes
@@ -1473,6 +1498,7 @@ class FunctionalLayer(Layer):
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
             return []
+        self._check_buffers_kept()
         inputs = _input_nodes(tree_flatten((args, kwargs))[0])
         leaves, spec = tree_flatten(self.replayed_call(args, kwargs))
         consumers, parents = [[] for _ in self.parameters], {}
