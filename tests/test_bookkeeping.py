@@ -598,6 +598,8 @@ LAYER_CASES = {
                                                 nn.Tanh(), nn.ConvTranspose1d(4, 2, 2, dilation=3, groups=2)),
                           normal(6, 3, 7)),
     "embedding": (lambda: nn.Sequential(nn.Embedding(9, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 3)), ids((6, 8))),
+    "embedding-bag": (lambda: nn.Sequential(nn.EmbeddingBag(9, 4, mode="mean", padding_idx=0), nn.Tanh(),
+                                            nn.Linear(4, 3)), ids((6, 8))),
     "layernorm": (lambda: nn.Sequential(nn.Linear(4, 5), nn.LayerNorm((3, 5)), nn.Tanh(), nn.Linear(5, 2)),
                   normal(6, 3, 4)),
     "rmsnorm": (lambda: nn.Sequential(nn.Linear(4, 5), nn.RMSNorm((3, 5)), nn.Tanh(), nn.Linear(5, 2)),
@@ -1005,7 +1007,7 @@ def test_the_mixed_rule_is_bu_et_al():
 
 @pytest.mark.parametrize("case, kind", [
     ("linear", layers.LinearLayer), ("conv2d", layers.ConvLayer), ("conv-transpose", layers.TransposedConvLayer),
-    ("embedding", layers.EmbeddingLayer),
+    ("embedding", layers.EmbeddingLayer), ("embedding-bag", layers.EmbeddingBagLayer),
     ("layernorm", layers.LayerNormLayer), ("groupnorm", layers.GroupNormLayer), ("rmsnorm", layers.RMSNormLayer),
     ("transformers-conv1d", layers.TransposedLinearLayer), ("multihead-attention", attention.MultiheadAttentionLayer),
     ("fallback", layers.FunctionalLayer), ("position-modules", layers.LookupEmbeddingLayer),
@@ -2568,6 +2570,52 @@ def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():
         make(nn.Embedding(5, 2, scale_grad_by_freq=True))
     frozen = nn.Sequential(nn.Embedding(5, 2, scale_grad_by_freq=True).requires_grad_(False), nn.Linear(2, 1))
     make(frozen).step(frozen(torch.tensor([[1, 2], [3, 3]])).sum((1, 2)))  # no gradient to divide: accepted
+
+
+class BagsOfWords(nn.Module):
+    """torchtext's text classifier: an EmbeddingBag over each sample's tokens laid end to end, cut
+    by offsets (with per-sample weights in mode "sum"), and a Linear."""
+
+    def __init__(self, mode, padding_idx, include_last_offset):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=padding_idx, include_last_offset=include_last_offset)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, text, offsets, weights=None):
+        return self.head(self.bag(text, offsets, per_sample_weights=weights))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("mode, weighted, padding_idx, include_last_offset", [
+    ("mean", False, None, False), ("mean", False, 0, True), ("sum", True, None, False), ("sum", False, 0, False)])
+def test_an_embedding_bag_on_tokens_cut_by_offsets_is_book_kept(mode, weighted, padding_idx, include_last_offset,
+                                                                 per_layer):
+    """Each bag a sample (one of them empty, tokens repeated within and across bags, some at
+    padding_idx): the update is the one of a backward pass per bag, each bag alone at offset 0.
+    It was refused (the layer saw a batch of as many as the tokens)."""
+    torch.manual_seed(0)
+    model = BagsOfWords(mode, padding_idx, include_last_offset)
+    lengths = [3, 0, 5, 2, 4]
+    generator = torch.Generator().manual_seed(1)
+    bags = [torch.randint(0, 4, (n,), generator=generator) for n in lengths]
+    weights = [torch.rand(n, generator=generator) + 0.5 if weighted else None for n in lengths]
+    target = torch.randn(len(bags), 3, generator=generator)
+
+    def losses(bags, weights, target):
+        starts = torch.tensor([0] + [len(b) for b in bags]).cumsum(0)
+        offsets = starts if include_last_offset else starts[:-1]
+        return regression(model(torch.cat(bags), offsets, torch.cat(weights) if weighted else None), target)
+
+    params = trainable(model)
+    rows = [torch.autograd.grad(losses([b], [w], target[i:i + 1]).sum(), params)
+            for i, (b, w) in enumerate(zip(bags, weights))]
+    grads = [torch.stack(column) for column in zip(*rows)]
+    config = dpsgd.DPSGDConfig(clip_between(grads, per_layer), noise_multiplier=0.0, per_layer=per_layer)
+    want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(params, lr=0.0), config, expected_batch_size=5.0,
+                           generator=M.NoiseGenerator(5))
+    assert [type(layer) for layer in bk.layers] == [layers.EmbeddingBagLayer, layers.LinearLayer]
+    assert_same_update(bk.step(losses(bags, weights, target)), want)
 
 
 @pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])

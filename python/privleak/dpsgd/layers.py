@@ -1224,6 +1224,84 @@ class ScaledEmbeddingLayer(EmbeddingLayer):
         return ids, g * (scale.to(self.module.weight.dtype) if isinstance(scale, torch.Tensor) else scale)
 
 
+@layer_kind(nn.EmbeddingBag)
+class EmbeddingBagLayer(EmbeddingLayer):
+    """nn.EmbeddingBag, one bag a sample, in mode "sum" or "mean": bag i's output is sum_t c_t
+    W[id_t] over its tokens, c_t = 1 (sum), the token's ``per_sample_weights`` entry (sum), or
+    1 / n_i (mean, n_i its tokens not at ``padding_idx``), and 0 at ``padding_idx``. So its
+    per-sample gradient is an Embedding's whose output gradient at token t is c_t g_i, g_i the
+    bag's output gradient: the bags are laid out as rows of ids (B, L), padded with coefficient 0,
+    and the Embedding's rule takes them. The bags come as rows of a 2-D input, or as a 1-D input
+    cut by ``offsets`` (torchtext's text classifier, each sample's tokens laid end to end), read
+    on the host for the longest bag (not in a CUDA graph's capture). Mode "max" (each dimension
+    from its own token) goes to the fallback."""
+
+    broadcast_calls = False
+    own_forward_rule = None
+
+    @classmethod
+    def takes(cls, module: nn.Module) -> bool:
+        return super().takes(module) and module.mode in ("sum", "mean")
+
+    def clear(self) -> None:
+        super().clear()
+        self.coefficients: list = []  # per call, c (B, L) of the ids it keeps (B, L)
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return []
+        names = ("input", "offsets", "per_sample_weights")
+        given = {**dict(zip(names, args)), **kwargs}
+        text, offsets, weights = (given.get(name) for name in names)
+        self.keep(text)  # its version, for the check that it is not changed in place
+        ids, coefficients = self._bags(text, offsets, None if weights is None else weights.detach())
+        self.calls.append(ids)
+        self.coefficients.append(coefficients)
+        self.sources.append(None)
+        self.edges.append(get_gradient_edge(output))
+        self.grads.append([None])
+        self.uses.append([self.uses_per_call] * len(self.parameters))
+        return [output]
+
+    def _bags(self, text: torch.Tensor, offsets: Optional[torch.Tensor],
+              weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, c), both (bags, longest bag), from the call's input, offsets and per-sample weights."""
+        coefficients = torch.ones(text.shape, dtype=torch.float32, device=text.device) if weights is None else \
+            weights.to(torch.promote_types(weights.dtype, torch.float32))
+        if text.ndim == 1:
+            if graph.capturing():
+                raise ValueError(f"{self.describe()} took a 1-D input cut by offsets in a CUDA graph's capture, "
+                                 "where book-keeping cannot read the bags' lengths: pass the bags as a 2-D input")
+            bounds = offsets[:-1] if self.module.include_last_offset else offsets
+            lengths = torch.diff(bounds, append=bounds.new_tensor([text.shape[0]]))
+            longest = int(lengths.max()) if lengths.numel() else 0
+            bag = torch.repeat_interleave(torch.arange(bounds.shape[0], device=text.device), lengths)
+            place = torch.arange(text.shape[0], device=text.device) - bounds[bag]
+            ids = text.new_zeros(bounds.shape[0], longest).index_put_((bag, place), text)
+            coefficients = coefficients.new_zeros(ids.shape).index_put_((bag, place), coefficients)
+            present = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device).index_put_(
+                (bag, place), torch.ones_like(text, dtype=torch.bool))
+        else:
+            ids, present = text, torch.ones(text.shape, dtype=torch.bool, device=text.device)
+        if self.module.padding_idx is not None:
+            present &= ids != self.module.padding_idx
+        coefficients = coefficients * present
+        if self.module.mode == "mean":
+            counts = present.sum(1, keepdim=True)
+            coefficients = coefficients / counts.clamp(min=1)
+        return ids, coefficients
+
+    def renumber(self, new: dict) -> None:
+        super().renumber(new)
+        self.coefficients = [self.coefficients[old] for old in sorted(new, key=new.get)]
+
+    def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (B, L) and the output gradient at each token, c_t g_i (B, L, p), the calls laid end to end."""
+        g = [c.unsqueeze(-1) * y.to(torch.promote_types(y.dtype, torch.float32)).unsqueeze(1)
+             for c, y in zip(self.coefficients, self.grads)]
+        return self._ids(), g[0] if len(g) == 1 else torch.cat(g, 1)
+
+
 def _rows_added(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows, p), float32 at least: out[r] = the sum of the rows of ``values`` (..., p) whose
     ``index`` is r, by torch's Embedding weight gradient, deterministic on CUDA (index_add_ and
