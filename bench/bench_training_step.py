@@ -168,6 +168,18 @@ class LSTMClassifier(nn.Module):
         return self.head(self.lstm(self.embed(ids))[1][0][-1])
 
 
+class BagOfWords(nn.Module):
+    """torchtext's text classifier (its AG News tutorial's TextClassificationModel): the mean of
+    the tokens' embeddings by nn.EmbeddingBag, a Linear head; each sample's tokens a row."""
+
+    def __init__(self, vocab: int = 20000, width: int = 64, classes: int = 4):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(vocab, width, mode="mean"), nn.Linear(width, classes)
+
+    def forward(self, ids):
+        return self.head(self.bag(ids))
+
+
 class Block(nn.Module):
     """Pre-norm transformer block, causal self-attention from nn.Linear projections."""
 
@@ -335,6 +347,7 @@ MODELS = {
     "torch-transformer": (lambda: TorchTransformer(1500, 256, 2, 4, 64), tokens(1500, 64), SequenceLoss, (32, 64), ()),
     "large": (lambda: Transformer(8000, 768, 8, 12, 128), tokens(8000, 128), SequenceLoss, (8, 32), ()),
     "lstm": (lambda: LSTMClassifier(), labelled_tokens(10000, 50, 2), nn.CrossEntropyLoss, (64, 256), ()),
+    "bag-of-words": (lambda: BagOfWords(), labelled_tokens(20000, 64, 4), nn.CrossEntropyLoss, (64, 256), ()),
     "tiny-transformer": (lambda: Transformer(50, 16, 2, 2, 8), tokens(50, 8), SequenceLoss, (2, 16), (2,)),
     "gpt2": (lambda: HuggingFaceLM("gpt2"), tokens(50257, 128), SequenceLoss, (8,), ()),
     "llama": (lambda: HuggingFaceLM("llama"), tokens(32000, 128), SequenceLoss, (8,), ()),
