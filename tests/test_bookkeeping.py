@@ -2618,6 +2618,21 @@ def test_an_embedding_bag_on_tokens_cut_by_offsets_is_book_kept(mode, weighted, 
     assert_same_update(bk.step(losses(bags, weights, target)), want)
 
 
+def test_an_embedding_bag_is_refused_where_its_bags_or_mode_are_not_the_rule_s():
+    """Tokens after the last offset (include_last_offset=True) are in no bag: they were read as the
+    last bag's, 31-63% off (a review's repro). Mode "max" set since BookKeeping was built was read
+    as "sum", 154% off after the first step."""
+    model = BagsOfWords("sum", None, include_last_offset=True)
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+    with pytest.raises(ValueError, match=r"module 'bag' \(EmbeddingBag\) has include_last_offset=True and got 7 "
+                                         r"tokens, but its last offset is 5: the tokens after it are in no bag"):
+        model(torch.arange(7) % 9, torch.tensor([0, 2, 5]))
+    model.bag.mode = "max"
+    with pytest.raises(ValueError, match=r"module 'bag' \(EmbeddingBag\) has mode='max', set since BookKeeping was "
+                                         r"built"):
+        model(torch.arange(5) % 9, torch.tensor([0, 2, 5]))
+
+
 @pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
 @pytest.mark.parametrize("trained", [True, False])
 def test_an_embedding_that_renormalises_its_weights_in_place_is_refused(kind, trained):
@@ -2633,6 +2648,12 @@ def test_an_embedding_that_renormalises_its_weights_in_place_is_refused(kind, tr
     ids, target = torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, 1)
     with pytest.raises(ValueError, match=rf"module '0' \({kind.__name__}\) has max_norm=1.0"):
         dpsgd.per_sample_gradients(model, lambda out, y: (out - y).pow(2).sum(), ids, target)
+    if trained:  # set since BookKeeping was built: refused at the forward call (a review's repro took the step)
+        model[0].max_norm = None
+        bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+        model[0].max_norm = 1.0
+        with pytest.raises(ValueError, match=rf"module '0' \({kind.__name__}\) has max_norm=1.0"):
+            model(ids)
 
 
 class Checkpointed(nn.Module):

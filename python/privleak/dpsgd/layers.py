@@ -641,10 +641,13 @@ def check_no_embedding_max_norm(model: nn.Module) -> None:
     tokens a batch held)."""
     for name, module in model.named_modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
-            raise ValueError(f"module {name!r} ({type(module).__name__}) has max_norm={module.max_norm}: its forward "
-                             "renormalises in place the weight rows the batch's ids look up, so the weights change "
-                             "by the data outside the noise; leave max_norm None and scale the rows looked up "
-                             "instead (e * (max_norm / e.norm(dim=-1, keepdim=True)).clamp(max=1))")
+            raise ValueError(_max_norm_refusal(f"module {name!r} ({type(module).__name__})", module.max_norm))
+
+
+def _max_norm_refusal(what: str, max_norm: float) -> str:
+    return (f"{what} has max_norm={max_norm}: its forward renormalises in place the weight rows the batch's ids "
+            "look up, so the weights change by the data outside the noise; leave max_norm None and scale the rows "
+            "looked up instead (e * (max_norm / e.norm(dim=-1, keepdim=True)).clamp(max=1))")
 
 
 def computes_parameters(module: nn.Module) -> bool:
@@ -1135,6 +1138,10 @@ class EmbeddingLayer(Layer):
             raise ValueError(f"{self.describe()} has scale_grad_by_freq=True: its gradient divides by token counts "
                              "over the whole batch, so a sample's gradient depends on the others and cannot be clipped")
 
+    def refusal(self) -> Optional[str]:
+        """max_norm set since BookKeeping was built (:func:`check_no_embedding_max_norm` refused it then)."""
+        return None if self.module.max_norm is None else _max_norm_refusal(self.describe(), self.module.max_norm)
+
     def clear(self) -> None:
         super().clear()
         self._rows: Optional[torch.Tensor] = None  # the per-sample rows whose norms were taken (_token_rows)
@@ -1243,6 +1250,12 @@ class EmbeddingBagLayer(EmbeddingLayer):
     def takes(cls, module: nn.Module) -> bool:
         return super().takes(module) and module.mode in ("sum", "mean")
 
+    def refusal(self) -> Optional[str]:
+        if self.module.mode not in ("sum", "mean"):
+            return (f"{self.describe()} has mode={self.module.mode!r}, set since BookKeeping was built with mode "
+                    "'sum' or 'mean' (whose rule it took): build BookKeeping after setting the mode")
+        return super().refusal()
+
     def clear(self) -> None:
         super().clear()
         self.coefficients: list = []  # per call, c (B, L) of the ids it keeps (B, L)
@@ -1273,6 +1286,11 @@ class EmbeddingBagLayer(EmbeddingLayer):
                 raise ValueError(f"{self.describe()} took a 1-D input cut by offsets in a CUDA graph's capture, "
                                  "where book-keeping cannot read the bags' lengths: pass the bags as a 2-D input")
             bounds = offsets[:-1] if self.module.include_last_offset else offsets
+            if self.module.include_last_offset and offsets.numel() and int(offsets[-1]) != text.shape[0]:
+                raise ValueError(f"{self.describe()} has include_last_offset=True and got {text.shape[0]} tokens, "
+                                 f"but its last offset is {int(offsets[-1])}: the tokens after it are in no bag "
+                                 "(torch's backward writes undefined values into their rows); pass the tokens of "
+                                 "the bags alone")
             lengths = torch.diff(bounds, append=bounds.new_tensor([text.shape[0]]))
             longest = int(lengths.max()) if lengths.numel() else 0
             bag = torch.repeat_interleave(torch.arange(bounds.shape[0], device=text.device), lengths)
