@@ -2512,19 +2512,57 @@ class WritesBuffer(nn.Module):
 
 
 @pytest.mark.parametrize("write", ["counter", "in place", "assigned"])
-def test_a_replayed_module_that_writes_its_buffers_is_refused(write):
+def test_a_replayed_module_that_writes_its_buffers_is_replayed_from_them_as_the_call_saw_them(write):
     """The replay ran the forward again per sample on the live buffers: a counter read 5 after a
     step of 4 samples, and the gradients were computed with the buffer as the replay left it (a
-    review's repro, the first sample's check off: 5-77% off, silently)."""
+    review's repro, the first sample's check off: 5-77% off, silently). Now each sample's replay
+    starts from a copy of the buffers made before the call: the update is the one of a backward
+    pass per sample from the model as the batch found it, and the buffers are as the call left
+    them, at every step."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
-    bk = make(model, check_first_sample=False)  # noqa: F841 (its hooks live as long as it does)
-    with pytest.raises(ValueError, match=rf"module '1' \(WritesBuffer\) wrote its buffer "
-                                         rf"'{'calls' if write == 'counter' else 'average'}' in its forward call"):
+    bk = make(model, dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0), check_first_sample=False)
+    for step in range(2):
+        x, target = torch.randn(4, 4), torch.randn(4, 2)
+        before = copy.deepcopy(model)
+        grads = one_backward_per_sample_from(before, x, target)
+        want = dpsgd.privatize(grads, dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0), 4.0, M.NoiseGenerator(5))
+        called = copy.deepcopy(before)
+        called(x)  # the buffers as the batch's call leaves them
+        assert_same_update(bk.step(regression(model(x), target)), want)
+        for name, buffer in model.named_buffers():
+            assert torch.equal(buffer, called.get_buffer(name)), (step, name)
+    assert float(model[1].calls) == (2.0 if write == "counter" else 0.0)
+
+
+def one_backward_per_sample_from(model, x, target):
+    """Each sample's gradient by a forward and backward of its own on a copy of ``model`` (whose
+    buffers each such call may write)."""
+    rows = []
+    for i in range(len(x)):
+        alone = copy.deepcopy(model)
+        rows.append(torch.autograd.grad(regression(alone(x[i:i + 1]), target[i:i + 1]).sum(), trainable(alone)))
+    return [torch.stack(column) for column in zip(*rows)]
+
+
+def test_a_replayed_module_that_writes_a_large_buffer_is_refused():
+    """Buffers are copied before each call only up to 2^16 elements: a larger one written in the
+    forward cannot be replayed as the call saw it."""
+    class WritesLarge(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+            self.register_buffer("history", torch.zeros(1 << 17))
+
+        def forward(self, x):
+            self.history.add_(1.0)
+            return x * self.scale.exp()
+
+    model = nn.Sequential(nn.Linear(4, 4), WritesLarge(), nn.Linear(4, 2))
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+    with pytest.raises(ValueError, match=r"module '1' \(WritesLarge\) wrote its buffer 'history' \(131072 elements\) "
+                                         r"in its forward call"):
         model(torch.randn(4, 4))
-    assert float(model[1].calls) == (1.0 if write == "counter" else 0.0)  # the call's own write, no replay's
-    model.eval()
-    model[1].write = None
-    bk.step(model(torch.randn(4, 4)).pow(2).sum(1))  # a forward that writes none trains
 
 
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():

@@ -1424,21 +1424,63 @@ class GroupNormLayer(_AffineNorm):
         return y.reshape(y.shape[0], y.shape[1], -1).transpose(1, 2)
 
 
+#: a buffer of a replayed module copied before each of its forward calls has this many elements at most (one
+#: written in the call is replayed from the copy; a larger one so written is refused)
+_COPIED_BUFFER_SIZE = 1 << 16
+
+
 class _Replay(NamedTuple):
-    """What a replay of a forward call reproduces of it: the autocast it ran under, and the buffers
-    of the module's parametrizations as the call left them, by name under the module (a training
-    call of ``spectral_norm`` first updates its power-iteration vectors in place, then divides by
-    the norm they give; a later call updates them again)."""
+    """What a replay of a forward call reproduces of it: the autocast it ran under, and the
+    module's buffers (its children's too, which its replay runs), by name under the module.
+
+    Those of its parametrizations as the call left them: a training call of ``spectral_norm``
+    first updates its power-iteration vectors in place, then divides by the norm they give (the
+    replay runs it in eval mode, :meth:`context`). The others as the call saw them: a forward that
+    writes its buffers (a call counter it divides by, a running average, Phi-3's longrope
+    ``inv_freq.copy_`` at every call) had them written again by each sample's replay and computed
+    with them as written (a review's repro: a counter at 5 after a step of 4 samples, gradients
+    5-77% off with the first sample's check off). A buffer the call wrote is its copy from before
+    the call (:data:`_COPIED_BUFFER_SIZE` elements at most: each call copies the small ones); one it
+    did not write is the module's own, which must not change until the step (:meth:`state`). Each
+    replay takes fresh copies, so that its writes change neither the model nor the next replay."""
 
     device: str
     autocast: bool
     dtype: torch.dtype
-    buffers: dict
+    buffers: dict  # name: (tensor, its version then, or None for a copy)
 
     @classmethod
-    def of(cls, module: nn.Module, device: str, buffer_names: list) -> "_Replay":
-        buffers = {name: module.get_buffer(name).detach().clone() for name in buffer_names}
+    def of(cls, module: nn.Module, device: str, parametrization_buffers: list, before: dict,
+           what: str) -> "_Replay":
+        buffers = {name: (module.get_buffer(name).detach().clone(), None) for name in parametrization_buffers}
+        for name, now in module.named_buffers():
+            if name in buffers:
+                continue
+            tensor, version, copy = before.get(name, (now, now._version, None))
+            if now is tensor and now._version == version:
+                buffers[name] = (now, version)
+            elif copy is None:
+                raise ValueError(f"{what} wrote its buffer '{name}' ({now.numel()} elements) in its forward call: "
+                                 "book-keeping replays that forward for the module's per-sample gradients (it has "
+                                 "no rule), from its buffers as the call saw them, which it copies before each call "
+                                 f"only up to {_COPIED_BUFFER_SIZE} elements; update the buffer outside the module's "
+                                 "forward, or give the parameters a module of their own, apart from it")
+            else:
+                buffers[name] = (copy, None)
         return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), buffers)
+
+    def state(self, what: str) -> dict:
+        """The buffers for one replay: fresh copies of those copied, the module's own of the others,
+        which must be as the call saw them."""
+        state = {}
+        for name, (tensor, version) in self.buffers.items():
+            if version is not None and tensor._version != version:
+                raise ValueError(f"the buffer '{name}' of {what} was changed after a forward call and before the step "
+                                 "(by a later call of the module, or in place by other code): book-keeping replays "
+                                 "that call for the module's per-sample gradients, from its buffers as the call saw "
+                                 "them; change the buffer after the step")
+            state[name] = tensor if version is not None else tensor.clone()
+        return state
 
     @contextlib.contextmanager
     def context(self, spectral_norms: list):
@@ -1467,8 +1509,8 @@ class FunctionalLayer(Layer):
     of experts' router and experts), gives each sample its T rows; a call on the batch whose
     outputs have it so flattened (DeepSeek-V3's router flattens its (B, T, d) input itself) takes
     each sample's T output rows as their cotangent. The forward must treat samples
-    independently, write none of the module's buffers (refused, naming the buffer: the replay
-    would write it again per sample) and be deterministic: one that draws random numbers (dropout in training mode)
+    independently and be deterministic (it is replayed from its buffers as the call saw them,
+    :class:`_Replay`): one that draws random numbers (dropout in training mode)
     could not be replayed and is refused at the step (vmap says it drew them); a dropout module
     it holds but does not run (peft's LoRA embedding) is no matter. A forward that torch.func
     cannot transform (shapes that depend on the data; a parametrization registered in it) is
@@ -1530,24 +1572,10 @@ class FunctionalLayer(Layer):
         return [p for _, p in fallback_parameters(module, self.claims_children)]
 
     def before_call(self) -> None:
-        self._buffers_before = [(name, buffer, buffer._version) for name, buffer in self.module.named_buffers()
-                                if name not in self._parametrization_buffers]
-
-    def _check_buffers_kept(self) -> None:
-        """Raise where the forward call wrote a buffer of the module (or of its children, which its
-        replay runs too): the replay would write it again for each sample, and compute with it as
-        written, not as the call saw it (a review's repro: a call counter at 15 after 3 steps, and
-        gradients 5-77% off with the first sample's check off). A buffer written from the data
-        would be released outside the noise besides, as BatchNorm's running statistics would be."""
-        for name, buffer, version in getattr(self, "_buffers_before", ()):
-            now = self.module.get_buffer(name)
-            if now is not buffer or now._version != version:
-                raise ValueError(f"{self.describe()} wrote its buffer '{name}' in its forward call: book-keeping "
-                                 "replays that forward for the module's per-sample gradients (the module has no "
-                                 "rule), which would write the buffer again for each sample and compute with it as "
-                                 "written, not as the call saw it; update the buffer outside the module's forward "
-                                 "(after the step), or give the parameters a module of their own, apart from it")
-        self._buffers_before = []
+        """The module's buffers before the call, and copies of the small ones (:class:`_Replay`)."""
+        self._buffers_before = {name: (b, b._version, b.detach().clone() if b.numel() <= _COPIED_BUFFER_SIZE else None)
+                                for name, b in self.module.named_buffers()
+                                if name not in self._parametrization_buffers}
 
     def clear(self) -> None:
         super().clear()
@@ -1594,7 +1622,6 @@ class FunctionalLayer(Layer):
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
             return []
-        self._check_buffers_kept()
         inputs = _input_nodes(tree_flatten((args, kwargs))[0])
         leaves, spec = tree_flatten(self.replayed_call(args, kwargs))
         consumers, parents = [[] for _ in self.parameters], {}
@@ -1602,7 +1629,9 @@ class FunctionalLayer(Layer):
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
         broadcasts = graph.Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
         call = len(self.calls)
-        replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers)
+        replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers,
+                            getattr(self, "_buffers_before", {}), self.describe())
+        self._buffers_before = {}
         self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, replay,
                            broadcasts))
         if untraced := _untraced_arguments(leaves, _batch_of(leaves)):
@@ -1810,7 +1839,7 @@ class FunctionalLayer(Layer):
             values = list(leaves)
             for i, x in zip(split, chosen):
                 values[i] = whole(x)
-            outputs = self._outputs({**params, **replay.buffers}, values, spec)
+            outputs = self._outputs({**params, **replay.state(self.describe())}, values, spec)
             return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
                        for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
 
@@ -1865,7 +1894,7 @@ class FunctionalLayer(Layer):
         gradients: what its per-sample gradients add up to."""
         leaves_of = {name: p.detach().requires_grad_() for name, p in params.items()}
         with torch.enable_grad(), replay.context(self._spectral_norms):
-            outputs = self._outputs({**leaves_of, **replay.buffers}, list(leaves), spec)
+            outputs = self._outputs({**leaves_of, **replay.state(self.describe())}, list(leaves), spec)
             loss = sum((outputs[i] * g).sum() for i, g in pairs)
             found = torch.autograd.grad(loss, list(leaves_of.values()), allow_unused=True)
         return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(leaves_of.items(), found)}
