@@ -603,3 +603,26 @@ def test_a_graphed_step_reads_nothing_on_the_host_and_gets_the_update(name):
     scale = max(float(w.abs().max()) for w in want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "gpt2"])
+def test_gradient_checkpointing_gives_the_update_of_each_sample_alone(name):
+    """transformers' gradient checkpointing (non-reentrant): Llama's and Gemma's RMSNorm weights,
+    products with the batch, took the broadcast rule, whose node hooks read the product's other
+    factor, a saved tensor that checkpointing recomputes and lets be unpacked once: the step
+    crashed (CheckpointError) for any Llama (a review's repro). Under saved-tensor hooks such a
+    module is replayed instead; its update is the one of a backward pass per sample."""
+    build, losses = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(1, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, losses, ids)
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(7))
+    scale = max(float(w.abs().max()) for w in want)
+    for got, reference in zip(bk.step(losses(model, ids)), want):
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-6 * scale)

@@ -26,6 +26,13 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def saved_tensors_packed() -> bool:
+    """Whether the tensors autograd saves now go through saved-tensor hooks (activation
+    checkpointing's, which let each be unpacked once in a backward pass; ``save_on_cpu``'s): the
+    nodes' saved tensors are then not to be read besides their own backward."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def node_type(op) -> type:
     """The autograd node class of ``op`` applied to a 2 x 2 tensor that requires grad."""
     return type(op(torch.zeros(2, 2, requires_grad=True)).grad_fn)

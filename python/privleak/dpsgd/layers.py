@@ -1627,7 +1627,10 @@ class FunctionalLayer(Layer):
         consumers, parents = [[] for _ in self.parameters], {}
         self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
-        broadcasts = graph.Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
+        # Under activation checkpointing the broadcast rule's factors, saved tensors that the backward
+        # recomputes, can be unpacked once only (the op's own backward could not): replayed then
+        broadcasts = None if graph.saved_tensors_packed() else graph.Broadcasts.of(consumers, parents, self.parameters,
+                                                                                    _batch_of(leaves))
         call = len(self.calls)
         replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers,
                             getattr(self, "_buffers_before", {}), self.describe())
