@@ -2820,13 +2820,15 @@ def test_an_input_changed_in_place_after_its_forward_is_refused(inner):
 
 class InPlaceOnOutput(nn.Module):
     """A layer whose output is a view of a result its forward made (a Linear with a bias on a
-    sequence: addmm, then view; an affine InstanceNorm: batch norm, then view), that output then
+    sequence: addmm, then view, also one replayed for its weight_norm; an affine InstanceNorm:
+    batch norm, then view), that output then
     changed in place: a residual ``h += x``, ``ReLU(inplace=True)``, a scale, a row of positions
     written."""
 
     CHANGES = {"residual": lambda h, x: h.add_(x), "relu": lambda h, x: nn.ReLU(inplace=True)(h),
                "scale": lambda h, x: h.mul_(2.0), "write": lambda h, x: h[:, 0].zero_()}
-    LAYERS = {"linear": lambda: nn.Linear(4, 4), "instance-norm": lambda: nn.InstanceNorm1d(3, affine=True)}
+    LAYERS = {"linear": lambda: nn.Linear(4, 4), "instance-norm": lambda: nn.InstanceNorm1d(3, affine=True),
+              "weight-normed-linear": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))}
 
     def __init__(self, change, layer="linear"):
         super().__init__()

@@ -1554,6 +1554,8 @@ class FunctionalLayer(Layer):
         self._replay_warned = False
         self._one_at_a_time = False  # its forward is replayed by a loop over samples, not by vmap
         self._replayed_for_dim_0 = False  # an op of its broadcast rule had another dim 0 than the batch
+        # a parametrized nn.Linear (weight_norm, spectral_norm) runs nn.Linear's forward on the weight it computes
+        self.returns_own_view = type(self).returns_own_view or type(module).forward is nn.Linear.forward
         super().__init__(name, module)
         self._parametrization_buffers = [name for name, _ in module.named_buffers()
                                          if name.startswith("parametrizations.") or ".parametrizations." in name]
