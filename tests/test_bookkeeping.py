@@ -2488,51 +2488,36 @@ def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
 
 class WritesBuffer(nn.Module):
     """No rule (replayed), its forward writes a buffer: a call counter its output is divided by
-    (a warm-up), an average of its outputs updated in place, or one assigned anew."""
+    (a warm-up), an average of its outputs updated in place or assigned anew, a table written
+    again with the values it holds (Phi-3's longrope ``inv_freq.copy_`` at every call), or a
+    cache made at the first call."""
 
     def __init__(self, write):
         super().__init__()
         self.weight, self.write = nn.Parameter(torch.randn(4, 4) * 0.3), write
         self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("average", torch.zeros(4))
+        self.register_buffer("table", torch.linspace(0.5, 1.5, 4))
+        self.register_buffer("cache", None)
 
     def forward(self, x):
         y = torch.tanh(x @ self.weight)
-        if self.write is None:
-            return y
         if self.write == "counter":
             self.calls += 1
             return y / self.calls
+        if self.write == "same values":
+            self.table.copy_(torch.linspace(0.5, 1.5, 4))
+            return y * self.table
+        if self.write == "cache":
+            if self.cache is None:
+                self.cache = torch.linspace(0.5, 1.5, 4)
+            return y * self.cache
         with torch.no_grad():
             if self.write == "in place":
                 self.average.mul_(0.9).add_(0.1 * y.mean(0))
-            else:
+            elif self.write == "assigned":
                 self.average = 0.9 * self.average + 0.1 * y.mean(0)
         return y
-
-
-@pytest.mark.parametrize("write", ["counter", "in place", "assigned"])
-def test_a_replayed_module_that_writes_its_buffers_is_replayed_from_them_as_the_call_saw_them(write):
-    """The replay ran the forward again per sample on the live buffers: a counter read 5 after a
-    step of 4 samples, and the gradients were computed with the buffer as the replay left it (a
-    review's repro, the first sample's check off: 5-77% off, silently). Now each sample's replay
-    starts from a copy of the buffers made before the call: the update is the one of a backward
-    pass per sample from the model as the batch found it, and the buffers are as the call left
-    them, at every step."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
-    bk = make(model, dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0), check_first_sample=False)
-    for step in range(2):
-        x, target = torch.randn(4, 4), torch.randn(4, 2)
-        before = copy.deepcopy(model)
-        grads = one_backward_per_sample_from(before, x, target)
-        want = dpsgd.privatize(grads, dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0), 4.0, M.NoiseGenerator(5))
-        called = copy.deepcopy(before)
-        called(x)  # the buffers as the batch's call leaves them
-        assert_same_update(bk.step(regression(model(x), target)), want)
-        for name, buffer in model.named_buffers():
-            assert torch.equal(buffer, called.get_buffer(name)), (step, name)
-    assert float(model[1].calls) == (2.0 if write == "counter" else 0.0)
 
 
 def one_backward_per_sample_from(model, x, target):
@@ -2545,24 +2530,42 @@ def one_backward_per_sample_from(model, x, target):
     return [torch.stack(column) for column in zip(*rows)]
 
 
-def test_a_replayed_module_that_writes_a_large_buffer_is_refused():
-    """Buffers are copied before each call only up to 2^16 elements: a larger one written in the
-    forward cannot be replayed as the call saw it."""
-    class WritesLarge(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(4))
-            self.register_buffer("history", torch.zeros(1 << 17))
+@pytest.mark.parametrize("write", ["same values", "cache", None])
+def test_a_replayed_module_is_replayed_from_its_buffers_as_the_call_saw_them(write):
+    """The replay ran the forward again per sample on the live buffers, and computed with them as
+    it left them (a review's repro: a counter at 5 after a step of 4 samples). Each sample's
+    replay now starts from copies of the buffers as the call saw them: where the call wrote them
+    with the values they held, or made them, the update is the one of a backward pass per sample
+    from the model as the batch found it, and the buffers are as the call left them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    bk = make(model, config, check_first_sample=False)
+    for step in range(2):
+        x, target = torch.randn(4, 4), torch.randn(4, 2)
+        before = copy.deepcopy(model)
+        want = dpsgd.privatize(one_backward_per_sample_from(before, x, target), config, 4.0, M.NoiseGenerator(5))
+        called = copy.deepcopy(before)
+        called(x)  # the buffers as the batch's call leaves them
+        assert_same_update(bk.step(regression(model(x), target)), want)
+        for name, buffer in called.named_buffers():
+            assert torch.equal(model.get_buffer(name), buffer), (step, name)
 
-        def forward(self, x):
-            self.history.add_(1.0)
-            return x * self.scale.exp()
 
-    model = nn.Sequential(nn.Linear(4, 4), WritesLarge(), nn.Linear(4, 2))
-    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
-    with pytest.raises(ValueError, match=r"module '1' \(WritesLarge\) wrote its buffer 'history' \(131072 elements\) "
-                                         r"in its forward call"):
-        model(torch.randn(4, 4))
+@pytest.mark.parametrize("write", ["counter", "in place", "assigned"])
+def test_a_replayed_module_that_changes_its_buffers_is_refused(write):
+    """A buffer the call changed may be a statistic of the batch, released outside the noise (a
+    running average: a review's repro moved it from [-0.32, ...] to [12.37, ...] with one sample
+    replaced), which a replay cannot tell from a counter: refused at the step, naming the buffer,
+    the buffers as the call left them (the replay wrote the live ones again per sample)."""
+    model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
+    bk = make(model, check_first_sample=False)
+    losses = regression(model(torch.randn(4, 4)), torch.randn(4, 2))
+    called = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with pytest.raises(ValueError, match=rf"module '1' \(WritesBuffer\) changed its buffer "
+                                         rf"'{'calls' if write == 'counter' else 'average'}' in its forward call"):
+        bk.step(losses)
+    assert all(torch.equal(model.get_buffer(name), buffer) for name, buffer in called.items())
 
 
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():

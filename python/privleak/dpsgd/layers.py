@@ -1435,19 +1435,23 @@ class _Replay(NamedTuple):
 
     Those of its parametrizations as the call left them: a training call of ``spectral_norm``
     first updates its power-iteration vectors in place, then divides by the norm they give (the
-    replay runs it in eval mode, :meth:`context`). The others as the call saw them: a forward that
-    writes its buffers (a call counter it divides by, a running average, Phi-3's longrope
-    ``inv_freq.copy_`` at every call) had them written again by each sample's replay and computed
-    with them as written (a review's repro: a counter at 5 after a step of 4 samples, gradients
-    5-77% off with the first sample's check off). A buffer the call wrote is its copy from before
-    the call (:data:`_COPIED_BUFFER_SIZE` elements at most: each call copies the small ones); one it
-    did not write is the module's own, which must not change until the step (:meth:`state`). Each
-    replay takes fresh copies, so that its writes change neither the model nor the next replay."""
+    replay runs it in eval mode, :meth:`context`). The others as the call saw them, each replay on
+    fresh copies of those the call wrote or made, so that a replay changes neither the model nor
+    the next replay (each sample's replay wrote the live buffers again and computed with them as
+    written: a review's repro, a counter at 5 after a step of 4 samples, gradients 5-77% off with
+    the first sample's check off). A buffer the call wrote with the values it had (Phi-3's longrope
+    ``inv_freq.copy_`` at every call) is replayed from its copy made before the call
+    (:data:`_COPIED_BUFFER_SIZE` elements at most); one the call made (registered as None before: a
+    lazy cache) is made again; one it did not write is the module's own, which
+    must not change until the step (:meth:`state`). One the call changed (a counter, a running
+    average of the batch) is refused where the call is replayed: a value written from the batch
+    is released outside the noise (as BatchNorm's running statistics would be), and a replay
+    cannot tell a counter from such a statistic."""
 
     device: str
     autocast: bool
     dtype: torch.dtype
-    buffers: dict  # name: (tensor, its version then, or None for a copy)
+    buffers: dict  # name: (tensor, its version then or None for a copy, or why the replay is refused)
 
     @classmethod
     def of(cls, module: nn.Module, device: str, parametrization_buffers: list, before: dict,
@@ -1456,30 +1460,41 @@ class _Replay(NamedTuple):
         for name, now in module.named_buffers():
             if name in buffers:
                 continue
-            tensor, version, copy = before.get(name, (now, now._version, None))
+            if name in before and before[name] is None:  # made in the call (a lazy cache): made again
+                buffers[name] = (None, None)
+                continue
+            if name not in before:  # no call was seen before (grad turned on inside the forward)
+                small = now.numel() <= _COPIED_BUFFER_SIZE
+                buffers[name] = (now.detach().clone(), None) if small else (now, now._version)
+                continue
+            tensor, version, copy = before[name]
             if now is tensor and now._version == version:
                 buffers[name] = (now, version)
-            elif copy is None:
-                raise ValueError(f"{what} wrote its buffer '{name}' ({now.numel()} elements) in its forward call: "
-                                 "book-keeping replays that forward for the module's per-sample gradients (it has "
-                                 "no rule), from its buffers as the call saw them, which it copies before each call "
-                                 f"only up to {_COPIED_BUFFER_SIZE} elements; update the buffer outside the module's "
-                                 "forward, or give the parameters a module of their own, apart from it")
-            else:
+            elif copy is not None and copy.shape == now.shape and copy.dtype == now.dtype and torch.equal(copy, now):
                 buffers[name] = (copy, None)
+            else:
+                buffers[name] = (f"{what} changed its buffer '{name}' in its forward call: book-keeping replays that "
+                                 "forward for the module's per-sample gradients (it has no rule), from its buffers "
+                                 "as the call saw them, and a buffer written from the batch (a running statistic) "
+                                 "would be released outside the noise, as BatchNorm's running statistics would be; "
+                                 "update the buffer outside the module's forward, or give the parameters a module "
+                                 "of their own, apart from it")
         return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), buffers)
 
-    def state(self, what: str) -> dict:
+    def state(self) -> dict:
         """The buffers for one replay: fresh copies of those copied, the module's own of the others,
         which must be as the call saw them."""
         state = {}
-        for name, (tensor, version) in self.buffers.items():
+        for name, entry in self.buffers.items():
+            if isinstance(entry, str):
+                raise ValueError(entry)
+            tensor, version = entry
             if version is not None and tensor._version != version:
-                raise ValueError(f"the buffer '{name}' of {what} was changed after a forward call and before the step "
-                                 "(by a later call of the module, or in place by other code): book-keeping replays "
-                                 "that call for the module's per-sample gradients, from its buffers as the call saw "
-                                 "them; change the buffer after the step")
-            state[name] = tensor if version is not None else tensor.clone()
+                raise ValueError(f"the buffer '{name}' of a replayed module was changed after a forward call and "
+                                 "before the step (by a later call of the module, or in place by other code): "
+                                 "book-keeping replays that call for the module's per-sample gradients, from its "
+                                 "buffers as the call saw them; change the buffer after the step")
+            state[name] = tensor if version is not None or tensor is None else tensor.clone()
         return state
 
     @contextlib.contextmanager
@@ -1574,10 +1589,16 @@ class FunctionalLayer(Layer):
         return [p for _, p in fallback_parameters(module, self.claims_children)]
 
     def before_call(self) -> None:
-        """The module's buffers before the call, and copies of the small ones (:class:`_Replay`)."""
-        self._buffers_before = {name: (b, b._version, b.detach().clone() if b.numel() <= _COPIED_BUFFER_SIZE else None)
-                                for name, b in self.module.named_buffers()
-                                if name not in self._parametrization_buffers}
+        """The module's buffers before the call, and copies of the small ones; None for those not
+        made yet, registered as None (a cache its first call makes) (:class:`_Replay`)."""
+        def before(b: Optional[torch.Tensor]) -> Optional[tuple]:
+            if b is None:
+                return None
+            return b, b._version, b.detach().clone() if b.numel() <= _COPIED_BUFFER_SIZE else None
+
+        self._buffers_before = {name: before(b) for prefix, m in self.module.named_modules()
+                                for key, b in m._buffers.items()
+                                if (name := f"{prefix}.{key}" if prefix else key) not in self._parametrization_buffers}
 
     def clear(self) -> None:
         super().clear()
@@ -1844,7 +1865,7 @@ class FunctionalLayer(Layer):
             values = list(leaves)
             for i, x in zip(split, chosen):
                 values[i] = whole(x)
-            outputs = self._outputs({**params, **replay.state(self.describe())}, values, spec)
+            outputs = self._outputs({**params, **replay.state()}, values, spec)
             return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
                        for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
 
@@ -1899,7 +1920,7 @@ class FunctionalLayer(Layer):
         gradients: what its per-sample gradients add up to."""
         leaves_of = {name: p.detach().requires_grad_() for name, p in params.items()}
         with torch.enable_grad(), replay.context(self._spectral_norms):
-            outputs = self._outputs({**leaves_of, **replay.state(self.describe())}, list(leaves), spec)
+            outputs = self._outputs({**leaves_of, **replay.state()}, list(leaves), spec)
             loss = sum((outputs[i] * g).sum() for i, g in pairs)
             found = torch.autograd.grad(loss, list(leaves_of.values()), allow_unused=True)
         return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(leaves_of.items(), found)}
