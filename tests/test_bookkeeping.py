@@ -2730,6 +2730,56 @@ def test_non_reentrant_activation_checkpointing_gives_the_update_without_it():
     assert_same_update(book_kept(model, x, target, config, 6.0, M.NoiseGenerator(3)), want)
 
 
+class CheckpointedConvolutions(nn.Module):
+    """A block of convolutions with GroupNorms and a LayerScale-like channel scale (a parameter
+    multiplied into the batch) under non-reentrant checkpointing, counting its forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
+                                   nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4))
+        self.scale = ChannelScale(4)
+        self.head = nn.Linear(4, 3)
+        self.runs = 0
+
+    def inner(self, x):
+        self.runs += 1
+        return self.scale(self.block(x))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return self.head(h.mean((2, 3)))
+
+
+class ChannelScale(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, channels))
+
+    def forward(self, x):
+        return x * self.gamma.view(-1, 1, 1)
+
+
+def test_checkpointed_group_norms_and_a_parameter_multiplied_into_the_batch_are_book_kept():
+    """Under checkpointing, reading a GroupNorm's saved statistics in the forward recomputed the
+    checkpointed region (a block with two ran 5 times, its extra runs' calls recorded), and the
+    broadcast rule's node hook unpacked the product's saved factor, which checkpointing lets be
+    unpacked once: the step crashed (CheckpointError; transformers' Llama with gradient
+    checkpointing). The forward runs the block once, and the update is the one of a backward
+    pass per sample."""
+    torch.manual_seed(0)
+    model = CheckpointedConvolutions()
+    x, target = torch.randn(4, 2, 5, 5), torch.randn(4, 3)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    bk = make(model, config, expected_batch_size=4.0, generator=M.NoiseGenerator(3))
+    model.runs = 0
+    losses = regression(model(x), target)
+    assert model.runs == 1
+    assert_same_update(bk.step(losses), want)
+
+
 def test_reentrant_activation_checkpointing_is_refused():
     """Its forward runs without grad, so the hooks see nothing of the block: without the check its
     parameters got the noise alone (and the others' clip factors left out the block's norms)."""

@@ -347,7 +347,12 @@ class BookKeeping:
             if (layer.returns_own_view and not _global_forward_hooks
                     and next(iter(module._forward_hooks.values())) is itself()):
                 output = unviewed(output)
-            outputs = layer.record(args, kwargs, output)
+            # reading a saved tensor may recompute a checkpointed region now: its calls are not the step's
+            bk._recording = False
+            try:
+                outputs = layer.record(args, kwargs, output)
+            finally:
+                bk._recording = True
             call = len(layer.calls) - 1
             if layer.acts_in_backward:  # else the backward hands the gradients over as its results
                 for index, y in enumerate(outputs):
