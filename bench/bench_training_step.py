@@ -170,14 +170,17 @@ class LSTMClassifier(nn.Module):
 
 class BagOfWords(nn.Module):
     """torchtext's text classifier (its AG News tutorial's TextClassificationModel): the mean of
-    the tokens' embeddings by nn.EmbeddingBag, a Linear head; each sample's tokens a row."""
+    the tokens' embeddings by nn.EmbeddingBag, a Linear head; the samples' tokens laid end to end
+    and cut by offsets, as the tutorial's collate function gives them (Opacus's EmbeddingBag
+    sampler takes that form only)."""
 
     def __init__(self, vocab: int = 20000, width: int = 64, classes: int = 4):
         super().__init__()
         self.bag, self.head = nn.EmbeddingBag(vocab, width, mode="mean"), nn.Linear(width, classes)
 
     def forward(self, ids):
-        return self.head(self.bag(ids))
+        offsets = torch.arange(0, ids.numel(), ids.shape[1], device=ids.device)
+        return self.head(self.bag(ids.flatten(), offsets))
 
 
 class Block(nn.Module):
