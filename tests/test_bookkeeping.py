@@ -2552,20 +2552,40 @@ def test_a_replayed_module_is_replayed_from_its_buffers_as_the_call_saw_them(wri
             assert torch.equal(model.get_buffer(name), buffer), (step, name)
 
 
-@pytest.mark.parametrize("write", ["counter", "in place", "assigned"])
-def test_a_replayed_module_that_changes_its_buffers_is_refused(write):
+@pytest.mark.parametrize("write", ["counter", "in place", "assigned", "set to None"])
+@pytest.mark.parametrize("replayed", [True, False])
+def test_a_module_with_a_rule_of_the_fallback_that_changes_its_buffers_is_refused(write, replayed):
     """A buffer the call changed may be a statistic of the batch, released outside the noise (a
     running average: a review's repro moved it from [-0.32, ...] to [12.37, ...] with one sample
-    replaced), which a replay cannot tell from a counter: refused at the step, naming the buffer,
-    the buffers as the call left them (the replay wrote the live ones again per sample)."""
-    model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
-    bk = make(model, check_first_sample=False)
-    losses = regression(model(torch.randn(4, 4)), torch.randn(4, 2))
-    called = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    with pytest.raises(ValueError, match=rf"module '1' \(WritesBuffer\) changed its buffer "
-                                         rf"'{'calls' if write == 'counter' else 'average'}' in its forward call"):
-        bk.step(losses)
-    assert all(torch.equal(model.get_buffer(name), buffer) for name, buffer in called.items())
+    replaced), which book-keeping cannot tell from a counter: refused at the call, naming the
+    buffer, also where the call takes the broadcast rule and is not replayed (a review's repro: a
+    LayerScale keeping an average trained), and for a buffer set to None; the buffers are as the
+    call left them."""
+    class Changes(WritesBuffer):
+        def forward(self, x):
+            y = torch.tanh(x @ self.weight) if replayed else x * self.weight[0]  # a product with the batch
+            with torch.no_grad():
+                if self.write == "counter":
+                    self.calls += 1
+                elif self.write == "in place":
+                    self.average.mul_(0.9).add_(0.1 * y.mean(0))
+                elif self.write == "assigned":
+                    self.average = 0.9 * self.average + 0.1 * y.mean(0)
+                elif self.write == "set to None":
+                    self.average = None
+            return y
+
+    model = nn.Sequential(nn.Linear(4, 4), Changes(write), nn.Linear(4, 2))
+    bk = make(model, check_first_sample=False)  # noqa: F841 (its hooks live as long as it does)
+    x = torch.randn(4, 4)
+    called = copy.deepcopy(model)
+    with torch.no_grad():
+        called(x)
+    name = "calls" if write == "counter" else "average"
+    with pytest.raises(ValueError, match=rf"module '1' \(Changes\) changed its buffer '{name}' in its forward call"):
+        model(x)
+    assert all(torch.equal(model.get_buffer(n), b) for n, b in called.named_buffers())
+    assert (model[1].average is None) == (write == "set to None")
 
 
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():

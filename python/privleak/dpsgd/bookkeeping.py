@@ -321,9 +321,10 @@ class BookKeeping:
         hooks = [module.register_forward_hook(self._hook(layer, this), with_kwargs=True, prepend=True)]
         if type(layer).refusal is not Layer.refusal or type(layer).before_call is not Layer.before_call:
             def refuse(_module, _args):
-                if recording():
-                    if (why := layer.refusal()) is not None:
-                        raise ValueError(why)
+                if recording() and (why := layer.refusal()) is not None:
+                    raise ValueError(why)
+                bk = this()
+                if bk is not None and bk._recording:  # also without grad: a forward may turn it on inside
                     layer.before_call()
 
             hooks.append(module.register_forward_pre_hook(refuse, prepend=True))

@@ -1448,57 +1448,65 @@ class _Replay(NamedTuple):
     (:data:`_COPIED_BUFFER_SIZE` elements at most); one the call made (registered as None before: a
     lazy cache) is made again; one it did not write is the module's own, which
     must not change until the step (:meth:`state`). One the call changed (a counter, a running
-    average of the batch) is refused where the call is replayed: a value written from the batch
-    is released outside the noise (as BatchNorm's running statistics would be), and a replay
-    cannot tell a counter from such a statistic."""
+    average of the batch, one set to None; compared by value where its version moved) is refused
+    at the call, replayed or not (a LayerScale keeping an average took the broadcast rule and
+    trained): a value written from the batch is released outside the noise (as BatchNorm's
+    running statistics would be), and book-keeping cannot tell a counter from such a statistic.
+    Nor can it tell Phi-3's longrope switching factors at a sequence length from one: inside a
+    replayed module (a soft prompt's wrapper) a batch that crosses that length is refused."""
 
     device: str
     autocast: bool
     dtype: torch.dtype
-    buffers: dict  # name: (tensor, its version then or None for a copy, or why the replay is refused)
+    buffers: dict  # name: (tensor, its version then, or None for a copy); None for one made again
+    what: str  # the module, for messages
 
     @classmethod
     def of(cls, module: nn.Module, device: str, parametrization_buffers: list, before: dict,
            what: str) -> "_Replay":
+        """Raises where the call changed a buffer (at the call, whether or not it will be replayed)."""
         buffers = {name: (module.get_buffer(name).detach().clone(), None) for name in parametrization_buffers}
-        for name, now in module.named_buffers():
+        now_of = dict(module.named_buffers())
+        for name in {**before, **now_of}:
             if name in buffers:
                 continue
-            if name in before and before[name] is None:  # made in the call (a lazy cache): made again
-                buffers[name] = (None, None)
+            now = now_of.get(name)
+            if before.get(name, False) is None:  # made in the call (a lazy cache): made again by each replay
+                buffers[name] = None
                 continue
             if name not in before:  # no call was seen before (grad turned on inside the forward)
                 small = now.numel() <= _COPIED_BUFFER_SIZE
                 buffers[name] = (now.detach().clone(), None) if small else (now, now._version)
                 continue
             tensor, version, copy = before[name]
-            if now is tensor and now._version == version:
-                buffers[name] = (now, version)
-            elif copy is not None and copy.shape == now.shape and copy.dtype == now.dtype and torch.equal(copy, now):
-                buffers[name] = (copy, None)
-            else:
-                buffers[name] = (f"{what} changed its buffer '{name}' in its forward call: book-keeping replays that "
-                                 "forward for the module's per-sample gradients (it has no rule), from its buffers "
-                                 "as the call saw them, and a buffer written from the batch (a running statistic) "
-                                 "would be released outside the noise, as BatchNorm's running statistics would be; "
-                                 "update the buffer outside the module's forward, or give the parameters a module "
-                                 "of their own, apart from it")
-        return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), buffers)
+            kept = now is tensor and now._version == version  # (a write through .data keeps the version)
+            if not kept and copy is not None and now is not None and not graph.capturing():  # no sync in a capture
+                kept = copy.shape == now.shape and copy.dtype == now.dtype and torch.equal(copy, now)
+            if not kept:
+                raise ValueError(f"{what} changed its buffer '{name}' in its forward call: a buffer written from the "
+                                 "batch (a running statistic) would be released outside the noise, as BatchNorm's "
+                                 "running statistics would be, and book-keeping cannot tell one from a counter; and "
+                                 "the module has no rule, so book-keeping may replay that forward for its per-sample "
+                                 "gradients, from its buffers as the call saw them; update the buffer outside the "
+                                 "module's forward, or give the parameters a module of their own, apart from it")
+            buffers[name] = (copy, None) if copy is not None else (now, version)
+        return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), buffers, what)
 
     def state(self) -> dict:
-        """The buffers for one replay: fresh copies of those copied, the module's own of the others,
+        """The buffers for one replay: fresh copies of the small ones, the module's own large ones,
         which must be as the call saw them."""
         state = {}
         for name, entry in self.buffers.items():
-            if isinstance(entry, str):
-                raise ValueError(entry)
+            if entry is None:
+                state[name] = None
+                continue
             tensor, version = entry
             if version is not None and tensor._version != version:
-                raise ValueError(f"the buffer '{name}' of a replayed module was changed after a forward call and "
-                                 "before the step (by a later call of the module, or in place by other code): "
-                                 "book-keeping replays that call for the module's per-sample gradients, from its "
-                                 "buffers as the call saw them; change the buffer after the step")
-            state[name] = tensor if version is not None or tensor is None else tensor.clone()
+                raise ValueError(f"the buffer '{name}' of {self.what} was changed after a forward call and before the "
+                                 "step (by a later call of the module, or in place by other code): book-keeping "
+                                 "replays that call for the module's per-sample gradients, from its buffers as the "
+                                 "call saw them; change the buffer after the step")
+            state[name] = tensor if version is not None else tensor.clone()
         return state
 
     @contextlib.contextmanager
