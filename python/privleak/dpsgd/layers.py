@@ -1260,21 +1260,24 @@ class EmbeddingBagLayer(EmbeddingLayer):
         super().clear()
         self.coefficients: list = []  # per call, c (B, L) of the ids it keeps (B, L)
 
-    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
-        if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return []
+    @staticmethod
+    def _arguments(args: tuple, kwargs: dict) -> tuple:
+        """(input, offsets, per_sample_weights) of a forward call."""
         names = ("input", "offsets", "per_sample_weights")
         given = {**dict(zip(names, args)), **kwargs}
-        text, offsets, weights = (given.get(name) for name in names)
-        self.keep(text)  # its version, for the check that it is not changed in place
-        ids, coefficients = self._bags(text, offsets, None if weights is None else weights.detach())
-        self.calls.append(ids)
-        self.coefficients.append(coefficients)
-        self.sources.append(None)
-        self.edges.append(get_gradient_edge(output))
-        self.grads.append([None])
-        self.uses.append([self.uses_per_call] * len(self.parameters))
-        return [output]
+        return tuple(given.get(name) for name in names)
+
+    def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        return self._arguments(args, kwargs)[0]
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        """Layer's record, the call's input (kept for its version) then replaced by the bags' ids."""
+        outputs = super().record(args, kwargs, output)
+        if outputs:
+            text, offsets, weights = self._arguments(args, kwargs)
+            self.calls[-1], coefficients = self._bags(text, offsets, None if weights is None else weights.detach())
+            self.coefficients.append(coefficients)
+        return outputs
 
     def _bags(self, text: torch.Tensor, offsets: Optional[torch.Tensor],
               weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
