@@ -2487,24 +2487,31 @@ def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
 
 
 class WritesBuffer(nn.Module):
-    """No rule (replayed), its forward writes a buffer: a call counter its output is divided by
-    (a warm-up), an average of its outputs updated in place or assigned anew, a table written
-    again with the values it holds (Phi-3's longrope ``inv_freq.copy_`` at every call), or a
-    cache made at the first call."""
+    """No rule (replayed), its forward writes a buffer or an attribute: a call counter its output
+    is divided by (a warm-up), kept as a buffer or as a Python int, an average of its outputs
+    updated in place or assigned anew, a table written again with the values it holds (Phi-3's
+    longrope ``inv_freq.copy_`` at every call), a cache made at the first call, a table read once
+    and set to None, or a range of its outputs (a quantization observer's)."""
 
     def __init__(self, write):
         super().__init__()
         self.weight, self.write = nn.Parameter(torch.randn(4, 4) * 0.3), write
+        self.seen = 0
         self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("average", torch.zeros(4))
         self.register_buffer("table", torch.linspace(0.5, 1.5, 4))
         self.register_buffer("cache", None)
 
     def forward(self, x):
-        y = torch.tanh(x @ self.weight)
+        return self.written(torch.tanh(x @ self.weight))
+
+    def written(self, y):
         if self.write == "counter":
             self.calls += 1
             return y / self.calls
+        if self.write == "attribute":
+            self.seen += 1
+            return y / self.seen
         if self.write == "same values":
             self.table.copy_(torch.linspace(0.5, 1.5, 4))
             return y * self.table
@@ -2512,11 +2519,17 @@ class WritesBuffer(nn.Module):
             if self.cache is None:
                 self.cache = torch.linspace(0.5, 1.5, 4)
             return y * self.cache
+        if self.write == "set to None":
+            if self.table is not None:
+                y, self.table = y * self.table, None
+            return y
         with torch.no_grad():
             if self.write == "in place":
                 self.average.mul_(0.9).add_(0.1 * y.mean(0))
             elif self.write == "assigned":
                 self.average = 0.9 * self.average + 0.1 * y.mean(0)
+            elif self.write == "range":
+                self.average = torch.maximum(self.average, y.detach().abs().amax(0))
         return y
 
 
@@ -2530,50 +2543,43 @@ def one_backward_per_sample_from(model, x, target):
     return [torch.stack(column) for column in zip(*rows)]
 
 
-@pytest.mark.parametrize("write", ["same values", "cache", None])
+@pytest.mark.parametrize("write", ["counter", "attribute", "same values", "cache", "set to None", None])
 def test_a_replayed_module_is_replayed_from_its_buffers_as_the_call_saw_them(write):
     """The replay ran the forward again per sample on the live buffers, and computed with them as
     it left them (a review's repro: a counter at 5 after a step of 4 samples). Each sample's
-    replay now starts from copies of the buffers as the call saw them: where the call wrote them
-    with the values they held, or made them, the update is the one of a backward pass per sample
-    from the model as the batch found it, and the buffers are as the call left them."""
+    replay now starts from copies of the buffers as the call found them, and from its attributes
+    as the call found them where it changed them: where the call's writes do not depend on the
+    batch (a counter, kept as a buffer or as an attribute, which was refused; a table written with
+    the values it held; a cache made; a table set to None, which was replayed as None, 25% off),
+    the update is the one of a backward pass per sample from the model as the batch found it, and
+    the buffers are as the call left them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), WritesBuffer(write), nn.Linear(4, 2))
     config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
     bk = make(model, config, check_first_sample=False)
-    for step in range(2):
+    for step in range(3):
         x, target = torch.randn(4, 4), torch.randn(4, 2)
         before = copy.deepcopy(model)
         want = dpsgd.privatize(one_backward_per_sample_from(before, x, target), config, 4.0, M.NoiseGenerator(5))
         called = copy.deepcopy(before)
         called(x)  # the buffers as the batch's call leaves them
         assert_same_update(bk.step(regression(model(x), target)), want)
+        assert model[1].seen == called[1].seen
         for name, buffer in called.named_buffers():
             assert torch.equal(model.get_buffer(name), buffer), (step, name)
 
 
-@pytest.mark.parametrize("write", ["counter", "in place", "assigned", "set to None"])
+@pytest.mark.parametrize("write", ["in place", "assigned", "range"])
 @pytest.mark.parametrize("replayed", [True, False])
-def test_a_module_with_a_rule_of_the_fallback_that_changes_its_buffers_is_refused(write, replayed):
-    """A buffer the call changed may be a statistic of the batch, released outside the noise (a
-    running average: a review's repro moved it from [-0.32, ...] to [12.37, ...] with one sample
-    replaced), which book-keeping cannot tell from a counter: refused at the call, naming the
-    buffer, also where the call takes the broadcast rule and is not replayed (a review's repro: a
-    LayerScale keeping an average trained), and for a buffer set to None; the buffers are as the
-    call left them."""
+def test_a_module_with_a_rule_of_the_fallback_that_writes_a_statistic_of_the_batch_is_refused(write, replayed):
+    """A buffer written from the batch (a running average: a review's repro moved it from
+    [-0.32, ...] to [12.37, ...] with one sample replaced; a range) is released outside the noise:
+    refused at the call, naming the buffer, also where the call takes the broadcast rule and is
+    not replayed (a review's repro: a LayerScale keeping an average trained); the buffers are as
+    the call left them."""
     class Changes(WritesBuffer):
         def forward(self, x):
-            y = torch.tanh(x @ self.weight) if replayed else x * self.weight[0]  # a product with the batch
-            with torch.no_grad():
-                if self.write == "counter":
-                    self.calls += 1
-                elif self.write == "in place":
-                    self.average.mul_(0.9).add_(0.1 * y.mean(0))
-                elif self.write == "assigned":
-                    self.average = 0.9 * self.average + 0.1 * y.mean(0)
-                elif self.write == "set to None":
-                    self.average = None
-            return y
+            return self.written(torch.tanh(x @ self.weight) if replayed else x * self.weight[0])  # a product
 
     model = nn.Sequential(nn.Linear(4, 4), Changes(write), nn.Linear(4, 2))
     bk = make(model, check_first_sample=False)  # noqa: F841 (its hooks live as long as it does)
@@ -2581,11 +2587,98 @@ def test_a_module_with_a_rule_of_the_fallback_that_changes_its_buffers_is_refuse
     called = copy.deepcopy(model)
     with torch.no_grad():
         called(x)
-    name = "calls" if write == "counter" else "average"
-    with pytest.raises(ValueError, match=rf"module '1' \(Changes\) changed its buffer '{name}' in its forward call"):
+    with pytest.raises(ValueError, match=r"module '1' \(Changes\) changed a buffer in its forward call that may "
+                                         r"depend on the batch: its buffer 'average' is left otherwise by the forward "
+                                         r"run again on the first sample alone; .* released with the model outside"):
         model(x)
     assert all(torch.equal(model.get_buffer(n), b) for n, b in called.named_buffers())
-    assert (model[1].average is None) == (write == "set to None")
+
+
+class Unparametrized(nn.Module):
+    """No parameters: so no layer of book-keeping's. Its forward writes a buffer from the batch,
+    a running standardiser's mean and variance (in place, or assigned), a mean made at the first
+    call (a data-dependent initialisation), or a quantization observer's range; or writes one that
+    does not depend on the batch: a call counter, a table of the positions made again for a longer
+    sequence (a rotary embedding's cache), a Python counter, a table read once and set to None."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("positions", None)
+        self.register_buffer("start", None)
+        self.seen = 0
+
+    def forward(self, x):  # x: (B, T, 4)
+        with torch.no_grad():
+            if self.write == "in place":
+                self.mean.mul_(0.5).add_(0.5 * x.mean((0, 1)))
+                self.var.mul_(0.5).add_(0.5 * x.var((0, 1)))
+            elif self.write == "assigned":
+                self.mean = 0.5 * self.mean + 0.5 * x.mean((0, 1))
+            elif self.write == "made at the first call" and self.start is None:
+                self.start = x.mean((0, 1))
+        if self.write == "made at the first call":
+            return x - self.start
+        if self.write == "counter":
+            self.calls += 1
+            return x / self.calls
+        if self.write == "attribute":
+            self.seen += 1
+            return x / self.seen
+        if self.write == "positions":
+            if self.positions is None or len(self.positions) < x.shape[1]:
+                self.positions = torch.linspace(0.5, 1.5, x.shape[1])
+            return x * self.positions[:x.shape[1], None]
+        if self.write == "set to None":
+            if self.var is not None:
+                x, self.var = x * self.var, None
+            return x
+        return (x - self.mean) / self.var.sqrt()
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+@pytest.mark.parametrize("write", ["in place", "assigned", "made at the first call", "observer"])
+def test_a_module_without_parameters_that_writes_a_statistic_of_the_batch_is_refused(write, batch):
+    """A module without parameters has no layer: a running standardiser before the first Linear
+    trained, normalising each sample with the others' mean (a review's repro: one sample's removal
+    moved the clipped sum by 1.21 C, and the mean went out with the model unnoised). Refused at the
+    call, naming it and the buffer, at a batch of one too (the forward run again on that sample
+    shifted by 1 leaves another mean); so is torch's MinMaxObserver of quantization-aware
+    training."""
+    observed = write == "observer"
+    first = torch.ao.quantization.MinMaxObserver() if observed else Unparametrized(write)
+    model = nn.Sequential(first, nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    bk = make(model, expected_batch_size=batch)  # noqa: F841 (its hooks live as long as it does)
+    name = "min_val" if observed else "start" if write == "made at the first call" else "mean"
+    kind = "MinMaxObserver" if observed else "Unparametrized"
+    with pytest.raises(ValueError, match=rf"module '0' \({kind}\) changed a buffer in its forward call that may "
+                                         rf"depend on the batch: its buffer '{name}' is left otherwise by the forward "
+                                         r"run again on the (first|last) sample alone"):
+        model(torch.randn(batch, 3, 4) * 3 + 1)
+
+
+@pytest.mark.parametrize("write", ["counter", "attribute", "positions", "set to None"])
+def test_a_module_without_parameters_whose_writes_do_not_depend_on_the_batch_trains(write):
+    """A counter, a table of the positions made again for a longer sequence, a Python counter and
+    a table read once are written alike by the batch and by each sample alone: they train, the
+    update is each sample's backward pass from the model as the batch found it, clipped, and the
+    buffers are as the batch's call leaves them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Unparametrized(write), nn.Linear(4, 2))
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    bk = make(model, config)
+    for length in (3, 5, 2):
+        x, target = torch.randn(4, length, 4), torch.randn(4, length, 2)
+        before = copy.deepcopy(model)
+        want = dpsgd.privatize(one_backward_per_sample_from(before, x, target), config, 4.0, M.NoiseGenerator(5))
+        called = copy.deepcopy(before)
+        called(x)
+        assert_same_update(bk.step(regression(model(x), target)), want)
+        assert model[1].seen == called[1].seen
+        assert all(torch.equal(model.get_buffer(n), b) for n, b in called.named_buffers())
 
 
 def test_modes_that_couple_samples_or_cannot_be_replayed_are_refused():

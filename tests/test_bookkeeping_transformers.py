@@ -12,6 +12,8 @@ DoRA, a LoRA embedding, LoRA on parameters and prompt tuning by peft on some of 
 reference is independent of book-keeping and of torch.func: each sample's gradient from its own
 backward pass (on a batch of one; with LoRA's dropout, through the batch's forward), through
 dpsgd.privatize with the same config and noise stream."""
+import copy
+
 import peft
 import pytest
 import torch
@@ -626,3 +628,60 @@ def test_gradient_checkpointing_gives_the_update_of_each_sample_alone(name):
     scale = max(float(w.abs().max()) for w in want)
     for got, reference in zip(bk.step(losses(model, ids)), want):
         torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-6 * scale)
+
+
+def llama_dynamic_rope():
+    """Its rotary frequencies made again for a sequence longer than 8 positions, and reset below."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=8, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    return transformers.LlamaForCausalLM(config)
+
+
+def phi3_longrope():
+    """Its rotary factors switched at 8 positions, copied into its frequencies at every call."""
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, original_max_position_embeddings=8, resid_pdrop=0.0,
+        embd_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                         "long_factor": [2.0] * 4, "original_max_position_embeddings": 8}))
+
+
+class Mapped(torch.nn.Module):
+    """A (d, d) map of a frozen language model's token embeddings: a module with no rule, whose
+    replay runs the model, its rotary embedding included."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm.requires_grad_(False)
+        self.map = torch.nn.Parameter(torch.eye(16) + 0.01 * torch.randn(16, 16))
+
+    def forward(self, ids):
+        return self.lm(inputs_embeds=self.lm.get_input_embeddings()(ids) @ self.map)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "replayed"])
+@pytest.mark.parametrize("build", [llama_dynamic_rope, phi3_longrope])
+def test_rotary_embeddings_that_write_their_frequencies_get_the_update_of_each_sample_alone(build, wrapped):
+    """A rotary embedding writes its frequencies in the forward: dynamic RoPE makes them again past
+    its length and keeps that length as an attribute, longrope copies in the factors of the
+    batch's length. Neither depends on the samples, so neither is refused (inside a replayed
+    module longrope was refused as the batch's length crossed its switch), and a replay finds
+    the frequencies and the length as the call did (dynamic RoPE's replay read the length the
+    call left: 1e-4 off). Lengths cross the switch both ways."""
+    torch.manual_seed(0)
+    model = Mapped(build()) if wrapped else build()
+    model.train()
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                           config, expected_batch_size=4.0, generator=M.NoiseGenerator(7))
+    for step, length in enumerate((6, 12, 16, 6)):
+        ids = torch.randint(1, VOCAB, (4, length), generator=torch.Generator().manual_seed(step))
+        want = dpsgd.privatize(one_sample_at_a_time(copy.deepcopy(model), next_token, ids), config, 4.0,
+                               M.NoiseGenerator(7))
+        got = bk.step(next_token(model, ids))
+        scale = max(float(w.abs().max()) for w in want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)

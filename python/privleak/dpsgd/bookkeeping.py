@@ -50,6 +50,7 @@ from torch.nn.modules.module import _global_forward_hooks
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
+from privleak.dpsgd.buffers import Snapshot, refusal
 from privleak.dpsgd.clip import kernel_rows, non_finite_error
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
@@ -224,7 +225,7 @@ class BookKeeping:
         # the last of the checks, as it turns DDP's all-reduce off
         self._replicas = distributed.Replicas(model, self._agreed()) if replicated else None
         self._claim_modules()
-        self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)]
+        self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)] + self._buffer_hooks()
         # one dropped without remove() takes its hooks with it (they hold it weakly), not recording on
         self._unhook = weakref.finalize(self, _remove_hooks, self._hooks, [layer.module for layer in self.layers],
                                         self._this)
@@ -335,6 +336,45 @@ class BookKeeping:
 
             hooks += [module.register_forward_pre_hook(enter),
                       module.register_forward_hook(lambda *_: layer.exit_forward(), prepend=True, always_call=True)]
+        return hooks
+
+    def _buffer_hooks(self) -> list:
+        """Hooks on each module with buffers of its own outside the replayed layers (which check
+        theirs, :class:`~privleak.dpsgd.layers._Replay`): a recorded call that changes one in a way
+        that may depend on the batch is refused (:mod:`privleak.dpsgd.buffers`). A module without
+        parameters has no layer: a running standardiser before the first Linear trained, and one
+        sample's removal moved the clipped sum by 1.21 C (a review's repro). Not while a CUDA graph
+        captures: its warm-up ran the same forward eagerly."""
+        replayed = {id(m) for layer in self.layers if isinstance(layer, FunctionalLayer)
+                    for m in layer.module.modules()}
+        this, hooks = self._this, []
+        for name, module in self._module.named_modules():
+            if not module._buffers or id(module) in replayed:
+                continue
+            found: list = []  # a stack of snapshots, one per call under way (a module may call itself)
+
+            def before(module, _args, found=found):
+                bk = this()
+                if bk is not None and bk._recording and not capturing():
+                    found.append(Snapshot([("", module)]))
+
+            def after(module, args, kwargs, _output, found=found, name=name):
+                bk = this()
+                if not found or bk is None or not bk._recording:
+                    return
+                snapshot = found.pop()
+                if not (changed := snapshot.changed()):
+                    return
+                bk._recording = False  # the layers inside run again without recording
+                try:
+                    why = snapshot.statistic_of_the_batch(module, args, kwargs, changed)
+                finally:
+                    bk._recording = True
+                if why is not None:
+                    raise ValueError(refusal(f"module '{name}' ({type(module).__name__})", why))
+
+            hooks += [module.register_forward_pre_hook(before, prepend=True),
+                      module.register_forward_hook(after, with_kwargs=True)]
         return hooks
 
     @staticmethod

@@ -34,7 +34,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from privleak.dpsgd import conv_grads, ghost_norm, graph
+from privleak.dpsgd import buffers, conv_grads, ghost_norm, graph
 from privleak.dpsgd.stateless import functional_call
 from privleak.dpsgd.tied import Factors
 
@@ -1431,69 +1431,56 @@ class GroupNormLayer(_AffineNorm):
         return y.reshape(y.shape[0], y.shape[1], -1).transpose(1, 2)
 
 
-#: a buffer of a replayed module copied before each of its forward calls has this many elements at most (one
-#: written in the call is replayed from the copy; a larger one so written is refused)
-_COPIED_BUFFER_SIZE = 1 << 16
-
-
 class _Replay(NamedTuple):
     """What a replay of a forward call reproduces of it: the autocast it ran under, and the
     module's buffers (its children's too, which its replay runs), by name under the module.
 
     Those of its parametrizations as the call left them: a training call of ``spectral_norm``
     first updates its power-iteration vectors in place, then divides by the norm they give (the
-    replay runs it in eval mode, :meth:`context`). The others as the call saw them, each replay on
-    fresh copies of those the call wrote or made, so that a replay changes neither the model nor
-    the next replay (each sample's replay wrote the live buffers again and computed with them as
-    written: a review's repro, a counter at 5 after a step of 4 samples, gradients 5-77% off with
-    the first sample's check off). A buffer the call wrote with the values it had (Phi-3's longrope
-    ``inv_freq.copy_`` at every call) is replayed from its copy made before the call
-    (:data:`_COPIED_BUFFER_SIZE` elements at most); one the call made (registered as None before: a
-    lazy cache) is made again; one it did not write is the module's own, which
-    must not change until the step (:meth:`state`). One the call changed (a counter, a running
-    average of the batch, one set to None; compared by value where its version moved) is refused
-    at the call, replayed or not (a LayerScale keeping an average took the broadcast rule and
-    trained): a value written from the batch is released outside the noise (as BatchNorm's
-    running statistics would be), and book-keeping cannot tell a counter from such a statistic.
-    Nor can it tell Phi-3's longrope switching factors at a sequence length from one: inside a
-    replayed module (a soft prompt's wrapper) a batch that crosses that length is refused."""
+    replay runs it in eval mode, :meth:`context`). The others as the call found them, each replay
+    on fresh copies of the small ones (:data:`buffers.COPIED_SIZE` elements at most), so that a
+    replay changes neither the model nor the next replay (each sample's replay wrote the live
+    buffers again and computed with them as written: a review's repro, a counter at 5 after a step
+    of 4 samples, gradients 5-77% off with the first sample's check off); one the call made
+    (registered as None before: a lazy cache) is made again. A large one the call did not write is
+    the module's own, which must not change until the step (:meth:`state`).
+
+    A buffer the call changed is refused at the call, replayed or not, where the change may depend
+    on the batch (:meth:`buffers.Snapshot.statistic_of_the_batch`: a running average of the batch,
+    released outside the noise as BatchNorm's running statistics would be; a LayerScale keeping
+    one took the broadcast rule and trained before it was refused). One that does not (a counter,
+    Phi-3's longrope ``inv_freq.copy_`` switching its factors at a sequence length) is replayed
+    from its value before the call, so that each replay writes and reads it as the call did."""
 
     device: str
     autocast: bool
     dtype: torch.dtype
     buffers: dict  # name: (tensor, its version then, or None for a copy); None for one made again
     what: str  # the module, for messages
+    #: the modules as the call found them, which each replay finds too (their attributes also: a dynamic RoPE's
+    #: cached length decides whether it makes its frequencies again), and leaves so (a replay's write of an
+    #: attribute, Phi-3's longrope's ``self.long_inv_freq = ...``, left a vmap's tensor in the model)
+    found: Optional[buffers.Snapshot] = None
 
     @classmethod
-    def of(cls, module: nn.Module, device: str, parametrization_buffers: list, before: dict,
-           what: str) -> "_Replay":
-        """Raises where the call changed a buffer (at the call, whether or not it will be replayed)."""
-        buffers = {name: (module.get_buffer(name).detach().clone(), None) for name in parametrization_buffers}
-        now_of = dict(module.named_buffers())
-        for name in {**before, **now_of}:
-            if name in buffers:
-                continue
-            now = now_of.get(name)
-            if before.get(name, False) is None:  # made in the call (a lazy cache): made again by each replay
-                buffers[name] = None
-                continue
-            if name not in before:  # no call was seen before (grad turned on inside the forward)
-                small = now.numel() <= _COPIED_BUFFER_SIZE
-                buffers[name] = (now.detach().clone(), None) if small else (now, now._version)
-                continue
-            tensor, version, copy = before[name]
-            kept = now is tensor and now._version == version  # (a write through .data keeps the version)
-            if not kept and copy is not None and now is not None and not graph.capturing():  # no sync in a capture
-                kept = copy.shape == now.shape and copy.dtype == now.dtype and torch.equal(copy, now)
-            if not kept:
-                raise ValueError(f"{what} changed its buffer '{name}' in its forward call: a buffer written from the "
-                                 "batch (a running statistic) would be released outside the noise, as BatchNorm's "
-                                 "running statistics would be, and book-keeping cannot tell one from a counter; and "
-                                 "the module has no rule, so book-keeping may replay that forward for its per-sample "
-                                 "gradients, from its buffers as the call saw them; update the buffer outside the "
-                                 "module's forward, or give the parameters a module of their own, apart from it")
-            buffers[name] = (copy, None) if copy is not None else (now, version)
-        return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), buffers, what)
+    def of(cls, module: nn.Module, device: str, parametrization_buffers: list, before: Optional[buffers.Snapshot],
+           what: str, args: tuple, kwargs: dict) -> "_Replay":
+        """Raises where the call changed a buffer in a way that depends on the batch (at the call,
+        whether or not it will be replayed)."""
+        state = {name: (module.get_buffer(name).detach().clone(), None) for name in parametrization_buffers}
+        if before is None:  # no call was seen before (grad turned on inside the forward)
+            for name, now in module.named_buffers():
+                if name not in state:
+                    small = now.numel() <= buffers.COPIED_SIZE
+                    state[name] = (now.detach().clone(), None) if small else (now, now._version)
+            return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), state, what)
+        changed = before.changed()
+        if changed and (why := before.statistic_of_the_batch(module, args, kwargs, changed)) is not None:
+            raise ValueError(buffers.refusal(what, why))
+        for name, found in before.buffers.items():
+            state[name] = None if found is None else (found.copy, None) if found.copy is not None \
+                else (found.tensor, found.version)
+        return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), state, what, before)
 
     def state(self) -> dict:
         """The buffers for one replay: fresh copies of the small ones, the module's own large ones,
@@ -1514,18 +1501,20 @@ class _Replay(NamedTuple):
 
     @contextlib.contextmanager
     def context(self, spectral_norms: list):
-        """The call's autocast, and the module's spectral norms in eval mode: they divide by the
-        norm that the vectors given (:attr:`buffers`) estimate without updating them, so the replay
-        computes the call's weights."""
+        """The call's autocast, the modules as the call found them (:attr:`found`), and the
+        module's spectral norms in eval mode: they divide by the norm that the vectors given
+        (:attr:`buffers`) estimate without updating them, so the replay computes the call's
+        weights."""
         spectral = [m for m in spectral_norms if m.training]
-        try:
-            for m in spectral:
-                m.training = False
-            with torch.autocast(self.device, dtype=self.dtype, enabled=self.autocast):
-                yield
-        finally:
-            for m in spectral:
-                m.training = True
+        with self.found.restored(fresh=False) if self.found is not None else contextlib.nullcontext():
+            try:
+                for m in spectral:
+                    m.training = False
+                with torch.autocast(self.device, dtype=self.dtype, enabled=self.autocast):
+                    yield
+            finally:
+                for m in spectral:
+                    m.training = True
 
 
 class FunctionalLayer(Layer):
@@ -1604,16 +1593,9 @@ class FunctionalLayer(Layer):
         return [p for _, p in fallback_parameters(module, self.claims_children)]
 
     def before_call(self) -> None:
-        """The module's buffers before the call, and copies of the small ones; None for those not
-        made yet, registered as None (a cache its first call makes) (:class:`_Replay`)."""
-        def before(b: Optional[torch.Tensor]) -> Optional[tuple]:
-            if b is None:
-                return None
-            return b, b._version, b.detach().clone() if b.numel() <= _COPIED_BUFFER_SIZE else None
-
-        self._buffers_before = {name: before(b) for prefix, m in self.module.named_modules()
-                                for key, b in m._buffers.items()
-                                if (name := f"{prefix}.{key}" if prefix else key) not in self._parametrization_buffers}
+        """The module's buffers as the call finds them (:class:`_Replay`)."""
+        self._buffers_before = buffers.Snapshot(list(self.module.named_modules()),
+                                                skip=frozenset(self._parametrization_buffers))
 
     def clear(self) -> None:
         super().clear()
@@ -1671,8 +1653,8 @@ class FunctionalLayer(Layer):
                                                                                     _batch_of(leaves))
         call = len(self.calls)
         replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers,
-                            getattr(self, "_buffers_before", {}), self.describe())
-        self._buffers_before = {}
+                            getattr(self, "_buffers_before", None), self.describe(), args, kwargs)
+        self._buffers_before = None
         self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, replay,
                            broadcasts))
         if untraced := _untraced_arguments(leaves, _batch_of(leaves)):
