@@ -2893,6 +2893,68 @@ def test_checkpointed_group_norms_and_a_parameter_multiplied_into_the_batch_are_
     assert_same_update(bk.step(losses), want)
 
 
+class SelfCheckpointed(nn.Module):
+    """A block that checkpoints its own body, in which its parameter (a layer scale) is multiplied
+    into the batch: its forward hook runs outside the checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gamma = nn.Linear(4, 4), nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def body(self, x):
+        return x + torch.tanh(self.fc(x)) * self.gamma
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+
+
+def test_a_module_checkpointing_its_own_forward_around_its_parameter_s_product_is_book_kept():
+    """Saved-tensor hooks were looked for at the module's forward hook, outside its checkpoint: the
+    broadcast rule was taken, its node hook unpacked the product's saved factor, and the product's
+    own backward could not (CheckpointError: a review's repro). A factor saved through hooks is
+    now told by the saved tensor itself, and the module replayed; the update is the one of a
+    backward pass per sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SelfCheckpointed(), nn.Linear(4, 2))
+    x, target = torch.randn(4, 4), torch.randn(4, 2)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
+
+
+def test_a_shared_output_multiplied_into_the_batch_inside_a_checkpoint_is_refused():
+    """A layer output the batch shares (a Linear of one conditioning vector, FiLM-style) takes
+    each sample's gradient from the product's other factor, which a checkpoint lets be unpacked
+    once, by the product's own backward: the step crashed (CheckpointError: a review's repro).
+    Refused, naming the layer; the same model without the checkpoint trains."""
+    class Conditioned(nn.Module):
+        def __init__(self, checkpointed):
+            super().__init__()
+            self.fc, self.film, self.checkpointed = nn.Linear(4, 4), nn.Linear(4, 4), checkpointed
+
+        def body(self, x, condition):
+            return torch.tanh(self.fc(x)) * self.film(condition)
+
+        def forward(self, x, condition):
+            if self.checkpointed:
+                return torch.utils.checkpoint.checkpoint(self.body, x, condition, use_reentrant=False)
+            return self.body(x, condition)
+
+    x, target, condition = torch.randn(4, 4), torch.randn(4, 4), torch.randn(1, 4)
+    for checkpointed in (False, True):
+        model = Conditioned(checkpointed)
+        bk = make(model)
+        losses = regression(model(x, condition), target)
+        if checkpointed:
+            with pytest.raises(ValueError, match=r"module 'film' \(Linear\) has an output that the batch shares, "
+                                                 r"multiplied into the batch inside an activation checkpoint"):
+                bk.step(losses)
+        else:
+            assert all(torch.isfinite(u).all() for u in bk.step(losses))
+        bk.remove()
+
+
 def test_reentrant_activation_checkpointing_is_refused():
     """Its forward runs without grad, so the hooks see nothing of the block: without the check its
     parameters got the noise alone (and the others' clip factors left out the block's norms)."""

@@ -925,6 +925,12 @@ class BookKeeping:
                     continue  # a batch of one sample (shared and batched are the same), or no gradient
                 found = [shared_output_uses(edge, parents, batch) for edge in edges]
                 if layer.broadcast_calls and found and all(uses is not None for uses in found):
+                    if any(uses.factors_packed() for uses in found):
+                        raise ValueError(f"{layer.describe()} has an output that the batch shares, multiplied into "
+                                         "the batch inside an activation checkpoint (or under other saved-tensor "
+                                         "hooks): each sample's gradient of it is read from the product's other "
+                                         "factor, which the checkpoint lets be unpacked once, by the product's own "
+                                         "backward; multiply it outside the checkpointed function")
                     shared.append((layer, call, found))
                 elif (size != batch and layer.flattened_batch_calls and batch and size % batch == 0
                       and flattened_batch(layer.sources[call], size, batch)):

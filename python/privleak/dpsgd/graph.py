@@ -302,6 +302,28 @@ class Broadcasts:
             uses.append(found)
         return cls(parameters, uses, batch)
 
+    def factors_packed(self) -> bool:
+        """Whether a tensor the uses read from their nodes (a product's other factor) is saved
+        through saved-tensor hooks: activation checkpointing inside the module's own forward, whose
+        forward hook runs outside the checkpoint (:func:`saved_tensors_packed` says no there). Such
+        a tensor can be unpacked once only, so the node's own backward failed after the node hook
+        read it (CheckpointError: a review's repro). Told by the saved tensor refusing hooks of
+        this function's (identity hooks, left on one that takes them: it unpacks what it packed)."""
+        hooked = set()
+        for uses in self.uses:
+            for use in uses:
+                for node, name, _ in (*use.multipliers, *use.scales):
+                    if (id(node), name) in hooked:
+                        continue
+                    hooked.add((id(node), name))
+                    try:
+                        getattr(node, "_raw" + name).register_hooks(_itself, _itself)
+                    except RuntimeError as error:
+                        if "already been set" in str(error):
+                            return True
+                        raise
+        return False
+
     def nodes(self) -> list:
         """((parameter, use), node) for every use."""
         return [((i, j), use.node) for i, uses in enumerate(self.uses) for j, use in enumerate(uses)]
@@ -339,6 +361,10 @@ class Broadcasts:
         weight = self.operands[parameter]
         return torch.zeros(self.batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                            device=weight.device)
+
+
+def _itself(x: Any) -> Any:
+    return x
 
 
 _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,

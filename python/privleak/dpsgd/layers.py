@@ -1651,6 +1651,8 @@ class FunctionalLayer(Layer):
         # recomputes, can be unpacked once only (the op's own backward could not): replayed then
         broadcasts = None if graph.saved_tensors_packed() else graph.Broadcasts.of(consumers, parents, self.parameters,
                                                                                     _batch_of(leaves))
+        if broadcasts is not None and broadcasts.factors_packed():  # checkpointed inside the module's forward
+            broadcasts = None
         call = len(self.calls)
         replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers,
                             getattr(self, "_buffers_before", None), self.describe(), args, kwargs)
