@@ -1,6 +1,7 @@
 """dpsgd.BookKeeping (ghost norms + book-keeping, one backward pass) against the materialised path:
 torch.func per-sample gradients through dpsgd.privatize / DPOptimizer, same config, same noise
 stream. The clip norms are set between the samples' norms, so some samples are clipped and some not."""
+import contextlib
 import copy
 import itertools
 import math
@@ -2660,6 +2661,129 @@ def test_a_module_without_parameters_that_writes_a_statistic_of_the_batch_is_ref
         model(torch.randn(batch, 3, 4) * 3 + 1)
 
 
+class ActNorm(nn.Module):
+    """Glow's ActNorm as it is often written: its shift and scale set from the first batch
+    through ``.data`` (a data-dependent initialisation), a flag buffer set then."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc, self.scale = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.ones(4))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+
+    def forward(self, x):
+        if self.initialized.item() == 0:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0))
+                self.scale.data.copy_(1 / (x.std(0) + 1e-6))
+                self.initialized.fill_(1)
+        return self.scale * (x + self.loc)
+
+
+class Counted(nn.Module):
+    """A call counter with a child that counts its own calls."""
+
+    def __init__(self, child):
+        super().__init__()
+        self.child = child
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.child(x)
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(x * self.weight) / self.calls
+
+
+def test_a_forward_that_writes_its_parameters_from_the_batch_is_refused():
+    """The flag is set alike for any batch, so the forward ran again to judge it, on the live
+    parameters: the shift and scale went out as the last sample's, unnoised (a review's repro).
+    The runs again are on copies; a forward that writes a parameter is refused, naming it, and
+    the model's parameters are as the call left them."""
+    model = nn.Sequential(ActNorm(), nn.Linear(4, 1))
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+    x = torch.randn(4, 4) * 3 + 1
+    with pytest.raises(ValueError, match=r"module '0' \(ActNorm\) changed a buffer in its forward call that may "
+                                         r"depend on the batch: its forward writes its parameter '(loc|scale)'"):
+        model(x)
+    torch.testing.assert_close(model[0].loc.detach(), -x.mean(0))
+
+
+def test_a_statistic_of_the_batch_is_found_behind_a_shared_first_argument():
+    """The run again took the batch's size from the first tensor argument, a (1, d) one the batch
+    shares, and so ran the whole batch again (a review's repro): the batch is the largest first
+    dim among the arguments."""
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.register_buffer("mean", torch.zeros(4))
+
+        def forward(self, offset, x):
+            self.mean.mul_(0.5).add_(0.5 * x.detach().mean(0))
+            return self.fc(x + offset - self.mean)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.centred, self.offset = Centred(), nn.Parameter(torch.zeros(1, 4))
+
+        def forward(self, x):
+            return self.centred(self.offset.detach(), x)
+
+    model = Model()
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+    with pytest.raises(ValueError, match=r"module 'centred' \(Centred\) changed a buffer .*its buffer 'mean' is "
+                                         r"left otherwise"):
+        model(torch.randn(4, 4))
+
+
+def test_a_run_again_changes_no_child_of_the_module():
+    """A parent's run again ran its children on their live buffers: a child's counter read 3
+    after a step where plain training gives 1, the update 8-20% off, and a replayed child's
+    backward failed (a review's repro). The update is each sample's backward pass from the model
+    as the batch found it, and the counters are plain training's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Counted(CountsCalls()), nn.Linear(4, 2))
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    bk = make(model, config)
+    for step in range(3):
+        x, target = torch.randn(4, 4), torch.randn(4, 2)
+        want = dpsgd.privatize(one_backward_per_sample_from(copy.deepcopy(model), x, target), config, 4.0,
+                               M.NoiseGenerator(5))
+        assert_same_update(bk.step(regression(model(x), target)), want)
+        assert model[1].calls == model[1].child.calls == step + 1
+
+
+def test_quantization_aware_training_refuses_its_activation_observers_and_trains_without_them():
+    """torch's fused fake-quantization writes the batch's range in place without moving the
+    buffers' versions, from a replayed Linear's forward hook (a review's repro: the range went out
+    unseen). Its activation observer is refused, naming it; its weights' observers, which read the
+    weights alone, are not; with the observers off the model trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+    model = torch.ao.quantization.prepare_qat(model.train())
+    bk = make(model, dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0))
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"module '0.activation_post_process' \(FusedMovingAvgObsFakeQuantize\) "
+                                         r"changed a buffer .*: its buffer '(scale|zero_point)' is left otherwise"):
+        model(x)
+    model.apply(torch.ao.quantization.disable_observer)
+    ranges = {name: b.clone() for name, b in model.named_buffers()  # the activations' (the weights' set at first use)
+              if "weight" not in name and name.endswith(("min_val", "max_val"))}
+    assert all(torch.isfinite(u).all() for u in bk.step(model(x).squeeze(1) ** 2))
+    assert all(torch.equal(model.get_buffer(name), b) for name, b in ranges.items())
+
+
 @pytest.mark.parametrize("write", ["counter", "attribute", "positions", "set to None"])
 def test_a_module_without_parameters_whose_writes_do_not_depend_on_the_batch_trains(write):
     """A counter, a table of the positions made again for a longer sequence, a Python counter and
@@ -2923,11 +3047,33 @@ def test_a_module_checkpointing_its_own_forward_around_its_parameter_s_product_i
     assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(3)), want)
 
 
+def test_a_parameter_multiplied_into_the_batch_under_save_on_cpu_takes_the_broadcast_rule(monkeypatch):
+    """save_on_cpu's saved tensors may be unpacked again: the product's factor is read, not
+    replayed (any saved-tensor hooks in force took the replay, another forward and backward of the
+    module, as checkpointing's must), and the update is the one of a backward pass per sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), ChannelScale(4), nn.Flatten(), nn.Linear(36, 2))
+    x, target = torch.randn(4, 2, 3, 3), torch.randn(4, 2)
+    grads = one_backward_per_sample(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    replays = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, *args: replays.append(self.name) or replay(self, *args))
+    bk = make(model, config, expected_batch_size=4.0, generator=M.NoiseGenerator(3))
+    with torch.autograd.graph.save_on_cpu():
+        losses = regression(model(x), target)
+    assert_same_update(bk.step(losses), want)
+    assert replays == []
+
+
 def test_a_shared_output_multiplied_into_the_batch_inside_a_checkpoint_is_refused():
     """A layer output the batch shares (a Linear of one conditioning vector, FiLM-style) takes
     each sample's gradient from the product's other factor, which a checkpoint lets be unpacked
     once, by the product's own backward: the step crashed (CheckpointError: a review's repro).
-    Refused, naming the layer; the same model without the checkpoint trains."""
+    Refused, naming the layer, before the backward; the same model without the checkpoint, or
+    under ``save_on_cpu`` (whose saved tensors may be read twice), trains."""
     class Conditioned(nn.Module):
         def __init__(self, checkpointed):
             super().__init__()
@@ -2942,10 +3088,11 @@ def test_a_shared_output_multiplied_into_the_batch_inside_a_checkpoint_is_refuse
             return self.body(x, condition)
 
     x, target, condition = torch.randn(4, 4), torch.randn(4, 4), torch.randn(1, 4)
-    for checkpointed in (False, True):
+    for checkpointed, on_cpu in ((False, False), (False, True), (True, False)):
         model = Conditioned(checkpointed)
         bk = make(model)
-        losses = regression(model(x, condition), target)
+        with torch.autograd.graph.save_on_cpu() if on_cpu else contextlib.nullcontext():
+            losses = regression(model(x, condition), target)
         if checkpointed:
             with pytest.raises(ValueError, match=r"module 'film' \(Linear\) has an output that the batch shares, "
                                                  r"multiplied into the batch inside an activation checkpoint"):

@@ -45,12 +45,14 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
+from torch.ao.quantization import FakeQuantizeBase
 from torch.autograd.graph import GradientEdge
 from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.utils import parametrize
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
-from privleak.dpsgd.buffers import Snapshot, refusal
+from privleak.dpsgd.buffers import Snapshot
 from privleak.dpsgd.clip import kernel_rows, non_finite_error
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
@@ -339,42 +341,50 @@ class BookKeeping:
         return hooks
 
     def _buffer_hooks(self) -> list:
-        """Hooks on each module with buffers of its own outside the replayed layers (which check
-        theirs, :class:`~privleak.dpsgd.layers._Replay`): a recorded call that changes one in a way
-        that may depend on the batch is refused (:mod:`privleak.dpsgd.buffers`). A module without
-        parameters has no layer: a running standardiser before the first Linear trained, and one
-        sample's removal moved the clipped sum by 1.21 C (a review's repro). Not while a CUDA graph
-        captures: its warm-up ran the same forward eagerly."""
-        replayed = {id(m) for layer in self.layers if isinstance(layer, FunctionalLayer)
-                    for m in layer.module.modules()}
+        """Hooks on each module with buffers of its own, but the replayed layers' modules (whose
+        record checks their buffers and their children's, :class:`~privleak.dpsgd.layers._Replay`)
+        and parametrizations (spectral norm's power iteration reads the weight alone): a recorded
+        call, with grad or without, whose forward changes one in a way that may depend on the
+        batch is refused (:mod:`privleak.dpsgd.buffers`). A module without parameters has no
+        layer: a running standardiser before the first Linear trained, and one sample's removal
+        moved the clipped sum by 1.21 C (a review's repro); a quantization observer that a replayed
+        Linear calls from its forward hook wrote after that layer's record. A snapshot holds the
+        module's children's buffers too (a fake-quantization module writes its observer's), so that
+        its run again starts from them as the call found them. The snapshot is taken
+        after the module's other forward pre-hooks, and checked before its forward hooks: what
+        the forward itself writes. Not while a CUDA graph captures: its warm-up ran the same
+        forward eagerly."""
+        replayed = {id(layer.module) for layer in self.layers if isinstance(layer, FunctionalLayer)}
+        parametrizations = {id(m) for module in self._module.modules() if parametrize.is_parametrized(module)
+                            for m in module.parametrizations.modules()}
         this, hooks = self._this, []
         for name, module in self._module.named_modules():
-            if not module._buffers or id(module) in replayed:
+            if not module._buffers or id(module) in replayed or id(module) in parametrizations:
                 continue
             found: list = []  # a stack of snapshots, one per call under way (a module may call itself)
+            known: dict = {}  # the buffers as the last call left them, their copies reused while unchanged
 
-            def before(module, _args, found=found):
+            def before(module, _args, found=found, known=known):
                 bk = this()
                 if bk is not None and bk._recording and not capturing():
-                    found.append(Snapshot([("", module)]))
+                    found.append(Snapshot(list(module.named_modules()), known=known,
+                                          by_value=isinstance(module, FakeQuantizeBase)))
 
-            def after(module, args, kwargs, _output, found=found, name=name):
+            def after(module, args, kwargs, _output, found=found, known=known, name=name):
                 bk = this()
                 if not found or bk is None or not bk._recording:
                     return
                 snapshot = found.pop()
-                if not (changed := snapshot.changed()):
-                    return
                 bk._recording = False  # the layers inside run again without recording
                 try:
-                    why = snapshot.statistic_of_the_batch(module, args, kwargs, changed)
+                    snapshot.check(module, args, kwargs, f"module '{name}' ({type(module).__name__})")
                 finally:
                     bk._recording = True
-                if why is not None:
-                    raise ValueError(refusal(f"module '{name}' ({type(module).__name__})", why))
+                known.clear()
+                known.update(snapshot.left())
 
-            hooks += [module.register_forward_pre_hook(before, prepend=True),
-                      module.register_forward_hook(after, with_kwargs=True)]
+            hooks += [module.register_forward_pre_hook(before),
+                      module.register_forward_hook(after, with_kwargs=True, prepend=True)]
         return hooks
 
     @staticmethod
@@ -925,12 +935,12 @@ class BookKeeping:
                     continue  # a batch of one sample (shared and batched are the same), or no gradient
                 found = [shared_output_uses(edge, parents, batch) for edge in edges]
                 if layer.broadcast_calls and found and all(uses is not None for uses in found):
-                    if any(uses.factors_packed() for uses in found):
+                    if any(uses.factors_checkpointed() for uses in found):
                         raise ValueError(f"{layer.describe()} has an output that the batch shares, multiplied into "
-                                         "the batch inside an activation checkpoint (or under other saved-tensor "
-                                         "hooks): each sample's gradient of it is read from the product's other "
-                                         "factor, which the checkpoint lets be unpacked once, by the product's own "
-                                         "backward; multiply it outside the checkpointed function")
+                                         "the batch inside an activation checkpoint: each sample's gradient of it is "
+                                         "read from the product's other factor, which the checkpoint lets be "
+                                         "unpacked once, by the product's own backward; multiply it outside the "
+                                         "checkpointed function")
                     shared.append((layer, call, found))
                 elif (size != batch and layer.flattened_batch_calls and batch and size % batch == 0
                       and flattened_batch(layer.sources[call], size, batch)):

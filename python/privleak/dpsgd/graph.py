@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
+from torch.utils.checkpoint import _Holder as _CheckpointHolder
 
 
 def capturing() -> bool:
@@ -26,11 +27,15 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def saved_tensors_packed() -> bool:
-    """Whether the tensors autograd saves now go through saved-tensor hooks (activation
-    checkpointing's, which let each be unpacked once in a backward pass; ``save_on_cpu``'s): the
-    nodes' saved tensors are then not to be read besides their own backward."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+def checkpointed(node: Any, name: str) -> bool:
+    """Whether autograd ``node``'s saved tensor ``name`` (``"_saved_other"``) was saved by
+    non-reentrant activation checkpointing, which lets it be unpacked once in a backward pass, by
+    the node's own backward (a read besides it failed: CheckpointError): its packed form is the
+    checkpoint's holder. Told without unpacking it, where the node was made (a module may
+    checkpoint inside its own forward, and its forward hook run outside); one saved through
+    other hooks (``save_on_cpu``) may be read again."""
+    raw = getattr(node, "_raw" + name, None)
+    return raw is not None and isinstance(raw.data, _CheckpointHolder)
 
 
 def node_type(op) -> type:
@@ -302,27 +307,13 @@ class Broadcasts:
             uses.append(found)
         return cls(parameters, uses, batch)
 
-    def factors_packed(self) -> bool:
-        """Whether a tensor the uses read from their nodes (a product's other factor) is saved
-        through saved-tensor hooks: activation checkpointing inside the module's own forward, whose
-        forward hook runs outside the checkpoint (:func:`saved_tensors_packed` says no there). Such
-        a tensor can be unpacked once only, so the node's own backward failed after the node hook
-        read it (CheckpointError: a review's repro). Told by the saved tensor refusing hooks of
-        this function's (identity hooks, left on one that takes them: it unpacks what it packed)."""
-        hooked = set()
-        for uses in self.uses:
-            for use in uses:
-                for node, name, _ in (*use.multipliers, *use.scales):
-                    if (id(node), name) in hooked:
-                        continue
-                    hooked.add((id(node), name))
-                    try:
-                        getattr(node, "_raw" + name).register_hooks(_itself, _itself)
-                    except RuntimeError as error:
-                        if "already been set" in str(error):
-                            return True
-                        raise
-        return False
+    def factors_checkpointed(self) -> bool:
+        """Whether a tensor the uses read from their nodes (a product's other factor) was saved by
+        activation checkpointing (:func:`checkpointed`): the node's own backward could not unpack it
+        after the node hook had (CheckpointError: Llama's RMSNorm under transformers' gradient
+        checkpointing, a review's repro)."""
+        return any(checkpointed(node, name) for uses in self.uses for use in uses
+                   for node, name, _ in (*use.multipliers, *use.scales))
 
     def nodes(self) -> list:
         """((parameter, use), node) for every use."""
@@ -361,10 +352,6 @@ class Broadcasts:
         weight = self.operands[parameter]
         return torch.zeros(self.batch, *weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                            device=weight.device)
-
-
-def _itself(x: Any) -> Any:
-    return x
 
 
 _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,

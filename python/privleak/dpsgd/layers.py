@@ -1407,8 +1407,8 @@ class GroupNormLayer(_AffineNorm):
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
         outputs = super().record(args, kwargs, output)
-        if outputs and graph.saved_tensors_packed():  # reading them would recompute a checkpointed region now
-            self.statistics.append(None)
+        if outputs and any(graph.checkpointed(output.grad_fn, name) for name in self.saved_statistics):
+            self.statistics.append(None)  # reading them would recompute the checkpointed region now
         elif outputs:
             saved = [getattr(output.grad_fn, name, None) for name in self.saved_statistics]
             self.statistics.append(saved if all(isinstance(s, torch.Tensor) for s in saved) else None)
@@ -1445,8 +1445,8 @@ class _Replay(NamedTuple):
     (registered as None before: a lazy cache) is made again. A large one the call did not write is
     the module's own, which must not change until the step (:meth:`state`).
 
-    A buffer the call changed is refused at the call, replayed or not, where the change may depend
-    on the batch (:meth:`buffers.Snapshot.statistic_of_the_batch`: a running average of the batch,
+    A buffer the call changed is refused at the call, replayed or not, with grad or without, where
+    the change may depend on the batch (:meth:`buffers.Snapshot.check`: a running average of the batch,
     released outside the noise as BatchNorm's running statistics would be; a LayerScale keeping
     one took the broadcast rule and trained before it was refused). One that does not (a counter,
     Phi-3's longrope ``inv_freq.copy_`` switching its factors at a sequence length) is replayed
@@ -1464,9 +1464,9 @@ class _Replay(NamedTuple):
 
     @classmethod
     def of(cls, module: nn.Module, device: str, parametrization_buffers: list, before: Optional[buffers.Snapshot],
-           what: str, args: tuple, kwargs: dict) -> "_Replay":
-        """Raises where the call changed a buffer in a way that depends on the batch (at the call,
-        whether or not it will be replayed)."""
+           what: str) -> "_Replay":
+        """The replay of a call of ``module``, whose buffers ``before`` holds as the call found them
+        (None where no call was seen before: grad turned on inside the forward)."""
         state = {name: (module.get_buffer(name).detach().clone(), None) for name in parametrization_buffers}
         if before is None:  # no call was seen before (grad turned on inside the forward)
             for name, now in module.named_buffers():
@@ -1474,9 +1474,6 @@ class _Replay(NamedTuple):
                     small = now.numel() <= buffers.COPIED_SIZE
                     state[name] = (now.detach().clone(), None) if small else (now, now._version)
             return cls(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), state, what)
-        changed = before.changed()
-        if changed and (why := before.statistic_of_the_batch(module, args, kwargs, changed)) is not None:
-            raise ValueError(buffers.refusal(what, why))
         for name, found in before.buffers.items():
             state[name] = None if found is None else (found.copy, None) if found.copy is not None \
                 else (found.tensor, found.version)
@@ -1506,7 +1503,7 @@ class _Replay(NamedTuple):
         (:attr:`buffers`) estimate without updating them, so the replay computes the call's
         weights."""
         spectral = [m for m in spectral_norms if m.training]
-        with self.found.restored(fresh=False) if self.found is not None else contextlib.nullcontext():
+        with self.found.restored() if self.found is not None else contextlib.nullcontext():
             try:
                 for m in spectral:
                     m.training = False
@@ -1593,9 +1590,11 @@ class FunctionalLayer(Layer):
         return [p for _, p in fallback_parameters(module, self.claims_children)]
 
     def before_call(self) -> None:
-        """The module's buffers as the call finds them (:class:`_Replay`)."""
+        """The module's buffers as the call finds them (:class:`_Replay`), the entries the last
+        call left reused where valid."""
         self._buffers_before = buffers.Snapshot(list(self.module.named_modules()),
-                                                skip=frozenset(self._parametrization_buffers))
+                                                skip=frozenset(self._parametrization_buffers),
+                                                known=getattr(self, "_buffers_known", None))
 
     def clear(self) -> None:
         super().clear()
@@ -1638,6 +1637,10 @@ class FunctionalLayer(Layer):
         return args, kwargs
 
     def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        before, self._buffers_before = getattr(self, "_buffers_before", None), None
+        if before is not None:  # also a call without grad (a target pass) may write a statistic of the batch
+            before.check(self.module, args, kwargs, self.describe())
+            self._buffers_known = before.left()
         outputs = self.output_tensors(output)
         live = [i for i, x in enumerate(outputs) if x.requires_grad]
         if not live:
@@ -1647,16 +1650,14 @@ class FunctionalLayer(Layer):
         consumers, parents = [[] for _ in self.parameters], {}
         self.uses.append(graph.count_uses([outputs[i].grad_fn for i in live], self.parameters, stop=inputs,
                                     graph=f"the output of {self.describe()}", consumers=consumers, parents=parents))
+        broadcasts = graph.Broadcasts.of(consumers, parents, self.parameters, _batch_of(leaves))
         # Under activation checkpointing the broadcast rule's factors, saved tensors that the backward
         # recomputes, can be unpacked once only (the op's own backward could not): replayed then
-        broadcasts = None if graph.saved_tensors_packed() else graph.Broadcasts.of(consumers, parents, self.parameters,
-                                                                                    _batch_of(leaves))
-        if broadcasts is not None and broadcasts.factors_packed():  # checkpointed inside the module's forward
+        if broadcasts is not None and broadcasts.factors_checkpointed():
             broadcasts = None
         call = len(self.calls)
-        replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers,
-                            getattr(self, "_buffers_before", None), self.describe(), args, kwargs)
-        self._buffers_before = None
+        replay = _Replay.of(self.module, outputs[live[0]].device.type, self._parametrization_buffers, before,
+                            self.describe())
         self.calls.append(([self.keep(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec, live, replay,
                            broadcasts))
         if untraced := _untraced_arguments(leaves, _batch_of(leaves)):
