@@ -2395,14 +2395,19 @@ class FlatteningRouter(nn.Module):
     """DeepSeek-V3's router in small: it flattens the hidden states (B, T, d) itself, computes its
     logits with the weight cast to float64 (DeepSeek's casts to float32, a cast in a bfloat16
     model), and returns them and its normalised top-2 weights gathered from their sigmoid, (B T,
-    ...); ``mixed``: the weights from a softmax over the rows, which mixes the samples."""
+    ...); ``mixed``: the weights from a softmax over the rows, which mixes the samples; ``rooted``:
+    DeepSeek-V4's scores sqrt(softplus(logits)), clamped and shifted as MiniMax-M3's, and the top
+    two taken as topk's values (DeepSeek-V2's)."""
 
-    def __init__(self, width, experts, mixed):
+    def __init__(self, width, experts, mixed, rooted=False):
         super().__init__()
-        self.weight, self.mixed = nn.Parameter(torch.randn(experts, width) * 0.5), mixed
+        self.weight, self.mixed, self.rooted = nn.Parameter(torch.randn(experts, width) * 0.5), mixed, rooted
 
     def forward(self, hidden):
         logits = F.linear(hidden.view(-1, hidden.shape[-1]).double(), self.weight.type(torch.float64))
+        if self.rooted:
+            top = (F.softplus(logits).sqrt().clamp(max=10.0) + 1.0).topk(2, dim=-1).values
+            return logits.float(), (top / top.sum(-1, keepdim=True) * 2.5).float()
         scores = logits.softmax(0) if self.mixed else logits.sigmoid()
         top = scores.gather(1, scores.topk(2, dim=-1).indices)
         return logits.float(), (top / (top.sum(-1, keepdim=True) + 1e-20) * 2.5).float()
@@ -2411,9 +2416,9 @@ class FlatteningRouter(nn.Module):
 class RoutedScale(nn.Module):
     """Hidden states scaled by a flattening router's first routing weight and its logits' mean."""
 
-    def __init__(self, mixed=False):
+    def __init__(self, mixed=False, rooted=False):
         super().__init__()
-        self.inp, self.router, self.head = nn.Linear(3, 4), FlatteningRouter(4, 3, mixed), nn.Linear(4, 2)
+        self.inp, self.router, self.head = nn.Linear(3, 4), FlatteningRouter(4, 3, mixed, rooted), nn.Linear(4, 2)
 
     def forward(self, x):
         h = self.inp(x)
@@ -2422,17 +2427,20 @@ class RoutedScale(nn.Module):
         return self.head(torch.tanh(h * scale))
 
 
+@pytest.mark.parametrize("rooted", [False, True], ids=["sigmoid", "softplus-topk"])
 @pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
-def test_a_module_that_flattens_the_batch_itself_is_replayed_by_sample(mechanism, per_layer):
+def test_a_module_that_flattens_the_batch_itself_is_replayed_by_sample(mechanism, per_layer, rooted):
     """A router that flattens its input (B, T, d) itself gives outputs (B T, ...) whose graph shows
-    each row made from its own token (a Linear of a cast weight, a sigmoid, a gather and a sum along
-    the rows): the replay gives each sample its T rows, the update that of each sample's own
-    backward pass. A softmax over the rows mixes the samples: the weights made from it are refused
-    (the logits, a Linear of each row, are still read by sample)."""
+    each row made from its own token (a Linear of a cast weight, a sigmoid, or a softplus, sqrt,
+    clamp and shift, a gather of the top two or topk's values, a sum along the rows; the second
+    kind of router was refused as not the batch flattened): the replay gives each sample its T
+    rows, the update that of each sample's own backward pass. A softmax over the rows mixes the
+    samples: the weights made from it are refused (the logits, a Linear of each row, are still
+    read by sample)."""
     generator = torch.Generator().manual_seed(0)
     x, target = torch.randn(5, 6, 3, generator=generator), torch.randn(5, 6, 2, generator=generator)
     torch.manual_seed(0)
-    model = RoutedScale()
+    model = RoutedScale(rooted=rooted)
     grads = one_backward_per_sample(model, x, target)
     config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)
     want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))

@@ -354,18 +354,24 @@ class Broadcasts:
                            device=weight.device)
 
 
-_ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (torch.relu, torch.tanh, torch.sigmoid, F.gelu,
-                                                                       F.silu, lambda x: F.dropout(x, 0.5),
-                                                                       lambda x: torch.ops.aten.mul.Scalar(x, 0.5)))))
+#: elementwise ops of one operand (constants aside): activations, and a router's softplus, sqrt, clamp and
+#: shifts by a constant (DeepSeek-V4's, MiniMax-M3's: its tokens (B T, d) were not told as the batch flattened)
+_ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (
+    torch.relu, torch.tanh, torch.sigmoid, F.gelu, F.silu, F.mish, F.softplus, F.leaky_relu, F.elu, F.hardtanh,
+    lambda x: F.dropout(x, 0.5), lambda x: torch.ops.aten.mul.Scalar(x, 0.5), torch.exp, torch.log, torch.sqrt,
+    torch.rsqrt, torch.neg, torch.abs, torch.erf, torch.sin, torch.cos, lambda x: x ** 2, lambda x: 1.0 - x,
+    lambda x: x.clamp(-1.0, 1.0)))))
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
 #: ops whose output's trailing dims are their operands' trailing dims, aligned (broadcasting adds leading dims)
 _SAME_DIMS = _ELEMENTWISE | _ROW_BY_ROW | {_WHERE}
 #: ops along dims that they name, each output row from the same input row where dim 0 is not one
-#: of them (a router's softmax, its top-k weights gathered from the scores, and their sum)
+#: of them (a router's softmax, its top-k weights, taken or gathered from the scores, and their sum; DeepSeek-V2's
+#: topk was not told so)
 _ALONG_DIMS = frozenset(node_type(op) for op in (
     lambda x: x.softmax(-1), lambda x: torch.ops.aten._safe_softmax(x, -1), lambda x: x.log_softmax(-1),
-    lambda x: x.sum(-1), lambda x: x.gather(1, torch.zeros(2, 1, dtype=torch.long))))
+    lambda x: x.sum(-1), lambda x: x.gather(1, torch.zeros(2, 1, dtype=torch.long)), lambda x: x.topk(1, -1)[0],
+    lambda x: x.sort(-1)[0], lambda x: x.max(-1)[0], lambda x: x.mean(-1), lambda x: x.cumsum(-1)))
 _MASKED_FILL = node_type(lambda x: x.masked_fill(torch.ones(2, 2, dtype=torch.bool), 0.0))
 _LAYER_NORM = node_type(lambda x: F.layer_norm(x, (2,)))
 _ADDMM, _MM = node_type(lambda x: torch.addmm(x[0], x, x)), node_type(lambda x: x @ x)
