@@ -956,7 +956,7 @@ def test_a_replay_whose_vmap_fails_past_the_first_chunk_takes_one_route_for_norm
     monkeypatch.setattr(torch.func, "vmap", failing_second)
     original = layers.FunctionalLayer._one_at_a_time_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
-                        lambda self, *args: one_at_a_time.append(len(args[2][0])) or original(self, *args))
+                        lambda self, *args, **kwargs: one_at_a_time.append(len(args[2][0])) or original(self, *args, **kwargs))
     got = book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))
     assert len(vmapped) == 2 and one_at_a_time == [2] * (2 + 3 + 3)
     assert_same_update(got, want)
@@ -2067,12 +2067,19 @@ class SharedTableModel(nn.Module):
         return self.head(torch.tanh(self.scores(h, shared)).mean(1))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("kind", ["table", "mask", "table-on-inputs"])
-def test_a_replayed_module_s_argument_the_batch_shares_is_not_cut_per_sample_where_t_is_b(kind):
+def test_a_replayed_module_s_argument_the_batch_shares_is_not_cut_per_sample_where_t_is_b(kind, chunked,
+                                                                                           monkeypatch):
     """A replayed module given a table of the positions (T, d) or a mask (T, T) the batch shares,
     at T = B: the replay cut it per sample as if it were the batch's (a review's repros: Funnel's
     relative-position parameters 2-7 times off, silently); now a replay whose gradients do not add
-    up to the call's takes such arguments shared."""
+    up to the call's takes such arguments shared; also one a sample at a time (per-sample
+    gradients too large to form whole: Funnel's attention at its real head size), which cut them
+    unchecked (2-6 x 10^-3 off), and now decides from the sum of the per-sample gradients."""
+    if chunked:
+        monkeypatch.setattr(layers.FunctionalLayer, "_forming", lambda self, batch: layers.Forming.NEVER)
+        monkeypatch.setattr(layers.FunctionalLayer, "_chunk_step", lambda self, batch: 1)
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     with warnings.catch_warnings():
@@ -2474,13 +2481,46 @@ def test_a_module_torch_func_cannot_vmap_is_replayed_one_sample_at_a_time(mechan
     want = dpsgd.privatize(grads, config, 4.5, M.NoiseGenerator(7))
     looped, replay = [], layers.FunctionalLayer._one_at_a_time_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
-                        lambda self, *args: looped.append(self.name) or replay(self, *args))
+                        lambda self, *args, **kwargs: looped.append(self.name) or replay(self, *args, **kwargs))
     bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.5,
                            generator=M.NoiseGenerator(7))
     assert_same_update(bk.step(regression(model(x), target)), want)
     assert looped == ["experts"]
     bk.step(regression(model(x), target))
     assert looped == ["experts"] * 2  # vmap is not tried again
+
+
+class TakenPositions(nn.Embedding):
+    """A position embedding returning rows of its weight (Whisper's decoder's): a slice for the
+    positions 1..T (the batch shares it), or an index by position ids of the batch's shape."""
+
+    def __init__(self, form):
+        super().__init__(12, 4)
+        self.form = form
+
+    def forward(self, ids):
+        if self.form == "slice":
+            return self.weight[1:ids.shape[1] + 1]
+        return self.weight[torch.arange(ids.shape[1]).expand_as(ids) + ids % 2]
+
+
+class WithTakenPositions(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(9, 4), TakenPositions(form), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(ids)).mean(1))
+
+
+@pytest.mark.parametrize("form", ["slice", "index"])
+def test_an_embedding_subclass_returning_rows_of_its_weight_is_book_kept(form):
+    """``self.weight[a:b]`` (Whisper's decoder position embedding) or ``self.weight[ids]`` is the
+    lookup of those rows' ids: the update is the one of a backward pass per sample (it was refused
+    as other than a lookup)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 9, (5, 6), generator=torch.Generator().manual_seed(1))
+    assert_book_kept_as_materialised(WithTakenPositions(form), ids, torch.randn(5, 2))
 
 
 def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():

@@ -165,7 +165,7 @@ def test_a_recurrent_module_gives_the_update_of_each_samples_backward_pass(case,
     monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
     replayed, replay = [], layers.FunctionalLayer._one_at_a_time_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
-                        lambda self, *args: replayed.append(self.name) or replay(self, *args))
+                        lambda self, *args, **kwargs: replayed.append(self.name) or replay(self, *args, **kwargs))
     model, x, target = setting(case)
     grads = one_backward_per_sample(model, x, target)
     config = CONFIGS[mechanism](clip_between(grads, per_layer), per_layer)

@@ -685,3 +685,32 @@ def test_rotary_embeddings_that_write_their_frequencies_get_the_update_of_each_s
         scale = max(float(w.abs().max()) for w in want)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_whisper_gets_the_update_of_each_sample_alone():
+    """Whisper (a convolutional audio encoder, a decoder whose position embedding returns
+    ``self.weight[a:b]``, the rows of its positions, which the batch shares: it was refused as an
+    nn.Embedding returning other than its lookup): the update of each sample's backward pass."""
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=8,
+        max_target_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
+        begin_suppress_tokens=None)).train()
+    generator = torch.Generator().manual_seed(1)
+    features, labels = torch.randn(4, 8, 16, generator=generator), torch.randint(3, VOCAB, (4, 5), generator=generator)
+
+    def losses(model, ids):
+        logits = model(input_features=features[ids], decoder_input_ids=labels[ids]).logits
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[ids][:, 1:], reduction="none").mean(1)
+
+    samples = torch.arange(4)
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    want = dpsgd.privatize(one_sample_at_a_time(model, losses, samples), config, 4.0, M.NoiseGenerator(7))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0), config,
+                           expected_batch_size=4.0, generator=M.NoiseGenerator(7))
+    got = bk.step(losses(model, samples))
+    scale = max(float(w.abs().max()) for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * scale)

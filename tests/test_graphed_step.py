@@ -207,7 +207,7 @@ def test_a_module_replayed_one_sample_at_a_time_reads_nothing_on_the_host_in_a_c
     replays = []
     replay = layers.FunctionalLayer._one_at_a_time_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
-                        lambda self, *args: replays.append(self.name) or replay(self, *args))
+                        lambda self, *args, **kwargs: replays.append(self.name) or replay(self, *args, **kwargs))
     step, bk, x, target, want = replayed_step(CopiedInto(), False)
     assert replays  # the warm-up's
     with HostReads() as eager:

@@ -1201,3 +1201,22 @@ def embedding_lookup(output: torch.Tensor) -> tuple[Optional[torch.Tensor], Opti
     if type(node) is not _LOOKUP:
         return None, None
     return getattr(node.next_functions[0][0], "variable", None), node._saved_indices
+
+
+def taken_rows(output: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The ids of the rows of ``weight`` that ``output`` is where it takes them by a slice
+    (``weight[a:b]``, Whisper's decoder position embedding) or by an index (``weight[ids]``), as
+    an embedding lookup of those ids would; else None."""
+    node = output.grad_fn
+    if type(node) not in (_SLICE, _INDEX) or getattr(node.next_functions[0][0], "variable", None) is not weight:
+        return None
+    if type(node) is _INDEX:
+        indices = node._saved_indices
+        ids = indices[0] if len(indices) == 1 else None
+        return ids if ids is not None and not ids.is_floating_point() and ids.dtype != torch.bool else None
+    rows = weight.shape[0]
+    if _dim(node._saved_dim, weight.ndim) != 0:
+        return None
+    start, end = (min(max(_signed(v) + rows * (_signed(v) < 0), 0), rows)
+                  for v in (node._saved_start or 0, rows if node._saved_end is None else node._saved_end))
+    return torch.arange(start, end, node._saved_step, device=weight.device)

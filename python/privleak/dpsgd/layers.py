@@ -1201,13 +1201,17 @@ class LookupEmbeddingLayer(EmbeddingLayer):
     """An nn.Embedding subclass with a forward of its own that makes its ids and returns
     nn.Embedding's lookup of them (BART's and OPT's learned position embeddings: position ids from
     the input's shape or its attention mask, offset by 2). The ids are the lookup's own, read from
-    its autograd node, and the rule is nn.Embedding's; a forward that returns anything else is
-    refused, naming the module."""
+    its autograd node, and the rule is nn.Embedding's. A forward that returns rows of its weight by a
+    slice or an index (Whisper's decoder position embedding, ``self.weight[a:b]``, which the batch
+    shares: it was refused) is read as the lookup of those rows' ids; one that returns anything
+    else is refused, naming the module."""
 
     def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         graph.refuse_compiled(output.grad_fn, f"the output of {self.describe()}")
         weight, ids = graph.embedding_lookup(output)
         if weight is not self.module.weight:
+            ids = graph.taken_rows(output, self.module.weight)
+        if ids is None:
             raise ValueError(f"{self.describe()} is an nn.Embedding with a forward of its own that returns something "
                              "other than its lookup (nn.Embedding.forward of the ids it makes): book-keeping reads "
                              "the ids from the lookup; return that lookup, and do the rest outside the module")
@@ -1603,6 +1607,7 @@ class FunctionalLayer(Layer):
         self.chunked = False  # the replay gives norms a few samples at a time, and the clipped sum by the same again
         self.flattened_outputs: dict = {}  # call: {recorded output: batch size} for outputs of the batch flattened
         self.untraced: dict = {}  # call: its arguments without autograd history among several of the batch's dim 0
+        self.shared_arguments: dict = {}  # call: those of them found shared by the batch, for chunked replays
 
     def broadcast(self, call: int, output_grads: list, norm_type: int) -> None:
         """A call whose outputs the batch shares (BART's learned position embedding, which makes its
@@ -1674,6 +1679,7 @@ class FunctionalLayer(Layer):
         self.shared_calls = {new[call] for call in self.shared_calls if call in new}
         self.flattened_outputs = {new[call]: outputs for call, outputs in self.flattened_outputs.items() if call in new}
         self.untraced = {new[call]: untraced for call, untraced in self.untraced.items() if call in new}
+        self.shared_arguments = {new[call]: shared for call, shared in self.shared_arguments.items() if call in new}
 
     def unflatten(self, call: int, batch: int) -> None:
         """A call on the batch flattened with its positions (a mixture of experts' router and
@@ -1836,9 +1842,15 @@ class FunctionalLayer(Layer):
                                      "keeps")
 
             untraced = self.untraced.get(call, frozenset())
-            if untraced and samples == slice(None) and not (flattened or flat or call in self.shared_calls):
+            checked = untraced and not (flattened or flat or call in self.shared_calls)
+            if checked and samples == slice(None):
                 grads = self._checked_replay(params, replay, leaves, spec, split, pairs, unsqueezed, batch, untraced)
             else:
+                if checked:  # a few samples at a time: the arguments found shared on the whole batch first
+                    if call not in self.shared_arguments:
+                        self.shared_arguments[call] = self._shared_arguments(params, replay, leaves, spec, split,
+                                                                             pairs, unsqueezed, batch, untraced)
+                    split = [i for i in split if i not in self.shared_arguments[call]]
                 try:
                     grads = self._replayed(params, replay, leaves, spec, split, pairs, unsqueezed, flattened, batch,
                                            samples)
@@ -1893,10 +1905,8 @@ class FunctionalLayer(Layer):
         the parameters, whose gradients do not add up to the call's, or fails (a review's repros:
         Funnel's and a Swin-style block's relative-position parameters 2-7 times off, with no
         sign). The arguments taken per sample are all of them, else each of those without history
-        shared alone, else all of those, the first whose gradients add up to the call's. Not where
-        the replay goes a few samples at a time (:meth:`norms_by_parameter`): there the arguments of
-        the batch's dim 0 are the batch's, unchecked (a shared table cut there gives a wrong
-        update, each sample still clipped to C)."""
+        shared alone, else all of those, the first whose gradients add up to the call's. Where the
+        replay goes a few samples at a time, :meth:`_shared_arguments` decides the same, once."""
         whole = self._batch_grads(params, replay, leaves, spec, pairs)
         for shared in [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1):
             one_at_a_time = self._one_at_a_time
@@ -1915,6 +1925,59 @@ class FunctionalLayer(Layer):
                          "on something other than its parameters, buffers and arguments (a state kept from a call "
                          "before)")
 
+    def _shared_arguments(self, params: dict, replay, leaves: list, spec, split: list, pairs: list,
+                          unsqueezed: list, batch: int, untraced: frozenset) -> frozenset:
+        """:meth:`_checked_replay`'s choice for a call whose replay goes a few samples at a time,
+        where the per-sample gradients of the whole batch would not fit: the sum of the per-sample
+        gradients is taken by one backward pass through the vmapped replay (or a loop adding them
+        up, for a forward torch.func cannot transform), not formed sample by sample. There the
+        arguments of the batch's dim 0 were taken as the batch's, unchecked: Funnel's class mask
+        (T', T), at a batch of T' samples (its pooled length), was cut per sample, its attention's
+        relative-position parameters 2-6 x 10^-3 off (a review's repro; each sample still clipped
+        to C)."""
+        whole = self._batch_grads(params, replay, leaves, spec, pairs)
+        for shared in [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1):
+            try:
+                summed = self._summed_grads(params, replay, leaves, spec, [i for i in split if i not in shared],
+                                            pairs, unsqueezed)
+            except RuntimeError:  # a cut mask whose shape the forward cannot take
+                continue
+            if _adds_up({name: g.unsqueeze(0) for name, g in summed.items()}, whole):
+                return shared
+        raise ValueError(f"{self.describe()} is replayed per sample (no book-keeping rule fits it), but the sum of its "
+                         "replay's per-sample gradients is not its call's gradient, with the tensor arguments of the "
+                         "batch's size in dim 0 taken as the batch's, or some of those without autograd history as "
+                         "shared by it: an argument has the batch elsewhere than in dim 0, or its forward depends on "
+                         "something other than its parameters, buffers and arguments (a state kept from a call "
+                         "before)")
+
+    def _summed_grads(self, params: dict, replay, leaves: list, spec, split: list, pairs: list,
+                      unsqueezed: list) -> dict:
+        """The sum over the batch of one call's replayed per-sample gradients (the arguments
+        ``split`` taken per sample), by name: the gradient of the vmapped replay's summed loss."""
+        from torch.func import grad, vmap
+
+        def loss_of_one(params, chosen, cotangents):
+            values = list(leaves)
+            for i, x in zip(split, chosen):
+                values[i] = x.unsqueeze(0)
+            outputs = self._outputs({**params, **replay.state()}, values, spec)
+            return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
+                       for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
+
+        def summed_loss(params):
+            return vmap(loss_of_one, in_dims=(None, 0, 0))(params, inputs, cotangents).sum()
+
+        inputs, cotangents = [leaves[i] for i in split], [g for _, g in pairs]
+        with replay.context(self._spectral_norms):
+            if not self._one_at_a_time:
+                try:
+                    return grad(summed_loss)(params)
+                except RuntimeError as error:
+                    if "randomness" in str(error):
+                        raise ValueError(self.random_replay()) from None
+            return self._one_at_a_time_grads(loss_of_one, params, inputs, cotangents, summed=True)
+
     def _batch_grads(self, params: dict, replay, leaves: list, spec, pairs: list) -> dict:
         """The gradients by name of one call replayed on the whole batch with its recorded output
         gradients: what its per-sample gradients add up to."""
@@ -1925,13 +1988,15 @@ class FunctionalLayer(Layer):
             found = torch.autograd.grad(loss, list(leaves_of.values()), allow_unused=True)
         return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(leaves_of.items(), found)}
 
-    def _one_at_a_time_grads(self, loss_of_one, params: dict, samples: list, cotangents: list) -> dict:
+    def _one_at_a_time_grads(self, loss_of_one, params: dict, samples: list, cotangents: list,
+                             summed: bool = False) -> dict:
         """The replay's per-sample gradients by one ordinary backward pass per sample, for a
         forward that ``torch.func`` cannot transform (a parametrization it registers, as peft's
         LoRA on a parameter does; data-dependent shapes): the same gradients, B passes instead of
-        one vmapped. Random numbers drawn in them are refused as vmap refuses them (the default
-        generators' states are compared, except in a CUDA graph's capture, which may not read a
-        generator's state: its warm-up ran the same replay eagerly and checked it)."""
+        one vmapped (``summed``: their sum, by name). Random numbers drawn in them are refused as
+        vmap refuses them (the default generators' states are compared, except in a CUDA graph's
+        capture, which may not read a generator's state: its warm-up ran the same replay eagerly
+        and checked it)."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         device = next(iter(leaves.values())).device
         checked = not graph.capturing()
@@ -1944,7 +2009,8 @@ class FunctionalLayer(Layer):
                 rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(leaves.values(), found)])
         if checked and any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device))):
             raise ValueError(self.random_replay())
-        return {name: torch.stack(column) for name, column in zip(leaves, zip(*rows))}
+        combine = (lambda column: sum(column[1:], column[0])) if summed else torch.stack
+        return {name: combine(column) for name, column in zip(leaves, zip(*rows))}
 
 
 def _untraced_arguments(leaves: list, rows: int) -> frozenset:
