@@ -956,7 +956,8 @@ def test_a_replay_whose_vmap_fails_past_the_first_chunk_takes_one_route_for_norm
     monkeypatch.setattr(torch.func, "vmap", failing_second)
     original = layers.FunctionalLayer._one_at_a_time_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
-                        lambda self, *args, **kwargs: one_at_a_time.append(len(args[2][0])) or original(self, *args, **kwargs))
+                        lambda self, *args, **kwargs: one_at_a_time.append(len(args[2][0]))
+                        or original(self, *args, **kwargs))
     got = book_kept(model, x, target, config, 4.0, M.NoiseGenerator(1))
     assert len(vmapped) == 2 and one_at_a_time == [2] * (2 + 3 + 3)
     assert_same_update(got, want)
@@ -2535,24 +2536,20 @@ def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
         model(torch.randint(0, 5, (4, 3)))
 
 
-class WritesBuffer(nn.Module):
-    """No rule (replayed), its forward writes a buffer or an attribute: a call counter its output
-    is divided by (a warm-up), kept as a buffer or as a Python int, an average of its outputs
-    updated in place or assigned anew, a table written again with the values it holds (Phi-3's
-    longrope ``inv_freq.copy_`` at every call), a cache made at the first call, a table read once
-    and set to None, or a range of its outputs (a quantization observer's)."""
+class BufferWriter(nn.Module):
+    """Its forward writes a buffer or an attribute, as ``write`` says: a call counter its output is
+    divided by (a warm-up), kept as a buffer or as a Python int, an average of its outputs updated
+    in place or assigned anew, a table written again with the values it holds (Phi-3's longrope
+    ``inv_freq.copy_`` at every call), a cache made at the first call, a table read once and set
+    to None, or a range of its outputs (a quantization observer's)."""
 
     def __init__(self, write):
         super().__init__()
-        self.weight, self.write = nn.Parameter(torch.randn(4, 4) * 0.3), write
-        self.seen = 0
+        self.write, self.seen = write, 0
         self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("average", torch.zeros(4))
         self.register_buffer("table", torch.linspace(0.5, 1.5, 4))
         self.register_buffer("cache", None)
-
-    def forward(self, x):
-        return self.written(torch.tanh(x @ self.weight))
 
     def written(self, y):
         if self.write == "counter":
@@ -2580,6 +2577,17 @@ class WritesBuffer(nn.Module):
             elif self.write == "range":
                 self.average = torch.maximum(self.average, y.detach().abs().amax(0))
         return y
+
+
+class WritesBuffer(BufferWriter):
+    """No rule (replayed): a parameter of its own, then :class:`BufferWriter`'s write."""
+
+    def __init__(self, write):
+        super().__init__(write)
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.3)
+
+    def forward(self, x):
+        return self.written(torch.tanh(x @ self.weight))
 
 
 def one_backward_per_sample_from(model, x, target):
@@ -2643,22 +2651,19 @@ def test_a_module_with_a_rule_of_the_fallback_that_writes_a_statistic_of_the_bat
     assert all(torch.equal(model.get_buffer(n), b) for n, b in called.named_buffers())
 
 
-class Unparametrized(nn.Module):
+class Unparametrized(BufferWriter):
     """No parameters: so no layer of book-keeping's. Its forward writes a buffer from the batch,
     a running standardiser's mean and variance (in place, or assigned), a mean made at the first
-    call (a data-dependent initialisation), or a quantization observer's range; or writes one that
-    does not depend on the batch: a call counter, a table of the positions made again for a longer
-    sequence (a rotary embedding's cache), a Python counter, a table read once and set to None."""
+    call (a data-dependent initialisation); or a table of the positions made again for a longer
+    sequence (a rotary embedding's cache), which does not depend on the batch; or
+    :class:`BufferWriter`'s write."""
 
     def __init__(self, write):
-        super().__init__()
-        self.write = write
+        super().__init__(write)
         self.register_buffer("mean", torch.zeros(4))
         self.register_buffer("var", torch.ones(4))
-        self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("positions", None)
         self.register_buffer("start", None)
-        self.seen = 0
 
     def forward(self, x):  # x: (B, T, 4)
         with torch.no_grad():
@@ -2669,23 +2674,15 @@ class Unparametrized(nn.Module):
                 self.mean = 0.5 * self.mean + 0.5 * x.mean((0, 1))
             elif self.write == "made at the first call" and self.start is None:
                 self.start = x.mean((0, 1))
+        if self.write in ("in place", "assigned"):
+            return (x - self.mean) / self.var.sqrt()
         if self.write == "made at the first call":
             return x - self.start
-        if self.write == "counter":
-            self.calls += 1
-            return x / self.calls
-        if self.write == "attribute":
-            self.seen += 1
-            return x / self.seen
         if self.write == "positions":
             if self.positions is None or len(self.positions) < x.shape[1]:
                 self.positions = torch.linspace(0.5, 1.5, x.shape[1])
             return x * self.positions[:x.shape[1], None]
-        if self.write == "set to None":
-            if self.var is not None:
-                x, self.var = x * self.var, None
-            return x
-        return (x - self.mean) / self.var.sqrt()
+        return self.written(x)
 
 
 @pytest.mark.parametrize("batch", [4, 1])
