@@ -1194,27 +1194,32 @@ def fed_outputs(outputs: list, stop: frozenset) -> list[int]:
                                                       for parent, position in parents.get(edge.node, ()))]
 
 
-def embedding_lookup(output: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(weight, ids) of an embedding lookup, ``output`` = F.embedding(ids, weight) as autograd made
-    it (the weight: the leaf it accumulates into); (None, None) if ``output`` is not one."""
+def embedding_lookup(output: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[int]]:
+    """(weight, ids, padding index) of an embedding lookup, ``output`` = F.embedding(ids, weight,
+    padding_idx) as autograd made it (the weight: the leaf it accumulates into; the padding index
+    None where it has none); (None, None, None) if ``output`` is not one."""
     node = output.grad_fn
     if type(node) is not _LOOKUP:
-        return None, None
-    return getattr(node.next_functions[0][0], "variable", None), node._saved_indices
+        return None, None, None
+    padding = _signed(node._saved_padding_idx)
+    return getattr(node.next_functions[0][0], "variable", None), node._saved_indices, None if padding < 0 else padding
 
 
 def taken_rows(output: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
     """The ids of the rows of ``weight`` that ``output`` is where it takes them by a slice
-    (``weight[a:b]``, Whisper's decoder position embedding) or by an index (``weight[ids]``), as
-    an embedding lookup of those ids would; else None."""
+    (``weight[a:b]``, Whisper's decoder position embedding) or by an index (``weight[ids]``, a
+    negative id counting from the end, as Python's), as an embedding lookup of those ids without a
+    padding index would; else None."""
     node = output.grad_fn
     if type(node) not in (_SLICE, _INDEX) or getattr(node.next_functions[0][0], "variable", None) is not weight:
         return None
+    rows = weight.shape[0]
     if type(node) is _INDEX:
         indices = node._saved_indices
         ids = indices[0] if len(indices) == 1 else None
-        return ids if ids is not None and not ids.is_floating_point() and ids.dtype != torch.bool else None
-    rows = weight.shape[0]
+        if ids is None or ids.is_floating_point() or ids.dtype == torch.bool:
+            return None
+        return torch.where(ids < 0, ids + rows, ids)
     if _dim(node._saved_dim, weight.ndim) != 0:
         return None
     start, end = (min(max(_signed(v) + rows * (_signed(v) < 0), 0), rows)

@@ -1147,13 +1147,17 @@ class EmbeddingLayer(Layer):
         self._rows: Optional[torch.Tensor] = None  # the per-sample rows whose norms were taken (_token_rows)
 
     def _sites(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids (B, T) and g (B, T, p), positions at padding_idx zeroed, the calls laid end to end."""
-        batch, pad, ids = self.calls[0].shape[0], self.module.padding_idx, self._ids()
+        """ids (B, T) and g (B, T, p), positions at a call's padding index zeroed, the calls laid
+        end to end."""
+        batch = self.calls[0].shape[0]
         g = [y.reshape(batch, -1, y.shape[-1]) for y in self.grads]
-        g = g[0] if len(g) == 1 else torch.cat(g, 1)
-        if pad is not None:
-            g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
-        return ids, g
+        g = [y if (pad := self.padding(call)) is None else y * (ids.reshape(batch, -1) != pad).unsqueeze(-1).to(y.dtype)
+             for call, (ids, y) in enumerate(zip(self.calls, g))]
+        return self._ids(), g[0] if len(g) == 1 else torch.cat(g, 1)
+
+    def padding(self, call: int) -> Optional[int]:
+        """The padding index whose positions call ``call`` gives no gradient: the module's."""
+        return self.module.padding_idx
 
     def _ids(self) -> torch.Tensor:
         """ids (B, T), the calls laid end to end."""
@@ -1201,16 +1205,30 @@ class LookupEmbeddingLayer(EmbeddingLayer):
     """An nn.Embedding subclass with a forward of its own that makes its ids and returns
     nn.Embedding's lookup of them (BART's and OPT's learned position embeddings: position ids from
     the input's shape or its attention mask, offset by 2). The ids are the lookup's own, read from
-    its autograd node, and the rule is nn.Embedding's. A forward that returns rows of its weight by a
-    slice or an index (Whisper's decoder position embedding, ``self.weight[a:b]``, which the batch
-    shares: it was refused) is read as the lookup of those rows' ids; one that returns anything
-    else is refused, naming the module."""
+    its autograd node, and the rule is nn.Embedding's, with the lookup's own padding index (a
+    forward calling F.embedding without the module's had its padding row's gradient dropped: a
+    review's repro). A forward that returns rows of its weight by a slice or an index (Whisper's
+    decoder position embedding, ``self.weight[a:b]``, which the batch shares: it was refused) is
+    read as the lookup of those rows' ids, without a padding index; one that returns anything else
+    is refused, naming the module."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.paddings: list = []  # per call, the padding index its lookup zeroes (None: none)
+
+    def renumber(self, new: dict) -> None:
+        super().renumber(new)
+        self.paddings = [padding for call, padding in enumerate(self.paddings) if call in new]
+
+    def padding(self, call: int) -> Optional[int]:
+        return self.paddings[call]
 
     def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         graph.refuse_compiled(output.grad_fn, f"the output of {self.describe()}")
-        weight, ids = graph.embedding_lookup(output)
+        weight, ids, padding = graph.embedding_lookup(output)
         if weight is not self.module.weight:
-            ids = graph.taken_rows(output, self.module.weight)
+            ids, padding = graph.taken_rows(output, self.module.weight), None
+        self.paddings.append(padding)
         if ids is None:
             raise ValueError(f"{self.describe()} is an nn.Embedding with a forward of its own that returns something "
                              "other than its lookup (nn.Embedding.forward of the ids it makes): book-keeping reads "
