@@ -1801,6 +1801,7 @@ COMBINED = {
     "vstack": lambda h, o: torch.vstack([h[i] for i in o.tolist()]),
     "stack-squeezed": lambda h, o: torch.stack([h[i:i + 1].squeeze(0) for i in o.tolist()]),
     "cat-index-selects": lambda h, o: torch.cat([h.index_select(0, o[:2]), h.index_select(0, o[2:])]),
+    "cat-atans": lambda h, o: torch.cat([h[i:i + 1].atan() for i in o.tolist()]),  # an op of no list: it hid them
 }
 
 
@@ -2534,6 +2535,24 @@ def test_an_embedding_subclass_returning_rows_of_its_weight_is_book_kept(form):
     assert_book_kept_as_materialised(WithTakenPositions(form), ids, torch.randn(5, 2))
 
 
+def test_an_embedding_subclass_renormalising_its_weight_in_its_forward_is_refused():
+    """F.embedding(ids, self.weight, max_norm=1.0) in a forward of its own, the module's max_norm
+    None: the rows the batch looked up were renormalised in place, telling which tokens it held,
+    outside the noise (a review's repro). Refused at the call, naming the module."""
+    class Renormed(nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, self.weight, max_norm=1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Renormed(9, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(10)
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+    with pytest.raises(ValueError, match=r"module '0' \(Renormed\) changed its weight in its forward call "
+                                         r"\(F.embedding with max_norm"):
+        model(torch.randint(0, 9, (4, 3)))
+
+
 def test_an_embedding_subclass_returning_other_than_its_lookup_is_refused():
     class Doubled(nn.Embedding):
         def forward(self, ids):
@@ -2774,8 +2793,8 @@ def test_a_forward_that_writes_its_parameters_from_the_batch_is_refused():
 
 def test_a_statistic_of_the_batch_is_found_behind_a_shared_first_argument():
     """The run again took the batch's size from the first tensor argument, a (1, d) one the batch
-    shares, and so ran the whole batch again (a review's repro): the batch is the largest first
-    dim among the arguments."""
+    shares, and so ran the whole batch again (a review's repro); then from the largest, a shared
+    table of more rows (a review's repro): each first dim among the arguments is cut in turn."""
     class Centred(nn.Module):
         def __init__(self):
             super().__init__()
@@ -2799,6 +2818,87 @@ def test_a_statistic_of_the_batch_is_found_behind_a_shared_first_argument():
     with pytest.raises(ValueError, match=r"module 'centred' \(Centred\) changed a buffer .*its buffer 'mean' is "
                                          r"left otherwise"):
         model(torch.randn(4, 4))
+
+
+class InitialisesItsChild(nn.Module):
+    """A flag buffer, and its child Linear's weight set from the first batch through ``.data``."""
+
+    def __init__(self, outputs):
+        super().__init__()
+        self.lin = nn.Linear(256, outputs)
+        self.register_buffer("initialised", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x):
+        if not self.initialised:
+            with torch.no_grad():
+                self.lin.weight.data.copy_(x.mean(0).expand_as(self.lin.weight) * 0.01)
+                self.initialised.fill_(True)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("outputs", [16, 300], ids=["small", "over 2^16"])
+def test_a_forward_that_initialises_a_child_s_weight_from_the_batch_is_refused(outputs):
+    """A weight of over 2^16 elements is not copied for the runs again: its initialisation from the
+    batch went unseen, and the runs wrote it from one sample (a review's repro). It is told written
+    by its sums; refused either way, naming it."""
+    model = nn.Sequential(InitialisesItsChild(outputs), nn.Tanh(), nn.Linear(outputs, 1))
+    bk = make(model)  # noqa: F841 (its hooks live as long as it does)
+    with pytest.raises(ValueError, match=r"module '0' \(InitialisesItsChild\) changed a buffer .*: its forward "
+                                         r"writes its parameter 'lin.weight'"):
+        model(torch.randn(4, 256))
+
+
+class KeepsPositions(nn.Module):
+    """Takes the batch x (B, 4) and a table (N, 4) the batch shares: a running mean of x, or a
+    call counter that reads row B - 1 of the table."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.fc, self.write = nn.Linear(4, 1), write
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, table):
+        if self.write == "mean":
+            self.mean.mul_(0.5).add_(0.5 * x.detach().mean(0))
+            return self.fc(x - self.mean + table.mean(0))
+        self.calls += 1
+        return self.fc(x * table[x.shape[0] - 1] / self.calls)
+
+
+@pytest.mark.parametrize("write", ["mean", "counter"])
+def test_a_buffer_writer_given_a_shared_table_of_more_rows_than_the_batch_is_judged_on_the_batch(write):
+    """The runs again cut the largest first dim, a shared table of 8 rows at a batch of 4: a
+    running mean of the batch went out unseen, and a counter reading the table's row B - 1 was
+    refused (the table cut to one row; a review's repros). Each first dim is cut in turn: the
+    mean is refused, and the counter trains with each sample's update."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.keeps = KeepsPositions(write)
+            self.register_buffer("table", torch.linspace(0.5, 1.5, 32).view(8, 4))
+
+        def forward(self, x):
+            return self.keeps(x, self.table)
+
+    torch.manual_seed(0)
+    model = Model()
+    config = dpsgd.DPSGDConfig(1e-3, noise_multiplier=0.0)
+    bk = make(model, config)
+    x, target = torch.randn(4, 4), torch.randn(4, 1)
+    if write == "mean":
+        with pytest.raises(ValueError, match=r"module 'keeps' \(KeepsPositions\) changed a buffer .*its buffer "
+                                             r"'mean' is left otherwise"):
+            model(x)
+        return
+    for _ in range(2):
+        rows = []
+        for i in range(4):  # each sample alone, at the batch's row of the table
+            alone = copy.deepcopy(model)
+            out = alone.keeps.fc(x[i:i + 1] * alone.table[3] / (alone.keeps.calls + 1))
+            rows.append(torch.autograd.grad(regression(out, target[i:i + 1]).sum(), trainable(alone)))
+        want = dpsgd.privatize([torch.stack(c) for c in zip(*rows)], config, 4.0, M.NoiseGenerator(5))
+        assert_same_update(bk.step(regression(model(x), target)), want)
 
 
 def test_a_run_again_changes_no_child_of_the_module():
@@ -3496,6 +3596,9 @@ class PositionTables(nn.Module):
             h = h + self.s * self.table[:positions]
         elif self.use == "scaled table, viewed":
             h = h + (self.s * self.table[:positions])[None]
+        elif self.use in ("scaled table, reciprocal", "scaled table, atan"):  # ops of no list of book-keeping's
+            scaled = self.s * self.table[:positions]
+            h = h + (scaled.abs().add(1).reciprocal() if self.use.endswith("reciprocal") else scaled.atan())
         elif self.use == "expanded, viewed":
             h = h + self.p.expand(positions, -1).unsqueeze(0)
         elif self.use == "distance penalty":
@@ -3507,20 +3610,27 @@ class PositionTables(nn.Module):
 
 
 @pytest.mark.parametrize("use", ["expanded", "scaled table", "distance penalty", "embedding scale",
-                                 "scaled table, viewed", "expanded, viewed"])
+                                 "scaled table, viewed", "expanded, viewed", "scaled table, reciprocal",
+                                 "scaled table, atan"])
 def test_a_parameter_s_table_over_the_positions_is_not_read_as_the_batch_where_t_is_b(use):
     """Its dim 0 is positions: at T = B the broadcast rule read them as samples (the op that
     made the table took the use, its output's dim 0 of the batch's size), each position clipped
     as a sample, and a sample's share of the update reached T times C. Now a use whose output an
     elementwise op above broadcasts over new leading dims (through views too: [None] had hidden
-    it) is no broadcast over the batch: the module is replayed, as at every other T."""
+    it; through any op keeping its shape: a reciprocal or an atan had, a review's repro at 3 C)
+    is no broadcast over the batch: the module is replayed, as at every other T. Without the
+    first sample's check, which had caught these at a first batch of B = T."""
     torch.manual_seed(0)
     model = PositionTables(use)
     generator = torch.Generator().manual_seed(1)
     x, target = torch.randn(5, 5, 3, generator=generator), torch.randn(5, 2, generator=generator)
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
+    want = dpsgd.privatize(grads, config, 5.0, M.NoiseGenerator(5))
+    bk = make(model, config, expected_batch_size=5.0, generator=M.NoiseGenerator(5), check_first_sample=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "module '' .* replay its whole forward")
-        assert_book_kept_as_materialised(model, x, target)
+        assert_same_update(bk.step(regression(model(x), target)), want)
 
 
 class FlattenedScale(nn.Module):

@@ -143,20 +143,26 @@ class Snapshot:
                         "elements) to be kept and the forward run again from it")
         if capturing():  # the graph's warm-up ran the same forward eagerly, and was so checked
             return None
-        left_by_call = self.now()
-        for index, moved in ((0, False), (-1, True)):
-            which = "the last sample alone, moved by noise" if moved else "the first sample alone"
-            try:
-                left, written = self._run_again(module, *_one_sample(args, kwargs, index, moved))
-            except Exception as error:  # noqa: BLE001 (any error of the user's forward says it cannot tell)
-                return f"its forward, run again on {which}, raised {type(error).__name__}: {error}"
-            if written:
-                return (f"its forward writes its parameter '{written[0]}' (run again on {which}, it wrote it once "
-                        "more: a data-dependent initialisation, as Glow's ActNorm's through .data)")
-            for name in changed:
-                if not same(left.get(name), left_by_call.get(name)):
-                    return f"its buffer '{name}' is left otherwise by the forward run again on {which}"
-        return None
+        left_by_call, failed, ran = self.now(), None, False
+        # The batch is one of the arguments' first dims: each is cut in turn (a shared table of more
+        # rows than the batch had been cut for it, and a running mean of the batch went out unseen)
+        for batch in _first_dims(args, kwargs):
+            for index, moved in ((0, False), (-1, True)):
+                which = "the last sample alone, moved by noise" if moved else "the first sample alone"
+                try:
+                    left, written = self._run_again(module, *_one_sample(args, kwargs, batch, index, moved))
+                except Exception as error:  # noqa: BLE001 (any error of the user's forward: another dim cut)
+                    failed = failed or f"its forward, run again on {which}, raised {type(error).__name__}: {error}"
+                    break
+                if written:
+                    return (f"its forward writes its parameter '{written[0]}' (run again on {which}, it wrote it "
+                            "once more: a data-dependent initialisation, as Glow's ActNorm's through .data)")
+                for name in changed:
+                    if not same(left.get(name), left_by_call.get(name)):
+                        return f"its buffer '{name}' is left otherwise by the forward run again on {which}"
+            else:
+                ran = True
+        return None if ran else failed
 
     @contextlib.contextmanager
     def restored(self):
@@ -183,6 +189,8 @@ class Snapshot:
                                                                                  self._keys)}
         subtree = list(module.named_modules())
         as_left = [dict(vars(m)) for _, m in subtree]
+        large = [(f"{prefix}.{key}" if prefix else key, p, _fingerprint(p)) for prefix, m in subtree
+                 for key, p in m._parameters.items() if p is not None and p.numel() > COPIED_SIZE]
         devices = sorted({x.device.index or 0 for x in tree_flatten((args, kwargs))[0]
                           if isinstance(x, torch.Tensor) and x.device.type == "cuda"})
         try:
@@ -201,7 +209,10 @@ class Snapshot:
                            for key, p in left["_parameters"].items() if parameters[key] is not p]
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 module.forward(*args, **kwargs)
-                return self.now(), [name for name, p, copy in copies if not same(copy, p.detach())]
+                written = [name for name, p, copy in copies if not same(copy, p.detach())]
+                # a large parameter is run on as it is, and told written by its sums (a write of the same values
+                # aside): a data-dependent initialisation of a 300 x 256 weight had gone unseen
+                return self.now(), written + [name for name, p, sums in large if not same(_fingerprint(p), sums)]
         finally:
             for (_, m), attributes in zip(subtree, as_left):
                 vars(m).clear()
@@ -238,14 +249,25 @@ def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def _one_sample(args: tuple, kwargs: dict, index: int, moved: bool) -> tuple[tuple, dict]:
-    """The call's arguments for sample ``index`` alone: of every tensor but a parameter whose first
-    dim is the batch's (the largest first dim among them: a shared (1, d) tensor may come first; a
-    weight, a quantization observer's or a parametrization's argument, is none), that sample's
-    slice (its floating-point values plus standard Gaussian noise if ``moved``, from a generator
-    of its own); the others whole. An empty batch is run again empty."""
+def _first_dims(args: tuple, kwargs: dict) -> list[Optional[int]]:
+    """The first dims of the tensor arguments that are not parameters (a weight, a quantization
+    observer's or a parametrization's argument, holds no batch), each once, in order; [None]
+    where there is none (the forward is run again on its arguments as they are)."""
+    return list(dict.fromkeys(x.shape[0] for x in tree_flatten((args, kwargs))[0] if _batched(x))) or [None]
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum and the sum of squares of a tensor's elements, in float64."""
+    values = tensor.detach().double()
+    return torch.stack([values.sum(), values.square().sum()])
+
+
+def _one_sample(args: tuple, kwargs: dict, batch: Optional[int], index: int, moved: bool) -> tuple[tuple, dict]:
+    """The call's arguments for sample ``index`` alone, taking ``batch`` for the batch's size: of
+    every tensor but a parameter whose first dim it is, that sample's slice (its floating-point
+    values plus standard Gaussian noise if ``moved``, from a generator of its own); the others
+    whole. An empty batch is run again empty."""
     flat, spec = tree_flatten((args, kwargs))
-    batch = max((x.shape[0] for x in flat if _batched(x)), default=None)
 
     def sample(x: Any) -> Any:
         if not (_batched(x) and x.shape[0] == batch):

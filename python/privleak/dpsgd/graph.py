@@ -233,15 +233,20 @@ def _broadcast_again(node, parents: dict) -> bool:
     samples: a (T, d) position table made from a parameter, added to (B, T, d) inputs, had its rows
     read as samples at T = B, and a sample's share of the update reached T times C (a review's
     repros; replayed at T != B). Such a use is of another kind (the module is replayed), as it
-    was at every other T; one of a batch broadcast over further dims is replayed too."""
+    was at every other T; one of a batch broadcast over further dims is replayed too. The walk
+    goes through any op whose output has its input's shape, listed or not (a table through a
+    reciprocal, clamp_min or atan had stopped it: a sample's share 3 C with the first sample's
+    check off, a review's repro)."""
     stack, seen = [(node, tuple(node._input_metadata[0].shape))], set()
     while stack:
         below, shape = stack.pop()
         for parent, _ in parents.get(below, []):
-            if parent in seen or (type(parent) not in _SAME_DIMS and type(parent) not in _VIEWS):
+            if parent in seen or not parent._input_metadata:
+                continue
+            out = tuple(parent._input_metadata[0].shape)
+            if type(parent) not in _SAME_DIMS and type(parent) not in _VIEWS and out != shape:
                 continue
             seen.add(parent)
-            out = tuple(parent._input_metadata[0].shape)
             if type(parent) in _VIEWS:
                 stack.append((parent, out))
             elif len(out) > len(shape) or (shape and shape[0] == 1 and out[0] != 1):
@@ -948,6 +953,17 @@ def _taken_along(node, batch: int) -> Optional[tuple]:
     return dim, below, (lambda: _read_rows(index(), dim)) if kind in _WRITES else index, edge
 
 
+def _keeps_shape(node) -> bool:
+    """Whether autograd ``node`` has one input with grad, of its output's shape: an elementwise op
+    of one operand, listed in :data:`_ROW_BY_ROW` or not (a reciprocal, an atan: rows rotated by
+    ``torch.cat([f(h[1:]), f(h[:1])])`` passed the check of the batch's order, a sample's share
+    1.41 C with the first sample's check off, a review's repro); the walk that looks for a
+    reorder goes through it."""
+    inputs = [(child, nr) for child, nr in node.next_functions if child is not None]
+    return (len(inputs) == 1 and bool(node._input_metadata)
+            and tuple(node._input_metadata[0].shape) == _forward_shape(*inputs[0]))
+
+
 def _combined(node, batch: int) -> Optional[tuple]:
     """:func:`_taken_along` for a stack or cat ``node`` along dim 0 or 1 whose inputs are all
     pieces of one source along that dim (:func:`_piece`), the batch's rows in all: the rows of the
@@ -962,8 +978,8 @@ def _combined(node, batch: int) -> Optional[tuple]:
     source, below, pieces = None, None, []
     for child, output_nr in node.next_functions:
         at, selected = dim, type(node) is _STACK
-        while child is not None and (type(child) in _ROW_BY_ROW or _adds_or_drops_ones(child)):
-            if type(child) not in _ROW_BY_ROW:
+        while child is not None and (type(child) in _ROW_BY_ROW or _keeps_shape(child) or _adds_or_drops_ones(child)):
+            if type(child) not in _ROW_BY_ROW and not _keeps_shape(child):
                 shape, into = tuple(child._input_metadata[0].shape), _forward_shape(*child.next_functions[0])
                 if not selected and len(into) < len(shape) and shape[at] == 1:
                     selected = True  # the dim of 1 added where the pieces are combined: one row, selected
