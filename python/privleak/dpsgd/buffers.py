@@ -12,7 +12,9 @@ Book-keeping cannot read the forward, so it asks it (:meth:`Snapshot.check`): a 
 a buffer's values is run again, without grad, from the state the call found (the buffers, and the
 modules' other attributes: a cached length that the forward compares with), on its first sample
 alone, then on its last sample alone with its floating-point inputs moved by Gaussian noise (so
-that a batch of one tells too, and a statistic that a shift leaves alone, an argmax, as well). A
+that a batch of one tells too, and a statistic that a shift leaves alone, an argmax, as well),
+each first dim of its tensor arguments taken for the batch's in turn (a cut the forward cannot
+take is passed over; a weight given as an argument is never cut). A
 buffer that either run leaves otherwise than the call did depends on the batch, and the call is
 refused; so is a forward that writes a parameter (a data-dependent initialisation through
 ``.data``, as Glow's ActNorm's, which flips a flag buffer the same way for any batch). A counter,
