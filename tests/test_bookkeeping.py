@@ -2460,6 +2460,14 @@ def test_a_module_that_flattens_the_batch_itself_is_replayed_by_sample(mechanism
         make(mixed).step(regression(mixed(x), target))
 
 
+def replays_counted(monkeypatch) -> list:
+    """The batch sizes of the replays of FunctionalLayer from now on, one a call (a chunk's too)."""
+    replays, replay = [], layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, batch, *chunk: replays.append(batch) or replay(self, batch, *chunk))
+    return replays
+
+
 def one_backward_per_sample(model, x, target):
     """(B, *shape) per trainable parameter: each sample's gradient by its own forward and backward."""
     params = trainable(model)
@@ -3212,10 +3220,7 @@ def test_a_parameter_multiplied_into_the_batch_under_save_on_cpu_takes_the_broad
     grads = one_backward_per_sample(model, x, target)
     config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.0)
     want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
-    replays = []
-    replay = layers.FunctionalLayer.per_sample_grads
-    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
-                        lambda self, *args: replays.append(self.name) or replay(self, *args))
+    replays = replays_counted(monkeypatch)
     bk = make(model, config, expected_batch_size=4.0, generator=M.NoiseGenerator(3))
     with torch.autograd.graph.save_on_cpu():
         losses = regression(model(x), target)
@@ -3556,10 +3561,7 @@ def test_parameters_broadcast_over_the_batch_need_no_replay(use, replayed, monke
     grads = materialised_grads(model, x, target)
     config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.7)
     want = dpsgd.privatize(grads, config, 6.0, M.NoiseGenerator(5))
-    replays = []
-    replay = layers.FunctionalLayer.per_sample_grads
-    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
-                        lambda self, batch, *chunk: replays.append(batch) or replay(self, batch, *chunk))
+    replays = replays_counted(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = book_kept(model, x, target, config, 6.0, M.NoiseGenerator(5))
