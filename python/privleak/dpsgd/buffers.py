@@ -101,8 +101,9 @@ class Snapshot:
 
     def now(self) -> dict[str, Optional[torch.Tensor]]:
         """The buffers as they are now, by name (those made since included)."""
-        return {f"{prefix}.{key}" if prefix else key: tensor for prefix, module in self.modules
-                for key, tensor in module._buffers.items() if (f"{prefix}.{key}" if prefix else key) not in self._skip}
+        named = ((f"{prefix}.{key}" if prefix else key, tensor) for prefix, module in self.modules
+                 for key, tensor in module._buffers.items())
+        return {name: tensor for name, tensor in named if name not in self._skip}
 
     def left(self) -> dict[str, Before]:
         """The buffers as the call left them, for the next call's snapshot (``known``)."""

@@ -954,8 +954,8 @@ def _taken_along(node, batch: int) -> Optional[tuple]:
 
 
 def _keeps_shape(node) -> bool:
-    """Whether autograd ``node`` has one input with grad, of its output's shape: an elementwise op
-    of one operand, listed in :data:`_ROW_BY_ROW` or not (a reciprocal, an atan: rows rotated by
+    """Whether autograd ``node`` has one input with grad, of its output's shape (an elementwise op
+    of one operand among them), listed in :data:`_ROW_BY_ROW` or not (a reciprocal, an atan: rows rotated by
     ``torch.cat([f(h[1:]), f(h[:1])])`` passed the check of the batch's order, a sample's share
     1.41 C with the first sample's check off, a review's repro); the walk that looks for a
     reorder goes through it."""
@@ -978,8 +978,9 @@ def _combined(node, batch: int) -> Optional[tuple]:
     source, below, pieces = None, None, []
     for child, output_nr in node.next_functions:
         at, selected = dim, type(node) is _STACK
-        while child is not None and (type(child) in _ROW_BY_ROW or _keeps_shape(child) or _adds_or_drops_ones(child)):
-            if type(child) not in _ROW_BY_ROW and not _keeps_shape(child):
+        while child is not None and ((row_by_row := type(child) in _ROW_BY_ROW or _keeps_shape(child))
+                                     or _adds_or_drops_ones(child)):
+            if not row_by_row:
                 shape, into = tuple(child._input_metadata[0].shape), _forward_shape(*child.next_functions[0])
                 if not selected and len(into) < len(shape) and shape[at] == 1:
                     selected = True  # the dim of 1 added where the pieces are combined: one row, selected

@@ -1905,14 +1905,7 @@ class FunctionalLayer(Layer):
         per sample, the others whole."""
         from torch.func import grad, vmap
 
-        def loss_of_one(params, chosen, cotangents, whole=(lambda x: x) if flattened else (lambda x: x.unsqueeze(0))):
-            values = list(leaves)
-            for i, x in zip(split, chosen):
-                values[i] = whole(x)
-            outputs = self._outputs({**params, **replay.state()}, values, spec)
-            return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
-                       for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
-
+        loss_of_one = self._loss_of_one(replay, leaves, spec, split, pairs, unsqueezed, flattened)
         inputs = [(leaves[i].unflatten(0, (batch, -1)) if flattened else leaves[i])[samples] for i in split]
         cotangents = [g[samples] for _, g in pairs]
         with warnings.catch_warnings(), replay.context(self._spectral_norms):
@@ -1929,6 +1922,21 @@ class FunctionalLayer(Layer):
                     self._one_at_a_time = True  # a forward torch.func cannot transform
             return self._one_at_a_time_grads(loss_of_one, params, inputs, cotangents)
 
+    def _loss_of_one(self, replay, leaves: list, spec, split: list, pairs: list, unsqueezed: list,
+                     flattened: bool = False):
+        """One sample's loss of a call's replay as a function of (parameters, the sample's
+        arguments ``split``, its output gradients): its outputs times those. A flattened call's
+        sample takes its rows whole; another's gets its batch dim back."""
+        def loss_of_one(params, chosen, cotangents):
+            values = list(leaves)
+            for i, x in zip(split, chosen):
+                values[i] = x if flattened else x.unsqueeze(0)
+            outputs = self._outputs({**params, **replay.state()}, values, spec)
+            return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
+                       for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
+
+        return loss_of_one
+
     def _checked_replay(self, params: dict, replay, leaves: list, spec, split: list, pairs: list, unsqueezed: list,
                         batch: int, untraced: frozenset) -> dict:
         """:meth:`_replayed` for a call with arguments of the batch's dim 0 and no autograd history
@@ -1940,7 +1948,7 @@ class FunctionalLayer(Layer):
         shared alone, else all of those, the first whose gradients add up to the call's. Where the
         replay goes a few samples at a time, :meth:`_shared_arguments` decides the same, once."""
         whole = self._batch_grads(params, replay, leaves, spec, pairs)
-        for shared in [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1):
+        for shared in _shared_candidates(untraced):
             one_at_a_time = self._one_at_a_time
             try:
                 grads = self._replayed(params, replay, leaves, spec, [i for i in split if i not in shared], pairs,
@@ -1950,12 +1958,7 @@ class FunctionalLayer(Layer):
                 continue
             if _adds_up(grads, whole, replay.half()):
                 return grads
-        raise ValueError(f"{self.describe()} is replayed per sample (no book-keeping rule fits it), but the per-sample "
-                         "gradients of its replay do not add up to its call's gradient, with the tensor arguments of "
-                         "the batch's size in dim 0 taken as the batch's, or some of those without autograd history "
-                         "as shared by it: an argument has the batch elsewhere than in dim 0, or its forward depends "
-                         "on something other than its parameters, buffers and arguments (a state kept from a call "
-                         "before)")
+        raise ValueError(self._not_adding_up())
 
     def _shared_arguments(self, params: dict, replay, leaves: list, spec, split: list, pairs: list,
                           unsqueezed: list, batch: int, untraced: frozenset) -> frozenset:
@@ -1968,7 +1971,7 @@ class FunctionalLayer(Layer):
         relative-position parameters 2-6 x 10^-3 off (a review's repro; each sample still clipped
         to C)."""
         whole = self._batch_grads(params, replay, leaves, spec, pairs)
-        for shared in [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1):
+        for shared in _shared_candidates(untraced):
             try:
                 summed = self._summed_grads(params, replay, leaves, spec, [i for i in split if i not in shared],
                                             pairs, unsqueezed)
@@ -1976,12 +1979,14 @@ class FunctionalLayer(Layer):
                 continue
             if _adds_up({name: g.unsqueeze(0) for name, g in summed.items()}, whole, replay.half()):
                 return shared
-        raise ValueError(f"{self.describe()} is replayed per sample (no book-keeping rule fits it), but the sum of its "
-                         "replay's per-sample gradients is not its call's gradient, with the tensor arguments of the "
-                         "batch's size in dim 0 taken as the batch's, or some of those without autograd history as "
-                         "shared by it: an argument has the batch elsewhere than in dim 0, or its forward depends on "
-                         "something other than its parameters, buffers and arguments (a state kept from a call "
-                         "before)")
+        raise ValueError(self._not_adding_up())
+
+    def _not_adding_up(self) -> str:
+        return (f"{self.describe()} is replayed per sample (no book-keeping rule fits it), but the per-sample "
+                "gradients of its replay do not add up to its call's gradient, with the tensor arguments of the "
+                "batch's size in dim 0 taken as the batch's, or some of those without autograd history as shared by "
+                "it: an argument has the batch elsewhere than in dim 0, or its forward depends on something other "
+                "than its parameters, buffers and arguments (a state kept from a call before)")
 
     def _summed_grads(self, params: dict, replay, leaves: list, spec, split: list, pairs: list,
                       unsqueezed: list) -> dict:
@@ -1989,13 +1994,7 @@ class FunctionalLayer(Layer):
         ``split`` taken per sample), by name: the gradient of the vmapped replay's summed loss."""
         from torch.func import grad, vmap
 
-        def loss_of_one(params, chosen, cotangents):
-            values = list(leaves)
-            for i, x in zip(split, chosen):
-                values[i] = x.unsqueeze(0)
-            outputs = self._outputs({**params, **replay.state()}, values, spec)
-            return sum((outputs[i] * (g.unsqueeze(0) if one else g)).sum()
-                       for (i, _), g, one in zip(pairs, cotangents, unsqueezed))
+        loss_of_one = self._loss_of_one(replay, leaves, spec, split, pairs, unsqueezed)
 
         def summed_loss(params):
             return vmap(loss_of_one, in_dims=(None, 0, 0))(params, inputs, cotangents).sum()
@@ -2054,6 +2053,12 @@ def _untraced_arguments(leaves: list, rows: int) -> frozenset:
     sized = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == rows]
     untraced = frozenset(i for i, x in sized if x.grad_fn is None and not x.requires_grad)
     return untraced if len(sized) > 1 else frozenset()
+
+
+def _shared_candidates(untraced: frozenset) -> list[frozenset]:
+    """The sets of untraced arguments (:func:`_untraced_arguments`) tried as shared by the batch, in
+    turn: none, each alone, all of them."""
+    return [frozenset()] + [frozenset([i]) for i in sorted(untraced)] + [untraced] * (len(untraced) > 1)
 
 
 def _adds_up(per_sample: dict, whole: dict, half: bool = False) -> bool:
