@@ -16,7 +16,17 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from privleak import dpsgd
 from privleak import mechanisms as M
-from privleak.dpsgd import attention, bookkeeping, computed_weight, ghost_norm, graph, layers, recurrent, tied
+from privleak.dpsgd import (
+    attention,
+    bookkeeping,
+    computed_weight,
+    direct_reads,
+    ghost_norm,
+    graph,
+    layers,
+    recurrent,
+    tied,
+)
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from transformers.pytorch_utils import Conv1D
@@ -1606,6 +1616,107 @@ def test_a_parameter_the_hooks_cannot_see_is_refused():
         bk.step(F.linear(unused[0](x), unused[1].weight, unused[1].bias).sum(1))
 
 
+
+
+class SelectiveScan(nn.Module):
+    """A state-space mixer shaped as transformers' Mamba: parameters of its own (A_log, D) beside
+    children it calls (in_proj, x_proj, out_proj) and children whose parameters its code reads,
+    a causal depthwise convolution by ``self.conv1d.weight`` and a product by
+    ``self.dt_proj.weight``; it reads out_proj's metadata, and its weight on a path not taken."""
+
+    def __init__(self, width=4, inner=6, kernel=3, rank=2):
+        super().__init__()
+        self.in_proj, self.x_proj = nn.Linear(width, 2 * inner), nn.Linear(inner, rank)
+        self.conv1d = nn.Conv1d(inner, inner, kernel, groups=inner, padding=kernel - 1)
+        self.dt_proj, self.out_proj = nn.Linear(rank, inner), nn.Linear(inner, width)
+        self.A_log = nn.Parameter(torch.linspace(-1.0, 0.5, inner))
+        self.D = nn.Parameter(torch.linspace(0.5, 1.5, inner))
+        self.fused_output = False
+
+    def forward(self, h):  # (B, T, width)
+        positions = h.shape[1]
+        x, gate = self.in_proj(h).chunk(2, dim=-1)
+        if self.out_proj.bias is not None and self.out_proj.weight.dtype == x.dtype:
+            x = F.conv1d(x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=self.conv1d.padding,
+                         groups=x.shape[-1])[..., :positions].transpose(1, 2)
+        x = F.silu(x)
+        dt = F.softplus(self.x_proj(x) @ self.dt_proj.weight.t() + self.dt_proj.bias)
+        decay = torch.exp(-torch.exp(self.A_log) * dt)
+        state, states = torch.zeros_like(x[:, 0]), []
+        for t in range(positions):
+            state = decay[:, t] * state + dt[:, t] * x[:, t]
+            states.append(state)
+        y = (torch.stack(states, 1) + x * self.D) * F.silu(gate)
+        if self.fused_output:  # as a kernel's path that the forward does not take: the source reads out_proj's weight
+            return F.linear(y, self.out_proj.weight, self.out_proj.bias)
+        return self.out_proj(y)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
+def test_a_module_that_reads_its_childrens_parameters_replays_them_with_its_own(per_layer):
+    """The mixer's conv1d and dt_proj, whose parameters its own code reads outside their forwards
+    (no hook sees those uses: Mamba's, Qwen3.5's and Jamba's mixers had been refused), are replayed
+    with the mixer's own parameters; the children it calls keep their rules, out_proj too, whose
+    weight its source reads on a path that the first call's graph shows it did not take. The
+    update is the materialised path's, at the first step and after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), SelectiveScan(), nn.LayerNorm(4))
+    batches = [(torch.randn(5, 7, 3), torch.randn(5, 7, 4)), (torch.randn(3, 6, 3), torch.randn(3, 6, 4))]
+    grads = [materialised_grads(model, x, target) for x, target in batches]
+    config = dpsgd.DPSGDConfig(clip_between(grads[0], per_layer), noise_multiplier=0.3, per_layer=per_layer)
+    reference = M.NoiseGenerator(5)  # the same noise stream, step after step
+    wants = [dpsgd.privatize(g, config, 4.0, reference) for g in grads]
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(5))
+    assert {"1.conv1d", "1.dt_proj"} <= {layer.name for layer in bk.layers}  # until a call shows them read
+    with pytest.warns(UserWarning, match=r"module '1' \(SelectiveScan\) .* layers \(in_proj, x_proj, out_proj\)"):
+        for (x, target), want in zip(batches, wants):
+            assert_same_update(bk.step(regression(model(x), target)), want)
+    rules = {layer.name: type(layer) for layer in bk.layers}
+    assert rules == {"0": layers.LinearLayer, "1": layers.FunctionalLayer, "1.in_proj": layers.LinearLayer,
+                     "1.x_proj": layers.LinearLayer, "1.out_proj": layers.LinearLayer, "2": layers.LayerNormLayer}
+    mixer = model[1]
+    assert [id(p) for p in bk.layers[1].parameters] == [id(p) for p in (
+        mixer.A_log, mixer.D, mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_proj.weight, mixer.dt_proj.bias)]
+
+
+def weight_of(module):
+    return module.weight
+
+
+class ReadsOnlyByName(nn.Module):
+    """Parameters of its own, and children whose parameters it names but whose values it does not
+    read: a tie assigned in a method, a test for None, a dtype; and one whose weight a function
+    handed the child reads, which the source does not show as ``self.<child>.<parameter>``."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.embed, self.head, self.gate, self.hidden = (nn.Embedding(5, 3), nn.Linear(3, 5, bias=False),
+                                                         nn.Linear(3, 3), nn.Linear(3, 3))
+
+    def tie(self):
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids) * self.scale
+        if self.gate.bias is not None and self.gate.weight.dtype == h.dtype:
+            h = self.gate(h)
+        return self.head(h @ weight_of(self.hidden))
+
+
+def test_only_a_read_of_a_childs_parameter_values_claims_the_child():
+    """A module replayed for its own parameters claims the children whose parameters its code
+    reads (direct_reads against the module's own source); names that read no values claim none,
+    and a read by a function handed the child is refused at the step as any use the hooks cannot
+    see."""
+    model = ReadsOnlyByName()
+    assert direct_reads.children_read_directly(model) == []
+    assert direct_reads.children_read_directly(SelectiveScan()) == ["conv1d", "dt_proj", "out_proj"]
+    bk = make(model)
+    assert {layer.name for layer in bk.layers} == {"", "embed", "head", "gate", "hidden"}
+    with pytest.raises(ValueError, match=r"parameter 'hidden.weight' is used 1 time\(s\) .* recorded 0"):
+        bk.step(model(torch.tensor([[1, 2], [3, 4]])).sum((1, 2)))
 
 def test_ties_without_factors_and_l1_norms_of_tied_parameters_are_refused():
     with pytest.raises(ValueError, match="parameter 'first.weight' belongs to modules 'first', 'second' \\(tied"):

@@ -134,6 +134,21 @@ def nemotron_h():  # attention and mixture-of-experts layers; the router as Deep
         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+
+def mamba():  # a selective state-space mixer: its conv1d and dt_proj read by the mixer's own code
+    return transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
+        time_step_rank=4, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+
+
+def qwen3_5():  # a gated delta net (linear attention, its conv1d read so), then full attention
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+        linear_value_head_dim=4, linear_conv_kernel_dim=3, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=16, tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+
+
 def padding_of(ids):
     """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
     return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
@@ -147,6 +162,13 @@ def translate(model, ids):
 
 def next_token(model, ids):
     logits = model(ids).logits
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def next_token_uncached(model, ids):
+    """next_token without the cache that a causal LM otherwise fills (a mixer's convolution
+    state, which its replay per sample cannot share with the batch's call)."""
+    logits = model(ids, use_cache=False).logits
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
@@ -236,6 +258,46 @@ def test_a_hugging_face_model_gets_the_update_of_its_per_sample_gradients(name, 
     if name != "bert":  # the head is the token embedding's weight, clipped as one parameter
         assert len(bk._tied) == 1 and model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
+
+
+#: mixers whose own code reads their children's parameters (a causal convolution by self.conv1d.weight): replayed
+#: (and the gated delta net's gated RMSNorm, called on the batch flattened with its positions and heads)
+MIXERS = {"mamba": (mamba, ("mixer", "mixer")), "qwen3.5": (qwen3_5, ("linear_attn", "norm"))}
+
+
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
+@pytest.mark.parametrize("name", MIXERS)
+def test_a_state_space_or_linear_attention_mixer_is_replayed_with_the_children_it_reads(name, mechanism, per_layer,
+                                                                                       monkeypatch):
+    """Mamba's mixer and Qwen3.5's gated delta net pass their conv1d's weight to a causal
+    convolution of their own (refused before as a use the hooks cannot see): each is replayed per
+    sample with those children, the projections it calls book-kept, and the update is that of the
+    per-sample gradients."""
+    build, replayed = MIXERS[name]
+    torch.manual_seed(0)
+    model = build()
+    ids = torch.randint(1, VOCAB, (5, 8), generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, next_token_uncached, ids)
+    with pytest.warns(UserWarning, match="replay its whole forward per sample"):
+        bk = assert_the_update_of(grads, model, lambda: next_token_uncached(model, ids), mechanism, per_layer,
+                                  monkeypatch, replayed=replayed)
+    mixers = [layer for layer in bk.layers if layer.name.endswith(replayed[0])]
+    assert mixers and all("conv1d" in layer.read_children for layer in mixers)
+    assert len(bk._tied) == 1
+
+
+def test_a_mixer_replayed_beside_the_cache_it_fills_is_refused_saying_to_train_without_it():
+    """Qwen3.5 called as a causal LM fills a cache with each layer's convolution state: the batch's
+    call leaves the whole batch's there, and a replay of one sample cannot run on it."""
+    torch.manual_seed(0)
+    model = qwen3_5()
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(model.parameters(), lr=0.1), dpsgd.DPSGDConfig(1.0),
+                           expected_batch_size=4.0)
+    ids = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="replay its whole forward"), pytest.raises(
+            ValueError, match=r"'model.layers.0.linear_attn' \(Qwen3_5GatedDeltaNet\) is replayed per sample .*"
+                              r"a cache passed in: call a Hugging Face model with use_cache=False"):
+        bk.step(next_token(model, ids))
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm", "eager"])
 @pytest.mark.parametrize("name", MIXTURES)

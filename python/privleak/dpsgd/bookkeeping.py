@@ -49,6 +49,7 @@ from torch.ao.quantization import FakeQuantizeBase
 from torch.autograd.graph import GradientEdge
 from torch.nn.modules.module import _global_forward_hooks
 from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_flatten
 
 from privleak import validation
 from privleak.dpsgd import attention, computed_weight, distributed, experts, recurrent, tied  # noqa: F401 (the rules' modules register them)
@@ -96,7 +97,9 @@ class BookKeeping:
             module alone (``torch.func``; :class:`~privleak.dpsgd.layers.FunctionalLayer`), or, for
             parameters only added to, multiplied into or expanded over the batch (a ViT's class token
             and position embedding, an RMSNorm module's weight), their ops' output gradients (times the
-            other factor of a product). Every layer input has the batch in dim 0; or is one shared by
+            other factor of a product). Such a module whose forward reads a child's parameters outside
+            the child's forward (a Mamba or gated-delta-net mixer's ``self.conv1d.weight``) answers for
+            that child's parameters too (:mod:`privleak.dpsgd.direct_reads`). Every layer input has the batch in dim 0; or is one shared by
             the batch (GPT-2's position ids (1, T), T5's relative position buckets (T, T)) whose output
             is used only so (any layer but a convolution or GroupNorm); or, for a Linear or LayerNorm,
             is the batch flattened with its positions (OPT's (B T, d)), as the autograd graph shows. An
@@ -227,10 +230,11 @@ class BookKeeping:
         # the last of the checks, as it turns DDP's all-reduce off
         self._replicas = distributed.Replicas(model, self._agreed()) if replicated else None
         self._claim_modules()
-        self._hooks = [hook for layer in self.layers for hook in self._hooks_of(layer)] + self._buffer_hooks()
+        self._layer_hooks = {id(layer): self._hooks_of(layer) for layer in self.layers}
+        self._hooks = [hook for hooks in self._layer_hooks.values() for hook in hooks] + self._buffer_hooks()
+        self._hooked = [layer.module for layer in self.layers]
         # one dropped without remove() takes its hooks with it (they hold it weakly), not recording on
-        self._unhook = weakref.finalize(self, _remove_hooks, self._hooks, [layer.module for layer in self.layers],
-                                        self._this)
+        self._unhook = weakref.finalize(self, _remove_hooks, self._hooks, self._hooked, self._this)
 
     def _agreed(self) -> dict:
         """What every process's step must share for the first process's noise to be calibrated to
@@ -401,6 +405,8 @@ class BookKeeping:
             # reading a saved tensor may recompute a checkpointed region now: its calls are not the step's
             bk._recording = False
             try:
+                if layer.unsettled:
+                    bk._settle(layer, args, kwargs, output)
                 outputs = layer.record(args, kwargs, output)
             finally:
                 bk._recording = True
@@ -413,6 +419,50 @@ class BookKeeping:
             return output
         itself = weakref.ref(record)  # not the function itself: a cycle would hold the layer until a collection
         return record
+
+    def _settle(self, layer: FunctionalLayer, args: tuple, kwargs: dict, output) -> None:
+        """At the first call with grad of a replayed module whose class's code reads its children's
+        parameters (:mod:`~privleak.dpsgd.direct_reads`: a Mamba mixer passes ``self.conv1d.weight``
+        to a causal convolution of its own), the children whose parameters the call's graph uses
+        other than through their layers' recorded calls: the module answers for their parameters
+        from then on, replayed with it, and their layers are dropped (their records of the call with
+        them). The others keep their rules (CLIP's vision embeddings read their position embedding's
+        weight only to interpolate it). A child's read in a later call alone is refused at the step
+        as any use the hooks cannot see; a tied child's parameter is left so."""
+        outputs = [x.grad_fn for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.grad_fn is not None]
+        if not outputs:
+            return  # a call without grad (evaluation) reads nothing into a graph: the next one settles it
+        inputs = frozenset(x.grad_fn for x in tree_flatten((args, kwargs))[0]
+                           if isinstance(x, torch.Tensor) and x.grad_fn is not None)
+        theirs = {name: [other for other in self.layers if id(other.module) in inside]
+                  for name in layer.unsettled
+                  for inside in [{id(sub) for sub in layer.module.get_submodule(name).modules()}]}
+        candidates = [p for name in layer.unsettled for p in layer.unsettled_parameters[name]]
+        own, parents = len(layer.parameters), {}
+        uses = count_uses(outputs, layer.parameters + candidates, stop=inputs, parents=parents,
+                          graph=f"the call of {layer.describe()}")
+        if own and not any(uses[:own]):
+            return  # its own parameters unused: a call on others' (torch.func.functional_call) or a branch without
+        unseen = dict(zip(map(id, candidates), uses[own:]))  # less the uses the children's layers recorded in it
+        for others in theirs.values():
+            for other in others:
+                for call, counts in enumerate(other.uses):
+                    if any(edge.node in parents for edge in other.call_edges(call)):
+                        for p, count in zip(other.parameters, counts):
+                            unseen[id(p)] = unseen.get(id(p), 0) - count
+        read = [name for name in layer.unsettled if any(unseen[id(p)] > 0 for p in layer.unsettled_parameters[name])
+                and not any(id(p) in self._tied for p in layer.unsettled_parameters[name])]
+        for name in read:
+            for other in theirs[name]:
+                self.layers.remove(other)
+                self._hooked.remove(other.module)
+                for hook in self._layer_hooks.pop(id(other)):
+                    hook.remove()
+                    self._hooks.remove(hook)
+                if _HOOKED.get(other.module) is self._this:
+                    del _HOOKED[other.module]
+        layer.unsettled = ()
+        layer.claim(read)
 
     def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:
         """A tensor hook on a recorded output: hand its gradient to the layer, in step()'s backward

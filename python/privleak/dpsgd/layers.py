@@ -34,7 +34,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from privleak.dpsgd import buffers, conv_grads, ghost_norm, graph
+from privleak.dpsgd import buffers, conv_grads, direct_reads, ghost_norm, graph
 from privleak.dpsgd.stateless import functional_call
 from privleak.dpsgd.tied import Factors
 
@@ -298,6 +298,9 @@ class Layer:
     #: the methods of the module type that make its forward: one overridden is a forward of its own
     forward_methods: ClassVar[tuple] = ("forward",)
     claims_children: ClassVar[bool] = False  #: the layer accounts for its children's parameters too
+    #: children whose parameters the module may read outside their forwards, to be settled at its first call with
+    #: grad (:class:`FunctionalLayer`)
+    unsettled: tuple = ()
     hook_without_parameters: ClassVar[bool] = False  #: hooked even without trainable parameters (to refuse a mode)
     #: a call on an input without the batch whose output the batch shares may take per-sample output gradients
     #: (:meth:`broadcast`)
@@ -661,17 +664,19 @@ def computes_parameters(module: nn.Module) -> bool:
         for x in (module.__dict__.get("weight"), module.__dict__.get("bias")))
 
 
-def fallback_parameters(module: nn.Module, claims_children: bool = False) -> list[tuple[str, nn.Parameter]]:
+def fallback_parameters(module: nn.Module, claims_children: bool = False,
+                        children: tuple = ()) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the trainable parameters that :class:`FunctionalLayer` answers for
     in ``module``: its own, those of its ParameterList and ParameterDict children (peft's LoRA
     embedding keeps its A and B in ParameterDicts; the replay takes any parameter, a rule only
-    those it knows) and of its parametrizations (``parametrizations.weight.original``, which
-    ``functional_call`` takes by that name and passes through the parametrization), or with
-    ``claims_children`` all of its descendants'. Without it, a parameter of its own that a
-    descendant registers too is the descendant's (BERT's masked-LM head holds the bias that its
-    decoder Linear adds, ``decoder.bias = self.bias``; as the head's too, it was refused as tied):
-    a use of it in the module's own forward, outside the descendant's, is then one no hook
-    recorded, refused at the step."""
+    those it knows), of its parametrizations (``parametrizations.weight.original``, which
+    ``functional_call`` takes by that name and passes through the parametrization) and of the
+    children named in ``children`` (whose parameters its own code reads,
+    :mod:`~privleak.dpsgd.direct_reads`), or with ``claims_children`` all of its descendants'.
+    Otherwise a parameter of its own that a descendant registers too is the descendant's (BERT's
+    masked-LM head holds the bias that its decoder Linear adds, ``decoder.bias = self.bias``; as
+    the head's too, it was refused as tied): a use of it in the module's own forward, outside the
+    descendant's, is then one no hook recorded, refused at the step."""
     named = list(module.named_parameters(recurse=claims_children))
     if not claims_children and named:
         below = {id(p) for sub in module.modules() if sub is not module and not isinstance(sub, _HOLDERS)
@@ -679,10 +684,11 @@ def fallback_parameters(module: nn.Module, claims_children: bool = False) -> lis
         named = [(name, p) for name, p in named if id(p) not in below]
     if not claims_children:
         named += [(f"{child_name}.{name}", p) for child_name, child in module.named_children()
-                  if isinstance(child, _HOLDERS) for name, p in child.named_parameters()]
+                  if isinstance(child, _HOLDERS) or child_name in children for name, p in child.named_parameters()]
         if parametrize.is_parametrized(module):
             named += list(module.parametrizations.named_parameters(prefix="parametrizations"))
-    return [(name, p) for name, p in named if p.requires_grad]
+    first = {id(p): name for name, p in reversed(named)}  # the first name of a parameter a read child shares
+    return [(name, p) for name, p in named if p.requires_grad and first[id(p)] == name]
 
 
 def _named_rule(name: str) -> Optional[type]:
@@ -1608,6 +1614,12 @@ class FunctionalLayer(Layer):
         self._replayed_for_dim_0 = False  # an op of its broadcast rule had another dim 0 than the batch
         # a parametrized nn.Linear (weight_norm, spectral_norm) runs nn.Linear's forward on the weight it computes
         self.returns_own_view = type(self).returns_own_view or type(module).forward is nn.Linear.forward
+        #: the children whose parameters its class's code reads (:mod:`~privleak.dpsgd.direct_reads`), until its first
+        #: call with grad shows which of them it reads outside their forwards (BookKeeping's settle)
+        self.unsettled = () if self.claims_children else tuple(direct_reads.children_read_directly(module))
+        self.unsettled_parameters = {name: [p for p in module.get_submodule(name).parameters() if p.requires_grad]
+                                     for name in self.unsettled}
+        self.read_children: tuple = ()  # those it does (a Mamba mixer's conv1d): replayed with it
         super().__init__(name, module)
         self._parametrization_buffers = [name for name, _ in module.named_buffers()
                                          if name.startswith("parametrizations.") or ".parametrizations." in name]
@@ -1623,7 +1635,21 @@ class FunctionalLayer(Layer):
         return True
 
     def parameters_of(self, module: nn.Module) -> list:
-        return [p for _, p in fallback_parameters(module, self.claims_children)]
+        return [p for _, p in fallback_parameters(module, self.claims_children, self.read_children)]
+
+    def claimed_modules(self) -> list:
+        return [*super().claimed_modules(), *(sub for child in self.read_children
+                                              for sub in self.module.get_submodule(child).modules())]
+
+    def claim(self, children: list) -> None:
+        """Answer for the parameters of ``children`` too, which the module's forward reads outside
+        theirs (found before the layer recorded a call). They are the ones the module held when the
+        layer was made: a forward under ``torch.func.functional_call`` holds others."""
+        read = set(self.read_children) | set(children)
+        self.read_children = tuple(name for name in self.module._modules if name in read)
+        own = {id(p) for p in self.parameters}
+        self.parameters += [p for name in self.read_children for p in self.unsettled_parameters[name]
+                            if id(p) not in own]
 
     def before_call(self) -> None:
         """The module's buffers as the call finds them (:class:`_Replay`), the entries the last
@@ -1826,7 +1852,7 @@ class FunctionalLayer(Layer):
 
     def _parameter_names(self) -> dict:
         """The name under the module of each of its parameters, by id (for ``functional_call``)."""
-        return {id(p): n for n, p in fallback_parameters(self.module, self.claims_children)}
+        return {id(p): n for n, p in fallback_parameters(self.module, self.claims_children, self.read_children)}
 
     def _outputs(self, params: dict, values: list, spec) -> list[torch.Tensor]:
         """The tensor outputs of the module's forward on the call arguments ``values`` (flattened
@@ -1892,7 +1918,8 @@ class FunctionalLayer(Layer):
                     raise ValueError(f"{self.describe()} is replayed per sample (no book-keeping rule fits it), and "
                                      f"its replay failed ({error}): its forward depends on something other than its "
                                      "parameters, buffers and arguments (a state kept from the call before, as "
-                                     "RecurrentGemma's recurrent block keeps its state), or an argument has the "
+                                     "RecurrentGemma's recurrent block keeps its state, or a cache passed in: call a "
+                                     "Hugging Face model with use_cache=False to train it), or an argument has the "
                                      "batch elsewhere than in dim 0") from error
             for p in self.parameters:
                 g = grads[names[id(p)]]
