@@ -1581,14 +1581,15 @@ def test_the_other_arguments_are_checked_as_dpoptimizer_checks_them():
 
 
 class Functional(nn.Module):
-    """Uses its Linear's weight once more outside the Linear's forward, where no hook sees it."""
+    """Uses its Linear's weight once more outside the Linear's forward, where no hook sees it, and
+    its other Linear's weight only for its dtype."""
 
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(3, 3)
+        self.lin, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.lin(x) + F.linear(x, self.lin.weight)
+        return self.out((self.lin(x) + F.linear(x, self.lin.weight)).to(self.out.weight.dtype))
 
 
 class TiedNorms(nn.Module):
@@ -1603,13 +1604,33 @@ class TiedNorms(nn.Module):
         return self.second(self.first(self.embed(ids)))
 
 
+def test_a_module_without_parameters_of_its_own_that_reads_its_childs_is_replayed_with_it():
+    """Functional reads lin's weight outside lin's forward (it had been refused): it is replayed
+    per sample with lin's parameters, out keeps its rule, and the update is the materialised
+    path's. Its first call settles it; a module that reads none loses its layer (Sequential
+    names no child's parameter: no layer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Functional(), nn.Tanh(), Functional())
+    x, target = torch.randn(6, 3), torch.randn(6, 2)
+    model[2].lin, model[2].out = nn.Linear(2, 2), nn.Linear(2, 2)
+    model[2].forward = lambda h: model[2].out(model[2].lin(h).to(model[2].out.weight.dtype))  # reads none now
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, False), noise_multiplier=0.5)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(3))
+    assert [layer.name for layer in bk.layers] == ["0", "0.lin", "0.out", "2", "2.lin", "2.out"]
+    with pytest.warns(UserWarning, match=r"module '0' \(Functional\) reads the parameters of lin outside their "
+                                         r"forwards: .* its layers \(out\) included$"):
+        assert_same_update(bk.step(regression(model(x), target)), want)
+    assert {layer.name: type(layer) for layer in bk.layers} == {
+        "0": layers.FunctionalLayer, "0.out": layers.LinearLayer, "2.lin": layers.LinearLayer,
+        "2.out": layers.LinearLayer}
+
+
 def test_a_parameter_the_hooks_cannot_see_is_refused():
-    model = Functional()
-    bk = make(model)
     x = torch.randn(4, 3)
-    with pytest.raises(ValueError, match=r"parameter 'lin.weight' is used 2 time\(s\) .* recorded 1: .*cannot see"):
-        bk.step(model(x).pow(2).sum(1))
-    # The same parameter used only functionally, its module never called:
+    # A parameter used only functionally, outside every module, its module never called:
     unused = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     bk = make(unused)
     with pytest.raises(ValueError, match=r"parameter '1.weight' is used 1 time\(s\) .* recorded 0"):

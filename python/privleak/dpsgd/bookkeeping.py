@@ -99,8 +99,9 @@ class BookKeeping:
             and position embedding, an RMSNorm module's weight), their ops' output gradients (times the
             other factor of a product). Such a module whose forward reads a child's parameters outside
             the child's forward (a Mamba or gated-delta-net mixer's ``self.conv1d.weight``) answers for
-            that child's parameters too (:mod:`privleak.dpsgd.direct_reads`). Every layer input has the batch in dim 0; or is one shared by
-            the batch (GPT-2's position ids (1, T), T5's relative position buckets (T, T)) whose output
+            that child's parameters too (:mod:`privleak.dpsgd.direct_reads`), as does one without
+            parameters of its own that reads its child's. Every layer input has the batch in dim 0; or
+            is one shared by the batch (GPT-2's position ids (1, T), T5's relative position buckets (T, T)) whose output
             is used only so (any layer but a convolution or GroupNorm); or, for a Linear or LayerNorm,
             is the batch flattened with its positions (OPT's (B T, d)), as the autograd graph shows. An
             nn.Embedding subclass whose forward returns its lookup of ids it makes (BART's and OPT's
@@ -358,7 +359,9 @@ class BookKeeping:
         after the module's other forward pre-hooks, and checked before its forward hooks: what
         the forward itself writes. Not while a CUDA graph captures: its warm-up ran the same
         forward eagerly."""
-        replayed = {id(layer.module) for layer in self.layers if isinstance(layer, FunctionalLayer)}
+        # (a module that may read its children's parameters, without its own, is watched: it may lose its layer)
+        replayed = {id(layer.module) for layer in self.layers
+                    if isinstance(layer, FunctionalLayer) and not (layer.unsettled and not layer.parameters)}
         parametrizations = {id(m) for module in self._module.modules() if parametrize.is_parametrized(module)
                             for m in module.parametrizations.modules()}
         this, hooks = self._this, []
@@ -397,6 +400,8 @@ class BookKeeping:
             bk = this()
             if bk is None or not bk._recording:
                 return None
+            if layer.unsettled and not bk._settle(layer, args, kwargs, output):
+                return None  # a module without parameters of its own that reads none of its children's: no layer
             output = layer.separated(args, kwargs, output)
             # only where no hook saw the view before this one (a global one, one prepended since)
             if (layer.returns_own_view and not _global_forward_hooks
@@ -405,8 +410,6 @@ class BookKeeping:
             # reading a saved tensor may recompute a checkpointed region now: its calls are not the step's
             bk._recording = False
             try:
-                if layer.unsettled:
-                    bk._settle(layer, args, kwargs, output)
                 outputs = layer.record(args, kwargs, output)
             finally:
                 bk._recording = True
@@ -420,18 +423,20 @@ class BookKeeping:
         itself = weakref.ref(record)  # not the function itself: a cycle would hold the layer until a collection
         return record
 
-    def _settle(self, layer: FunctionalLayer, args: tuple, kwargs: dict, output) -> None:
-        """At the first call with grad of a replayed module whose class's code reads its children's
+    def _settle(self, layer: FunctionalLayer, args: tuple, kwargs: dict, output) -> bool:
+        """At the first call with grad of a module whose class's code reads its children's
         parameters (:mod:`~privleak.dpsgd.direct_reads`: a Mamba mixer passes ``self.conv1d.weight``
         to a causal convolution of its own), the children whose parameters the call's graph uses
         other than through their layers' recorded calls: the module answers for their parameters
         from then on, replayed with it, and their layers are dropped (their records of the call with
         them). The others keep their rules (CLIP's vision embeddings read their position embedding's
-        weight only to interpolate it). A child's read in a later call alone is refused at the step
-        as any use the hooks cannot see; a tied child's parameter is left so."""
+        weight only to interpolate it). A module without parameters of its own that reads none
+        (T5's feed-forward block tests its output layer's weight's type) loses its layer: False. A
+        child's read in a later call alone is refused at the step as any use the hooks cannot see; a
+        tied child's parameter is left so."""
         outputs = [x.grad_fn for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.grad_fn is not None]
         if not outputs:
-            return  # a call without grad (evaluation) reads nothing into a graph: the next one settles it
+            return True  # a call without grad (evaluation) reads nothing into a graph: the next one settles it
         inputs = frozenset(x.grad_fn for x in tree_flatten((args, kwargs))[0]
                            if isinstance(x, torch.Tensor) and x.grad_fn is not None)
         theirs = {name: [other for other in self.layers if id(other.module) in inside]
@@ -442,7 +447,7 @@ class BookKeeping:
         uses = count_uses(outputs, layer.parameters + candidates, stop=inputs, parents=parents,
                           graph=f"the call of {layer.describe()}")
         if own and not any(uses[:own]):
-            return  # its own parameters unused: a call on others' (torch.func.functional_call) or a branch without
+            return True  # its own parameters unused: a call on others' (torch.func.functional_call) or a branch
         unseen = dict(zip(map(id, candidates), uses[own:]))  # less the uses the children's layers recorded in it
         for others in theirs.values():
             for other in others:
@@ -452,17 +457,21 @@ class BookKeeping:
                             unseen[id(p)] = unseen.get(id(p), 0) - count
         read = [name for name in layer.unsettled if any(unseen[id(p)] > 0 for p in layer.unsettled_parameters[name])
                 and not any(id(p) in self._tied for p in layer.unsettled_parameters[name])]
-        for name in read:
-            for other in theirs[name]:
-                self.layers.remove(other)
-                self._hooked.remove(other.module)
-                for hook in self._layer_hooks.pop(id(other)):
-                    hook.remove()
-                    self._hooks.remove(hook)
-                if _HOOKED.get(other.module) is self._this:
-                    del _HOOKED[other.module]
         layer.unsettled = ()
         layer.claim(read)
+        self._drop([other for name in read for other in theirs[name]] + ([] if layer.parameters else [layer]))
+        return bool(layer.parameters)
+
+    def _drop(self, layers: list) -> None:
+        """Take ``layers`` off the model: their hooks, and the mark of this BookKeeping."""
+        for layer in layers:
+            self.layers.remove(layer)
+            self._hooked.remove(layer.module)
+            for hook in self._layer_hooks.pop(id(layer)):
+                hook.remove()
+                self._hooks.remove(hook)
+            if _HOOKED.get(layer.module) is self._this:
+                del _HOOKED[layer.module]
 
     def _take_grad(self, layer: Layer, call: int, output: int, grad: torch.Tensor) -> None:
         """A tensor hook on a recorded output: hand its gradient to the layer, in step()'s backward

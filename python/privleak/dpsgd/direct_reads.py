@@ -1,16 +1,19 @@
 """Children whose parameters a module's own code reads, outside the children's forwards.
 
 A state-space or linear-attention mixer (transformers' Mamba, Mamba-2, Jamba, Bamba, Falcon-H1,
-Nemotron-H, Zamba, Qwen3-Next and Qwen3.5's gated delta net) holds an ``nn.Conv1d`` and often an
-``nn.Linear`` it never calls: it passes ``self.conv1d.weight`` to a causal convolution of its own
-(``self.conv1d.weight.squeeze(1)``) and multiplies by ``self.dt_proj.weight``. Those uses run in
-no hooked forward, so the children's rules cannot see them, and the fallback that replays the
-mixer for its own ``A_log`` and ``D`` (:class:`~privleak.dpsgd.layers.FunctionalLayer`) answers
-for them instead. This module names the candidates, each child whose parameter the class's
+Nemotron-H, Qwen3-Next and Qwen3.5's gated delta net, Kimi-Linear's delta attention) holds an
+``nn.Conv1d`` and often an ``nn.Linear`` it never calls: it passes ``self.conv1d.weight`` to a
+causal convolution of its own (``self.conv1d.weight.squeeze(1)``) and multiplies by
+``self.dt_proj.weight``. Those uses run in no hooked forward, so the children's rules cannot see
+them, and the fallback that replays the mixer (for its own ``A_log`` and ``D`` where it has
+them; :class:`~privleak.dpsgd.layers.FunctionalLayer`) answers for them instead. This module
+names the candidates, each child whose parameter the class's
 source reads as ``self.<child>...<parameter>``; the module's first call with grad then shows
 which of them its graph uses outside the calls their layers recorded (``BookKeeping._settle``),
 and only those are claimed: a read on a path the forward does not take (a CUDA kernel's, CLIP's
-interpolation of its position embedding) leaves the child its own rule. A read the source does
+interpolation of its position embedding) leaves the child its own rule, and a module without
+parameters of its own that reads none (T5's feed-forward block, which tests its output layer's
+weight's type) loses its layer. A read the source does
 not show (through ``getattr``, or a function handed the module) is refused at the step, as any
 use the hooks cannot see.
 """

@@ -618,7 +618,8 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
     """The rule for ``module``: the table's entry for its type or nearest base class whose
     forward it keeps (or that entry's :attr:`~Layer.own_forward_rule`, for one whose forward, or a
     method of :attr:`~Layer.forward_methods`, it overrides); else :class:`FunctionalLayer` if it has
-    trainable parameters of its own."""
+    trainable parameters of its own, or its code reads a child's (:mod:`~privleak.dpsgd.direct_reads`:
+    its first call settles whether it does, outside the child's forward)."""
     for base in type(module).__mro__:
         rule = _LAYERS.get(base) or _named_rule(f"{base.__module__}.{base.__qualname__}")
         if rule is not None and any(getattr(type(module), method) is not getattr(base, method)
@@ -627,7 +628,8 @@ def layer_for(name: str, module: nn.Module) -> Optional[Layer]:
         if rule is not None and rule.takes(module):
             layer = rule(name, module)
             return layer if layer.parameters or layer.hook_without_parameters else None
-    if fallback_parameters(module) and not isinstance(module, _HOLDERS):
+    if not isinstance(module, _HOLDERS) and (fallback_parameters(module)
+                                             or direct_reads.children_read_directly(module)):
         return FunctionalLayer(name, module)
     return None
 
@@ -1868,12 +1870,13 @@ class FunctionalLayer(Layer):
         if layers and not self.claims_children and not self._replay_warned:
             self._replay_warned = True
             own = [n for n, _ in fallback_parameters(self.module)]
-            warnings.warn(f"{self.describe()} has trainable parameters of its own ({', '.join(own)}) used other than "
-                          "added to, multiplied into or expanded over the batch: their per-sample gradients replay "
-                          f"its whole forward per sample, its layers ({', '.join(layers[:3])}"
-                          f"{', ...' if len(layers) > 3 else ''}) included; put those parameters in a small module of "
-                          "their own (positions in an nn.Embedding, or a module that adds or prepends them), so that "
-                          "only it is replayed",
+            what = (f"has trainable parameters of its own ({', '.join(own)}) used other than added to, multiplied "
+                    "into or expanded over the batch" if own else
+                    f"reads the parameters of {', '.join(self.read_children)} outside their forwards")
+            warnings.warn(f"{self.describe()} {what}: their per-sample gradients replay its whole forward per sample, "
+                          f"its layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) included"
+                          + ("; put those parameters in a small module of their own (positions in an nn.Embedding, "
+                             "or a module that adds or prepends them), so that only it is replayed" if own else ""),
                           stacklevel=7)
 
     def per_sample_grads(self, batch: int, samples: slice = slice(None)) -> dict:
