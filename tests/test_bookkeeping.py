@@ -1628,6 +1628,52 @@ def test_a_module_without_parameters_of_its_own_that_reads_its_childs_is_replaye
         "2.out": layers.LinearLayer}
 
 
+
+class Gate(nn.Module):
+    """A module whose forward calls a method of its own, ``_forward``, as ProphetNet's position
+    embedding does."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 9).view(3, 3))
+
+    def forward(self, x):
+        return self._forward(x)
+
+    def _forward(self, x):
+        return torch.tanh(F.linear(x, self.weight))
+
+
+class CallsAMethod(nn.Module):
+    """Calls its gate, then the gate's ``_forward`` (which runs without the gate's hooks), as
+    ProphetNet's decoder calls its position embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.out = Gate(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(self.gate(x) + self.gate._forward(2 * x))
+
+
+def test_a_childs_method_other_than_forward_is_replayed_with_the_module_that_calls_it():
+    """The gate's parameter used in its ``_forward``, called by the module that holds it (refused
+    before: ProphetNet's): that module is replayed per sample with the gate, its other layer
+    book-kept, and the update is the materialised path's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), CallsAMethod())
+    x, target = torch.randn(6, 4), torch.randn(6, 2)
+    grads = materialised_grads(model, x, target)
+    config = dpsgd.DPSGDConfig(clip_between(grads, True), noise_multiplier=0.5, per_layer=True)
+    want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(3))
+    bk = dpsgd.BookKeeping(model, torch.optim.SGD(trainable(model), lr=0.0), config, expected_batch_size=4.0,
+                           generator=M.NoiseGenerator(3))
+    assert direct_reads.children_read_directly(model[1]) == ["gate"]
+    with pytest.warns(UserWarning, match=r"module '1' \(CallsAMethod\) reads the parameters of gate"):
+        assert_same_update(bk.step(regression(model(x), target)), want)
+    assert {layer.name: type(layer) for layer in bk.layers} == {
+        "0": layers.LinearLayer, "1": layers.FunctionalLayer, "1.out": layers.LinearLayer}
+
 def test_a_parameter_the_hooks_cannot_see_is_refused():
     x = torch.randn(4, 3)
     # A parameter used only functionally, outside every module, its module never called:
@@ -2636,7 +2682,8 @@ class TakenPositions(nn.Embedding):
     """A position embedding with a padding index, returning rows of its weight (Whisper's
     decoder's): a slice for the positions 1..T (the batch shares it), an index by position ids of
     the batch's shape, an index counting from the end (-1, -2, ...), or its lookup by
-    F.embedding without its padding index. Row 1 gets a gradient in each (the padding index is
+    F.embedding without its padding index, or nn.Embedding's lookup beside the position ids
+    (ProphetNet's). Row 1 gets a gradient in each but the last (the padding index is
     nn.Embedding.forward's)."""
 
     def __init__(self, form):
@@ -2651,6 +2698,8 @@ class TakenPositions(nn.Embedding):
             return self.weight[-1 - positions]
         if self.form == "lookup":
             return F.embedding(positions.expand_as(ids) + ids % 2, self.weight)
+        if self.form == "lookup and its ids":  # ProphetNet's
+            return super().forward(positions.expand_as(ids) + ids % 2), positions
         return self.weight[positions.expand_as(ids) + ids % 2]
 
 
@@ -2660,16 +2709,18 @@ class WithTakenPositions(nn.Module):
         self.tokens, self.positions, self.head = nn.Embedding(9, 4), TakenPositions(form), nn.Linear(4, 2)
 
     def forward(self, ids):
-        return self.head(torch.tanh(self.tokens(ids) + self.positions(ids)).mean(1))
+        rows = self.positions(ids)
+        return self.head(torch.tanh(self.tokens(ids) + (rows[0] if isinstance(rows, tuple) else rows)).mean(1))
 
 
-@pytest.mark.parametrize("form", ["slice", "index", "from the end", "lookup"])
+@pytest.mark.parametrize("form", ["slice", "index", "from the end", "lookup", "lookup and its ids"])
 def test_an_embedding_subclass_returning_rows_of_its_weight_is_book_kept(form):
     """``self.weight[a:b]`` (Whisper's decoder position embedding) or ``self.weight[ids]`` is the
     lookup of those rows' ids, a negative one counted from the end, with no padding index: the
     update is the one of a backward pass per sample (it was refused as other than a lookup; a
     review's repros of this: negative ids' rows dropped, 4-94% off, and the padding row's
-    gradient dropped, 3-8% off, also for a lookup without the module's padding index)."""
+    gradient dropped, 3-8% off, also for a lookup without the module's padding index). A lookup
+    returned beside its ids is read as the lookup (refused before as a use the hooks did not see)."""
     torch.manual_seed(0)
     ids = torch.randint(0, 9, (5, 6), generator=torch.Generator().manual_seed(1))
     assert_book_kept_as_materialised(WithTakenPositions(form), ids, torch.randn(5, 2))

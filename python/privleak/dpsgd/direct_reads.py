@@ -15,7 +15,9 @@ interpolation of its position embedding) leaves the child its own rule, and a mo
 parameters of its own that reads none (T5's feed-forward block, which tests its output layer's
 weight's type) loses its layer. A read the source does
 not show (through ``getattr``, or a function handed the module) is refused at the step, as any
-use the hooks cannot see.
+use the hooks cannot see. A child's method other than ``forward`` that the module calls
+(``self.position_embeddings._forward(ids)``, ProphetNet's) runs without the child's hooks too, and
+names a candidate the same way.
 """
 from __future__ import annotations
 
@@ -37,8 +39,11 @@ _TIED = re.compile(r"\bself(?:\s*\.\s*\w+)+\s*=\s*$")  # a line so far that ties
 def children_read_directly(module: nn.Module) -> list[str]:
     """The names of ``module``'s children holding a parameter (theirs or a descendant's) that a
     method of the module's class reads as ``self.<child>....<parameter>``, other than for its
-    metadata (``.dtype``, ``.shape``, ...), a test for None, an assignment to it or a tie (``self.head.weight =
-    self.embed.weight``), in their order in the module."""
+    metadata (``.dtype``, ``.shape``, ...), a test for None, an assignment to it or a tie
+    (``self.head.weight = self.embed.weight``); or whose method other than ``forward`` (and
+    nn.Module's own) it names, ``self.<child>....<method>``, which runs without the hooks
+    (ProphetNet's decoder calls its position embedding's ``_forward``). In their order in the
+    module."""
     read = set()
     for chain, only_named in _chains(type(module)):
         owner, child = module, None
@@ -47,9 +52,12 @@ def children_read_directly(module: nn.Module) -> list[str]:
                 owner = owner._modules[part]
                 child = child or part
                 continue
-            is_parameter = part in owner._parameters or parametrize.is_parametrized(owner, part)
-            if child is not None and is_parameter and not only_named and (k + 1 == len(chain)
-                                                                        or chain[k + 1] not in _METADATA):
+            if child is None or only_named:
+                break
+            if part in owner._parameters or parametrize.is_parametrized(owner, part):
+                if k + 1 == len(chain) or chain[k + 1] not in _METADATA:
+                    read.add(child)
+            elif part != "forward" and not hasattr(nn.Module, part) and callable(getattr(type(owner), part, None)):
                 read.add(child)
             break
     return [name for name in module._modules if name in read]

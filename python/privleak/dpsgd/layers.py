@@ -1217,8 +1217,9 @@ class LookupEmbeddingLayer(EmbeddingLayer):
     forward calling F.embedding without the module's had its padding row's gradient dropped: a
     review's repro). A forward that returns rows of its weight by a slice or an index (Whisper's
     decoder position embedding, ``self.weight[a:b]``, which the batch shares: it was refused) is
-    read as the lookup of those rows' ids, without a padding index; one that returns anything else
-    is refused, naming the module."""
+    read as the lookup of those rows' ids, without a padding index; one that returns it beside
+    values without grad (ProphetNet's, its position ids too) as returning it; one that returns
+    anything else is refused, naming the module."""
 
     def clear(self) -> None:
         super().clear()
@@ -1233,6 +1234,14 @@ class LookupEmbeddingLayer(EmbeddingLayer):
 
     def before_call(self) -> None:
         self._weight_version = self.module.weight._version
+
+    def record(self, args: tuple, kwargs: dict, output: Any) -> list[torch.Tensor]:
+        """A forward that returns its lookup beside values without grad (ProphetNet's, the lookup
+        and its position ids) is read as returning the lookup."""
+        if isinstance(output, (tuple, list)):
+            lookups = [x for x in output if isinstance(x, torch.Tensor) and x.requires_grad]
+            output = lookups[0] if len(lookups) == 1 else output
+        return super().record(args, kwargs, output)
 
     def recorded_input(self, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         graph.refuse_compiled(output.grad_fn, f"the output of {self.describe()}")
