@@ -439,9 +439,10 @@ class BookKeeping:
             return True  # a call without grad (evaluation) reads nothing into a graph: the next one settles it
         inputs = frozenset(x.grad_fn for x in tree_flatten((args, kwargs))[0]
                            if isinstance(x, torch.Tensor) and x.grad_fn is not None)
-        theirs = {name: [other for other in self.layers if id(other.module) in inside]
-                  for name in layer.unsettled
-                  for inside in [{id(sub) for sub in layer.module.get_submodule(name).modules()}]}
+        theirs = {}  # per candidate child, the layers in its subtree
+        for name in layer.unsettled:
+            inside = {id(sub) for sub in layer.module.get_submodule(name).modules()}
+            theirs[name] = [other for other in self.layers if id(other.module) in inside]
         candidates = [p for name in layer.unsettled for p in layer.unsettled_parameters[name]]
         own, parents = len(layer.parameters), {}
         uses = count_uses(outputs, layer.parameters + candidates, stop=inputs, parents=parents,

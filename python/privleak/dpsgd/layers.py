@@ -1653,11 +1653,11 @@ class FunctionalLayer(Layer):
                                               for sub in self.module.get_submodule(child).modules())]
 
     def claim(self, children: list) -> None:
-        """Answer for the parameters of ``children`` too, which the module's forward reads outside
-        theirs (found before the layer recorded a call). They are the ones the module held when the
-        layer was made: a forward under ``torch.func.functional_call`` holds others."""
-        read = set(self.read_children) | set(children)
-        self.read_children = tuple(name for name in self.module._modules if name in read)
+        """Answer for the parameters of ``children`` too (in the module's order), which the module's
+        forward reads outside theirs (found once, before the layer recorded a call). They are the
+        ones the module held when the layer was made: a forward under ``torch.func.functional_call``
+        holds others."""
+        self.read_children = tuple(children)
         own = {id(p) for p in self.parameters}
         self.parameters += [p for name in self.read_children for p in self.unsettled_parameters[name]
                             if id(p) not in own]
