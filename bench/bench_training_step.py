@@ -29,8 +29,9 @@ images 32 x 32 x 3, squared error), a wide ResNet (WRN-16-4 with GroupNorm, 2.75
 convolutions weight-standardised, nn.Conv2d subclasses computing their weight), a 69M
 transformer (d 768, 8 layers, sequence 128), and Hugging Face's GPT-2 small (124M), a LLaMA-style
 model of its size, OPT-125m, and GPT-2 small frozen with LoRA adapters (peft; sequence 128;
-transformers needed); --skip-large leaves these out. "mamba" (only when named in --models): Mamba
-(3.8M, sequence 64), whose mixers book-keeping replays per sample.
+transformers needed); --skip-large leaves these out. Only when named in --models: "mamba", Mamba
+(3.8M, sequence 64), whose mixers book-keeping replays per sample, and "deberta", DeBERTa-v3's
+attention (5.3M, sequence 128).
 "tiny-transformer" (only when named in --models) is the transformer's layers at d 16, 2 heads,
 sequence 8: with almost no arithmetic its step time is the host's cost per op and Python's, which is
 what a small model's step is on a GPU (the host launches the kernels faster than they run only for
@@ -260,7 +261,11 @@ class HuggingFaceLM(nn.Module):
     the experts'; its routers and experts are replayed by book-keeping). "mamba": Mamba as transformers
     builds it (4 layers, d 256, state 16, vocabulary 8000: 3.8M parameters), its selective scan in
     torch (no mamba-ssm kernels); book-keeping replays each mixer per sample with the conv1d and
-    dt_proj whose weights its code reads, and book-keeps its projections."""
+    dt_proj whose weights its code reads, and book-keeps its projections. "deberta": a sequence
+    classifier with DeBERTa-v3's attention (4 layers, d 256, 4 heads, vocabulary 8000: 5.3M
+    parameters; relative positions in 64 log buckets each side, LayerNormed, projected by the query
+    and key Linears); book-keeping takes the position table's and its LayerNorm's per-sample
+    gradients through those projections."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -283,6 +288,12 @@ class HuggingFaceLM(nn.Module):
         elif kind == "mamba":
             self.lm = transformers.MambaForCausalLM(transformers.MambaConfig(
                 vocab_size=8000, hidden_size=256, state_size=16, num_hidden_layers=4, expand=2, conv_kernel=4))
+        elif kind == "deberta":
+            self.lm = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+                vocab_size=8000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                max_position_embeddings=128, relative_attention=True, position_buckets=64, max_relative_positions=128,
+                pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True,
+                position_biased_input=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
         elif kind == "opt":
             self.lm = transformers.OPTForCausalLM(transformers.OPTConfig(dropout=0.0, attention_dropout=0.0))
         else:
@@ -365,11 +376,12 @@ MODELS = {
     "gpt2-lora": (lambda: HuggingFaceLM("gpt2-lora"), tokens(50257, 128), SequenceLoss, (8,), ()),
     "mixtral": (lambda: HuggingFaceLM("mixtral"), tokens(32000, 128), SequenceLoss, (8,), ()),
     "mamba": (lambda: HuggingFaceLM("mamba"), tokens(8000, 64), SequenceLoss, (8,), ()),
+    "deberta": (lambda: HuggingFaceLM("deberta"), labelled_tokens(8000, 128, 2), nn.CrossEntropyLoss, (16,), ()),
 }
 LARGE = ("large", "gpt2", "llama", "opt", "gpt2-lora", "mixtral")  #: left out by --skip-large and --quick
-#: run only when named in --models: the host-bound tiny transformer, and Mamba (its selective scan a Python loop over
-#: the positions in transformers' torch path: about 4 s a non-private step at sequence 64, B 8, one thread)
-ON_REQUEST = ("tiny-transformer", "mamba")
+#: run only when named in --models: the host-bound tiny transformer, Mamba (its selective scan a Python loop over
+#: the positions in transformers' torch path: about 4 s a non-private step at sequence 64, B 8, one thread) and DeBERTa
+ON_REQUEST = ("tiny-transformer", "mamba", "deberta")
 
 
 def make_side(side: str, model: nn.Module, criterion_class, batch: int, x: torch.Tensor, physical: int = 0,

@@ -240,6 +240,48 @@ class RelativeBias(nn.Module):
         return self.head(torch.cat([m.softmax(-1) for m in maps], 1).mean(1) @ x)
 
 
+class RelativeTable(nn.Module):
+    """DeBERTa's disentangled attention in small: a table of relative positions that the module
+    reads as a weight (an Embedding's, or a parameter of its own), LayerNormed, projected by the
+    query Linear that projects the batch too and by a Linear of its own: no batch in any of it.
+    Each projection is split into heads (2, 2 R, 2) and tiled over the batch by ``repeat(B, 1,
+    1)``, beside queries and keys (B 2, T, 2); bmm and a gather by relative position make the
+    content-to-position and position-to-content scores. With a table of its own, the heads are
+    split by a flatten, which views the table's projection (1, 2, 2 R, 2) as (2, 2 R, 2)."""
+
+    def __init__(self, own_table=False):
+        super().__init__()
+        self.flattens = own_table
+        if own_table:
+            self.own = nn.Parameter(torch.randn(8, 4))
+        else:
+            self.table = nn.Embedding(8, 4)
+        self.norm, self.query, self.key, self.position = nn.LayerNorm(4), nn.Linear(4, 4), nn.Linear(4, 4), \
+            nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+
+        def heads(h):  # (N, L, 4) -> (N 2, L, 2): DeBERTa's copy and view, or a flatten (a view of the table's)
+            h = h.unflatten(-1, (2, 2)).transpose(1, 2)
+            return h.flatten(0, 1) if self.flattens else h.contiguous().view(-1, h.shape[2], 2)
+
+        relative = self.relative(self.own if hasattr(self, "own") else self.table.weight, x)
+        q, k = heads(self.query(x)), heads(self.key(x))
+        position_keys = heads(self.query(relative)).repeat(batch, 1, 1)
+        position_queries = heads(self.position(relative)).repeat(batch, 1, 1)
+        offsets = torch.arange(length, device=x.device)
+        index = (offsets[None] - offsets[:, None]).clamp(-4, 3).add(4).expand(len(q), -1, -1)
+        scores = q @ k.transpose(1, 2) + torch.bmm(q, position_keys.transpose(1, 2)).gather(-1, index) \
+            + torch.bmm(k, position_queries.transpose(1, 2)).gather(-1, index).transpose(1, 2)
+        out = (scores.softmax(-1) @ heads(x)).unflatten(0, (batch, 2)).transpose(1, 2).flatten(2)
+        return self.head(torch.tanh(out))
+
+    def relative(self, table, x):
+        return self.norm(table)[None]
+
+
 class LearnedPositions(nn.Embedding):
     """BART's learned position embedding: an nn.Embedding with a forward of its own that makes
     position ids from its input's shape, offset by 2, and returns their lookup: ids (1, T), or
@@ -618,6 +660,8 @@ LAYER_CASES = {
     "transformers-conv1d": (lambda: nn.Sequential(Conv1D(6, 5), nn.Tanh(), Conv1D(3, 6)), normal(6, 7, 5)),
     "shared-outputs": (SharedOutputs, normal(6, 5, 4)),
     "relative-bias": (RelativeBias, normal(6, 6, 4)),
+    "relative-table": (RelativeTable, normal(6, 5, 4)),
+    "relative-own-table": (lambda: RelativeTable(own_table=True), normal(6, 6, 4)),
     "flattened-batch": (FlattenedBatch, normal(6, 5, 3)),
     "flattened-after-attention": (FlattenedAfterAttention, normal(6, 5, 3)),
     "position-modules": (PositionModules, normal(6, 5, 3)),
@@ -913,6 +957,43 @@ def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, formin
     for mechanism, per_layer in [("gaussian", False), ("vmf", True), ("laplace", False)]:
         compare(case, mechanism, per_layer)
     assert bool(replayed) == (forming is layers.Forming.NEVER)
+
+
+@pytest.mark.parametrize("own_table", [False, True], ids=["embedding-weight", "own-parameter"])
+def test_a_table_projected_without_the_batch_is_book_kept_through_its_projections(own_table, monkeypatch):
+    """DeBERTa's relative positions (RelativeTable): the LayerNorm of the table and the table
+    itself get each sample's gradient from the projections' (one vmapped backward pass of the
+    region holding no batch), not from a replay of the module; a batch of one too."""
+    replays = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, *args: replays.append(self.name) or replay(self, *args))
+    for batch in (6, 1):
+        torch.manual_seed(0)
+        model = RelativeTable(own_table)
+        x = torch.randn(batch, 5, 4, generator=torch.Generator().manual_seed(1))
+        target = torch.randn(batch, 5, 2, generator=torch.Generator().manual_seed(2))
+        grads = materialised_grads(model, x, target)
+        config = CONFIGS["gaussian"](clip_between(grads, False), False)
+        want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
+        assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(7)), want)
+        assert replays == ([] if batch > 1 else [""])  # one sample: the module replayed, as cheap as a region
+
+
+def test_a_table_mixed_with_the_batch_before_its_projections_is_refused():
+    """A LayerNorm of a table plus the mean of the batch's keys: its output (8, 4) is no sample's,
+    and the batch enters before the projections, so it is not a region without the batch:
+    refused, naming the LayerNorm."""
+    class Mixed(RelativeTable):
+        def relative(self, table, x):
+            return self.norm(table + self.key(x).mean())[None]
+
+    torch.manual_seed(0)
+    model = Mixed()
+    x, target = torch.randn(6, 5, 4), torch.randn(6, 5, 2)
+    config = CONFIGS["gaussian"](1.0, False)
+    with pytest.raises(ValueError, match="module 'norm' .*saw a batch of 8"):
+        book_kept(model, x, target, config, 4.0, M.NoiseGenerator(7))
 
 
 class Probed(MixtureOfExperts):
@@ -3961,10 +4042,13 @@ def test_a_ghost_norm_that_cancels_is_clipped_to_its_clip_norm(check):
     bound's 2^-4 at most; not over it: the samples whose norms were computed again in float64 are
     summed apart in float64 too (:func:`privleak.dpsgd.layers.clipped_weight_sum`), where the
     float32 GEMM, which cancels as the norm does, released 1 + 7e-4 at 1e4 and 1 + 1.1e-2 at 1e6.
-    The first sample's check holds."""
+    The first sample's check holds up to 1e5. At 1e6 the check's reference, that sample's own
+    float32 backward pass, cancels too (scale x 2^-24 of the norm: 521.7 for 548.9 on an AMD EPYC
+    with AVX-512, under the kernel's raised 558.4 by more than the check's margin), and the check
+    is off, as its error message then says."""
     torch.manual_seed(0)
     x = torch.randn(1, 1, 4).expand(4, 1, 4) * 100
-    for scale in (1e2, 1e3, 1e4, 1e5, 1e6):
+    for scale in (1e2, 1e3, 1e4, 1e5) + (() if check else (1e6,)):
         model = RepeatedInput()
         bk = make(model, dpsgd.DPSGDConfig(1.0, noise_multiplier=0.0), check_first_sample=check)
         released = torch.cat([u.flatten() for u in bk.step(model(x, scale))]).double().norm()

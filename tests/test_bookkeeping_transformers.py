@@ -149,6 +149,15 @@ def qwen3_5():  # a gated delta net (linear attention, its conv1d read so), then
         max_position_embeddings=16, tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0))
 
 
+def deberta_v2(share_att_key=True):  # DeBERTa-v3's attention: relative positions LayerNormed, in log buckets
+    return transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2,
+        pad_token_id=0, relative_attention=True, position_buckets=4, max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=share_att_key,
+        position_biased_input=False))
+
+
 def padding_of(ids):
     """Each sample's attention mask: its first 4 + id_0 mod 6 tokens."""
     return (torch.arange(ids.shape[1])[None] < 4 + ids[:, :1] % 6).long()
@@ -284,6 +293,26 @@ def test_a_state_space_or_linear_attention_mixer_is_replayed_with_the_children_i
     mixers = [layer for layer in bk.layers if layer.name.endswith(replayed[0])]
     assert mixers and all("conv1d" in layer.read_children for layer in mixers)
     assert len(bk._tied) == 1
+
+
+@pytest.mark.parametrize("shape", [(5, 12), (8, 6), (1, 12)], ids=["batch", "batch-of-table-rows", "one-sample"])
+@pytest.mark.parametrize("share_att_key", [True, False], ids=["shared-projections", "position-projections"])
+@pytest.mark.parametrize("mechanism, per_layer", [("gaussian", False), ("vmf", True)])
+def test_deberta_s_relative_positions_are_book_kept_through_the_layers_projecting_them(shape, share_att_key,
+                                                                                     mechanism, per_layer, monkeypatch):
+    """DeBERTa-v2/v3: the encoder reads its relative position table's weight, LayerNorms it, and
+    each layer projects it by its query and key Linears (or position Linears of its own) and
+    tiles the projection over the batch (``repeat(B, 1, 1)``) beside the queries and keys. The
+    projections take each sample's output gradient from the tiling; the LayerNorm and the table
+    theirs through the projections (one vmapped backward pass of that region, which holds no
+    batch), with no replay but of the encoder at one sample (where it costs one backward pass). A
+    batch of 8, the table's rows (2 x 4 position buckets), does not make the table look like one."""
+    torch.manual_seed(0)
+    model = deberta_v2(share_att_key)
+    ids = torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(1))
+    grads = one_sample_at_a_time(model, classify, ids)
+    assert_the_update_of(grads, model, lambda: classify(model, ids), mechanism, per_layer, monkeypatch,
+                         replayed=("encoder",) if shape[0] == 1 else ())
 
 
 def test_a_mixer_replayed_beside_the_cache_it_fills_is_refused_saying_to_train_without_it():

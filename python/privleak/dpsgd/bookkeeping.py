@@ -62,9 +62,12 @@ from privleak.dpsgd.graph import (
     count_uses,
     flattened_batch,
     flattened_outputs,
+    made_from_parameters,
     reordered_rows,
     selected_tokens,
     shared_output_uses,
+    consumers_of,
+    shared_region_boundary,
     unviewed,
 )
 from privleak.dpsgd.layers import FunctionalLayer, Layer, check_no_embedding_max_norm, ieee_float32, layer_for, total
@@ -220,6 +223,9 @@ class BookKeeping:
         self._recording = True
         self._collecting = False
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
+        self._chained: list = []  # (layer, call) of this backward's shared outputs inside a shared region
+        self._in_region: list = []  # the fallback layers whose parameters are used in a shared region alone
+        self._consumers: list = []  # per slot, the uses of the parameter in the last step's graph (_check_uses)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         # whether a batch's first sample was checked by its own backward pass (or is not to be)
         self._checked = not validation.boolean(check_first_sample, "check_first_sample")
@@ -683,7 +689,10 @@ class BookKeeping:
         for layer in self.layers:
             layer.check_inputs()
             layer.may_sync = synced
-        edges = [edge for layer in self.layers for edge in layer.edges]
+        # a chained call's output is left out: a backward reaching it would run, and free, its region's graph
+        chained = {(id(layer), call) for layer, call in self._chained}
+        edges = [edge for layer in self.layers for call in range(len(layer.calls)) if (id(layer), call) not in chained
+                 for edge in layer.call_edges(call)]
         if not edges:
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
@@ -882,8 +891,38 @@ class BookKeeping:
                 grad = next(grads)
                 if grad is not None:  # None: the loss does not use the output
                     layer.take_grad(call, output, grad, norm_type)
-        for layer, call, found in shared:
-            layer.broadcast(call, [uses.rows(0) for uses in found], norm_type)
+        rows_of = [(layer, call, [uses.rows(0) for uses in found]) for layer, call, found in shared]
+        for layer, call, output_grads in rows_of:
+            layer.broadcast(call, output_grads, norm_type)
+        if self._chained or self._in_region:
+            self._chain_shared(rows_of, norm_type)
+
+    def _chain_shared(self, rows_of: list, norm_type: int) -> None:
+        """The per-sample output gradients of the chained calls (:meth:`_shared_outputs`), handed
+        to their layers, and the per-sample gradients of the parameters of the fallback layers used
+        in the region alone (DeBERTa's encoder reads its relative position table's weight and gives
+        it to a LayerNorm), handed to them in place of a replay: one backward pass through the
+        region's graph, which the step's did not run, from the per-sample output gradients of the
+        shared calls bounding it (``rows_of``: (layer, call, [(B, *shape)])), vmapped over the
+        samples (``is_grads_batched``). It costs B backward passes of the region, which holds no
+        batch: a table and the layers projecting it."""
+        outputs, cotangents = [], []
+        for layer, call, output_grads in rows_of:
+            for edge, grad in zip(layer.call_edges(call), output_grads):
+                outputs.append(edge)
+                cotangents.append(grad.to(edge.node._input_metadata[edge.output_nr].dtype))
+        inputs = [(layer, call, edge) for layer, call in self._chained for edge in layer.call_edges(call)]
+        params = [p for layer in self._in_region for p in layer.parameters]
+        grads = torch.autograd.grad(outputs, [edge for _, _, edge in inputs] + params, cotangents,
+                                    is_grads_batched=True, allow_unused=True)
+        for layer, call in self._chained:
+            found = [grad for (owner, at, _), grad in zip(inputs, grads) if owner is layer and at == call]
+            if all(grad is not None for grad in found):
+                layer.broadcast(call, found, norm_type)
+        batch = cotangents[0].shape[0]
+        rows = iter(grads[len(inputs):])
+        for layer in self._in_region:
+            layer.take_region_rows({id(p): next(rows) for p in layer.parameters}, batch)
 
     def _clip(self, batch: int, scale: float, synced: bool, own: Optional[tuple]) -> tuple:
         """Norms, clip factors and clipped sums of the layers' gradients after the backward pass.
@@ -985,9 +1024,13 @@ class BookKeeping:
         input's dim 0: T5's buckets at T = B look like a batch, and an ordinary layer rule would
         take their rows for samples. A call whose outputs the loss does not use is passed over:
         it has no gradient (DoRA's norm of its weights, computed from an identity matrix, and
-        detached). Raises for a call without the batch whose output is used otherwise, or whose
-        layer cannot take a shared input."""
-        shared, walked = [], set()  # the nodes the walks of selected_tokens have cleared this step
+        detached). A call without the batch whose output reaches the batch only through such calls
+        (:func:`~privleak.dpsgd.graph.shared_region_boundary`: DeBERTa's LayerNorm of its relative
+        position embeddings, projected by every layer's Linears) is chained to them
+        (``self._chained``): its per-sample output gradients come from theirs, after the backward
+        pass (:meth:`_chain_shared`). Raises for a call without the batch whose output is used
+        otherwise, or whose layer cannot take a shared input."""
+        shared, walked, pending = [], set(), []  # the nodes the walks of selected_tokens have cleared this step
         for layer in self.layers:
             for call, size in enumerate(layer.batch_sizes()):
                 edges = layer.call_edges(call)
@@ -1010,20 +1053,12 @@ class BookKeeping:
                                      "its output is shared by the batch (only added to, multiplied into or expanded "
                                      "over it), but its rule takes no shared input: expand that input over the batch "
                                      "(x.expand(B, ...)) for the layer")
+                elif size != batch and layer.broadcast_calls and batch == 1 and layer.flattened_batch_calls:
+                    layer.unflatten(call, 1)  # the one sample's (the calls bounding a region are its own at B = 1)
+                elif size != batch and layer.broadcast_calls:  # chained, if the calls shared above bound its region
+                    pending.append((layer, call, size))
                 elif size != batch:
-                    flattened = ""
-                    if layer.flattened_batch_calls and batch and size % batch == 0:
-                        flattened = (f"; its dim 0, {size} = {batch} x {size // batch}, is not the batch flattened "
-                                     "with its positions as far as its autograd graph shows: reshapes of a "
-                                     "batch-first tensor, then elementwise ops, LayerNorms, Linears, ops on the dims "
-                                     "after dim 0 or batched products of such tensors (not a "
-                                     "sequence-first tensor's, at T = B not one made batch-first by a transpose, "
-                                     "and not a model input's, which has no graph)")
-                    raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of "
-                                     f"{size} in a forward pass since the last step, and its output is not one shared "
-                                     "by the batch (only added to, multiplied into or expanded over it) (every layer "
-                                     "input must have the batch in dim 0, and step() takes every forward pass since "
-                                     f"the last step){flattened}")
+                    self._refuse_batch_of(layer, call, size, batch)
                 elif selected_tokens(layer.sources[call], batch, walked):
                     raise ValueError(f"{layer.describe()} ran on {size} rows selected from the batch (tokens, as "
                                      "h.flatten(0, 1)[keep], h[keep] with a (B, T) mask or [index] select them): as "
@@ -1036,8 +1071,53 @@ class BookKeeping:
                                      "give it inputs with the batch in dim 0, or use its outputs only broadcast")
                 elif layer.flattened_output_calls and (flat := flattened_outputs(edges, batch)):
                     layer.unflatten_outputs(call, batch, flat)
-        self._shared = frozenset((id(layer), call) for layer, call, _ in shared)
+                elif layer.broadcast_calls and not layer.flattened_output_calls and \
+                        all(made_from_parameters(edge) for edge in edges):
+                    pending.append((layer, call, None))  # a table of B rows in a region: its rows no samples
+        boundary: dict = {}
+        for layer, call, _ in shared:
+            for edge in layer.call_edges(call):
+                boundary.setdefault(edge.node, []).append(edge)
+        self._chained = []
+        for layer, call, size in pending:
+            if boundary and all(shared_region_boundary(consumers_of(edge, parents), parents, boundary)
+                                for edge in layer.call_edges(call)):
+                self._chained.append((layer, call))
+            elif size is not None:
+                self._refuse_batch_of(layer, call, size, batch)
+        for layer in self._in_region:  # a step that failed before their rows came
+            layer.in_region = False
+        bounding = {id(layer) for layer, _, _ in shared}  # a shared call's own replay takes its output gradients
+        self._in_region = [layer for layer in self.layers if boundary and isinstance(layer, FunctionalLayer)
+                           and id(layer) not in bounding and self._used_in_region(layer, parents, boundary)]
+        for layer in self._in_region:
+            layer.in_region = True  # its broadcast rule's nodes, in the region, hold no batch (a table plus a constant)
+        self._shared = frozenset((id(layer), call) for layer, call, _ in shared) | \
+            frozenset((id(layer), call) for layer, call in self._chained)
         return shared
+
+    def _used_in_region(self, layer: Layer, parents: dict, boundary: dict) -> bool:
+        """Whether the loss's graph (``parents``) uses ``layer``'s parameters, and only in a shared
+        region bounded by the shared calls' outputs (``boundary``)."""
+        uses = [self._consumers[self._slots[id(p)]] for p in layer.parameters]
+        return any(uses) and all(shared_region_boundary([node for node, _ in consumers], parents, boundary)
+                                 for consumers in uses if consumers)
+
+    def _refuse_batch_of(self, layer: Layer, call: int, size: int, batch: int) -> None:
+        """Raise for call ``call`` of ``layer``, which ran on inputs of dim 0 ``size``, not the
+        batch's ``batch``, and whose output is not one the batch shares."""
+        flattened = ""
+        if layer.flattened_batch_calls and batch and size % batch == 0:
+            flattened = (f"; its dim 0, {size} = {batch} x {size // batch}, is not the batch flattened with its "
+                         "positions as far as its autograd graph shows: reshapes of a batch-first tensor, then "
+                         "elementwise ops, LayerNorms, Linears, ops on the dims after dim 0 or batched products of "
+                         "such tensors (not a sequence-first tensor's, at T = B not one made batch-first by a "
+                         "transpose, and not a model input's, which has no graph)")
+        raise ValueError(f"per_sample_losses has {batch} samples, but {layer.describe()} saw a batch of {size} in a "
+                         "forward pass since the last step, and its output is not one shared by the batch (only "
+                         "added to, multiplied into or expanded over it, or through ops on parameters alone into "
+                         "layers whose output is) (every layer input must have the batch in dim 0, and step() takes "
+                         f"every forward pass since the last step){flattened}")
 
     def _sample_rows(self, batch: int, shared: list) -> list:
         """(what, gradient edge, a function of its gradient giving it with the samples in dim 0 as
@@ -1105,7 +1185,9 @@ class BookKeeping:
         Linear's and an InstanceNorm's are handed on as aliases, :func:`~privleak.dpsgd.graph.unviewed`)
         is refused: the gradient taken at it would miss the uses after the change. The walk fills in
         ``parents``, each node's parents (:func:`~privleak.dpsgd.graph.count_uses`)."""
-        used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents)
+        self._consumers = [[] for _ in self.params]  # per slot, the (node, input index) of each use in the graph
+        used = count_uses([losses.grad_fn], self.params, graph="per_sample_losses", parents=parents,
+                          consumers=self._consumers)
         if losses.shape[0] and not any(used):
             raise ValueError("per_sample_losses does not depend on any of the model's trainable parameters (the "
                              "losses of another model, or of outputs detached from it): the step would release the "

@@ -52,7 +52,7 @@ _LOOKUP = node_type(lambda x: F.embedding(torch.zeros(1, dtype=torch.long), x))
 _VIEWS = frozenset(node_type(view) for view in (
     lambda x: x[1:], torch.ops.aten.alias, lambda x: x.view(4), lambda x: x.unsqueeze(0), lambda x: x[0],
     lambda x: x[:1].squeeze(), lambda x: x[:1].squeeze(0), lambda x: x.t(), lambda x: x.transpose(0, 1),
-    lambda x: x.permute(1, 0)))
+    lambda x: x.permute(1, 0), lambda x: x[:, :1].reshape(2)))  # the last: a reshape aliasing a strided view
 
 
 #: The node kinds through which :func:`_uses_from` finds uses (:func:`_passed_on`,
@@ -80,13 +80,17 @@ class _Use(NamedTuple):
     multipliers: tuple = ()
     positions: Optional[torch.Tensor] = None
     scales: tuple = ()
+    tiled: bool = False  # a repeat tiling the operand along dim 0, once per sample (:func:`_tiles_dim_0`)
 
     def broadcasts_over(self, batch: int, out: Optional[tuple] = None) -> bool:
         """Whether the node's output (of shape ``out``; None: the node's, from the graph) has the
         batch in dim 0, or the batch flattened there (:func:`flattened_batch`: Swin's attention
         scores (B nW, heads, N, N), to which its relative-position bias is added), and the operand
-        is broadcast along it (it has fewer dims, or a dim 0 of 1)."""
+        is broadcast along it (it has fewer dims, or a dim 0 of 1). A tiling repeat's output is
+        the operand once per sample, sample after sample, where it repeats dim 0 B times."""
         out = tuple(self.node._input_metadata[0].shape) if out is None else out
+        if self.tiled:
+            return batch > 0 and out[0] == batch * self.shape[0]
         aligned = (1,) * (len(out) - len(self.shape)) + self.shape
         return len(out) >= len(self.shape) and aligned[0] == 1 and \
             (out[0] == batch or (batch > 0 and out[0] % batch == 0 and flattened_batch(self.node, out[0], batch)))
@@ -95,10 +99,12 @@ class _Use(NamedTuple):
 def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[_Use]:
     """The use of an operand of ``shape`` as input ``position`` of ``node``, if it is an add, a
     subtraction, an expand, a repeat that only expands (of dims of size 1: peft's prompt tuning
-    repeats its virtual tokens' embeddings over the batch), a product or a where (T5's position
-    bias under a mask); else None."""
+    repeats its virtual tokens' embeddings over the batch) or tiles dim 0 (:func:`_tiles_dim_0`), a
+    product or a where (T5's position bias under a mask); else None."""
     if type(node) is _EXPAND or (type(node) is _REPEAT and _expands(node._saved_repeats, shape)):
         return _Use(node, 1.0, shape, views)
+    if type(node) is _REPEAT and _tiles_dim_0(node._saved_repeats, shape):
+        return _Use(node, 1.0, shape, views, tiled=True)
     if type(node) is _MUL:  # d(w x)/dw = x: the other factor, which the node saves for its backward
         return _Use(node, 1.0, shape, views, ((node, "_saved_other" if position == 0 else "_saved_self", None),))
     if type(node) is _WHERE:  # where(c, w, y): the gradient where c holds (w), where it does not (y)
@@ -115,6 +121,15 @@ def _expands(repeats: tuple, shape: tuple) -> bool:
     than once has size 1 (or is new), so no element is tiled beside others."""
     aligned = (1,) * (len(repeats) - len(shape)) + tuple(shape)
     return all(r == 1 or size == 1 for r, size in zip(repeats, aligned))
+
+
+def _tiles_dim_0(repeats: tuple, shape: tuple) -> bool:
+    """Whether ``x.repeat(*repeats)`` of an ``x`` of ``shape`` tiles x whole along dim 0 and only
+    expands the others: (H, N, d) repeated (R, 1, 1) is (R H, N, d), copy r in rows r H .. r H +
+    H - 1. At R = B, a tensor the batch shares laid out as the batch flattened with its heads
+    (DeBERTa's relative position keys, ``pos_key.repeat(B, 1, 1)`` beside queries (B H, T, d)):
+    copy i's rows are sample i's (:meth:`_Use.broadcasts_over` checks R against the batch)."""
+    return len(repeats) == len(shape) > 0 and repeats[0] > 1 and _expands(repeats[1:], shape[1:])
 
 
 def _multiplier(node, attribute: str, transform, dtype: torch.dtype) -> torch.Tensor:
@@ -333,7 +348,10 @@ class Broadcasts:
         if not found.broadcasts_over(batch, tuple(grad.shape)):
             self.valid = False
             return
-        aligned = (1,) * (grad.ndim - len(found.shape)) + found.shape
+        shape = found.shape
+        if found.tiled:  # (B R, ...) as (B, R, ...): the operand broadcast along a new dim 0
+            grad, shape = grad.unflatten(0, (batch, -1)), (1, *shape)
+        aligned = (1,) * (grad.ndim - len(shape)) + shape
         dtype = torch.promote_types(grad.dtype, torch.float32)
         grad = grad.to(dtype)
         for multiplier in found.multipliers:
@@ -1130,6 +1148,45 @@ def shared_output_uses(edge, parents: dict, batch: int) -> Optional[Broadcasts]:
     uses = _resolved(uses, meta.device)
     output = torch.empty((), dtype=meta.dtype, device=meta.device).expand(tuple(meta.shape))  # its shape, no storage
     return None if uses is None else Broadcasts([output], [uses], batch)
+
+
+def consumers_of(edge, parents: dict) -> list:
+    """The nodes of the loss's graph (``parents``: :func:`count_uses`'s) that take the gradient
+    edge ``edge``'s tensor."""
+    return [parent for parent, k in parents.get(edge.node, []) if parent.next_functions[k][1] == edge.output_nr]
+
+
+def made_from_parameters(edge, budget: int = 16) -> bool:
+    """Whether the tensor of the gradient edge ``edge`` is computed from parameters alone within
+    ``budget`` nodes (:func:`_from_parameters`): a table of B rows that a LayerNorm made looks like a
+    batch, and a few nodes tell it from one (a layer output's history holds the batch)."""
+    return _from_parameters(edge.node, budget)
+
+
+def shared_region_boundary(consumers: list, parents: dict, boundary: dict) -> Optional[list]:
+    """The output edges of shared layer calls (``boundary``: their node to their edges) that a
+    tensor taken by the nodes ``consumers`` (a layer call's output, a parameter) reaches, if it
+    reaches the batch only through them: every op between is computed from parameters alone
+    (:func:`_from_parameters`), so no sample enters before a boundary call, whose per-sample
+    output gradients the step knows (:func:`shared_output_uses`). DeBERTa's relative position
+    embeddings, a LayerNorm of a table projected by each layer's query and key Linears, are such
+    a region (the table and the LayerNorm), bounded by the projections. None if a path meets an
+    op with the batch in it first, or no boundary."""
+    stack = list(consumers)
+    reached, seen = [], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in boundary:
+            reached += boundary[node]
+            continue
+        above = parents.get(node)
+        if not above or not _from_parameters(node):
+            return None
+        stack.extend(parent for parent, _ in above)
+    return reached or None
 
 
 def count_uses(roots: list, parameters: list, stop: frozenset = frozenset(), graph: str = "the loss",

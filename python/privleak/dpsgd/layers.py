@@ -1623,6 +1623,9 @@ class FunctionalLayer(Layer):
         self._replay_warned = False
         self._one_at_a_time = False  # its forward is replayed by a loop over samples, not by vmap
         self._replayed_for_dim_0 = False  # an op of its broadcast rule had another dim 0 than the batch
+        #: its parameters are used in a region of the step's graph without the batch, bounded by shared layer calls
+        #: (BookKeeping's _chain_shared gives their per-sample gradients: :meth:`take_region_rows`)
+        self.in_region = False
         # a parametrized nn.Linear (weight_norm, spectral_norm) runs nn.Linear's forward on the weight it computes
         self.returns_own_view = type(self).returns_own_view or type(module).forward is nn.Linear.forward
         #: the children whose parameters its class's code reads (:mod:`~privleak.dpsgd.direct_reads`), until its first
@@ -1783,8 +1786,8 @@ class FunctionalLayer(Layer):
             (self.parameters[i], use.node) for i, uses in enumerate(broadcasts.uses) for use in uses
             if use.broadcasts_over(batch)]  # an op with the positions or heads in dim 0 is replayed, not read so
 
-    def forced_inputs(self) -> list:
-        return self.parameters if any(self.watched) else []
+    def forced_inputs(self) -> list:  # in a region, whose graph the step's backward must not run
+        return self.parameters if any(self.watched) and not self.in_region else []
 
     def take_node_grad(self, key: tuple, grad: Optional[torch.Tensor]) -> None:
         call, parameter, use = key
@@ -1807,6 +1810,16 @@ class FunctionalLayer(Layer):
         super().finish()
         self.grads = [g if isinstance(g, list) else [g] for g in self.grads]
 
+    def take_region_rows(self, rows: dict, batch: int) -> None:
+        """The per-sample gradients ``rows`` ((B, *shape) by parameter id; None: unused) of its
+        parameters, used in a region of the graph that holds no batch (BookKeeping's chained
+        shared calls), in place of a replay."""
+        self.in_region = False
+        self.per_sample = {id(p): torch.zeros(batch, *p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                              device=p.device) if rows[id(p)] is None
+                           else rows[id(p)].to(torch.promote_types(p.dtype, torch.float32))
+                           for p in self.parameters}
+
     def rows(self, batch: int) -> dict:
         if self.calls and not self.per_sample and not self.chunked:
             broadcasts = [call[4] for call in self.calls]
@@ -1817,7 +1830,8 @@ class FunctionalLayer(Layer):
                 self.per_sample = {id(p): total(b.rows(i) for b in broadcasts)
                                    for i, p in enumerate(self.parameters)}
                 return self.per_sample
-            self.warn_of_replayed_layers()
+            if batch > 1:  # one sample's replay may stand for a rule that needs two (DeBERTa's region)
+                self.warn_of_replayed_layers()
             if self._forming(batch) is Forming.NEVER:
                 self.chunked = True
             else:
