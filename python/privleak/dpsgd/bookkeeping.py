@@ -59,6 +59,7 @@ from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
     capturing,
     changed_in_place,
+    consumers_of,
     count_uses,
     flattened_batch,
     flattened_outputs,
@@ -66,7 +67,6 @@ from privleak.dpsgd.graph import (
     reordered_rows,
     selected_tokens,
     shared_output_uses,
-    consumers_of,
     shared_region_boundary,
     unviewed,
 )
