@@ -63,7 +63,7 @@ from privleak.dpsgd.graph import (
     count_uses,
     flattened_batch,
     flattened_outputs,
-    made_from_parameters,
+    input_from_parameters,
     reordered_rows,
     selected_tokens,
     shared_output_uses,
@@ -1072,7 +1072,7 @@ class BookKeeping:
                 elif layer.flattened_output_calls and (flat := flattened_outputs(edges, batch)):
                     layer.unflatten_outputs(call, batch, flat)
                 elif layer.broadcast_calls and not layer.flattened_output_calls and \
-                        all(made_from_parameters(edge) for edge in edges):
+                        all(input_from_parameters(edge, layer.parameters) for edge in edges):
                     pending.append((layer, call, None))  # a table of B rows in a region: its rows no samples
         boundary: dict = {}
         for layer, call, _ in shared:

@@ -1156,11 +1156,16 @@ def consumers_of(edge, parents: dict) -> list:
     return [parent for parent, k in parents.get(edge.node, []) if parent.next_functions[k][1] == edge.output_nr]
 
 
-def made_from_parameters(edge, budget: int = 16) -> bool:
-    """Whether the tensor of the gradient edge ``edge`` is computed from parameters alone within
-    ``budget`` nodes (:func:`_from_parameters`): a table of B rows that a LayerNorm made looks like a
-    batch, and a few nodes tell it from one (a layer output's history holds the batch)."""
-    return _from_parameters(edge.node, budget)
+def input_from_parameters(edge, own: list, budget: int = 8) -> bool:
+    """Whether a layer call whose output is the gradient edge ``edge`` ran on an input with grad
+    computed from parameters alone within ``budget`` nodes (:func:`_from_parameters`), the layer's
+    ``own`` parameters aside: a table of B rows (DeBERTa's relative positions, LayerNormed at B =
+    2k) looks like a batch, and a few nodes tell it from one (a layer input's history holds the
+    batch; an Embedding's ids have no grad, its output no input edge but its weight's)."""
+    mine = {id(p) for p in own}
+    inputs = [child for child, _ in edge.node.next_functions
+              if child is not None and id(getattr(child, "variable", None)) not in mine]
+    return bool(inputs) and all(_from_parameters(child, budget) for child in inputs)
 
 
 def shared_region_boundary(consumers: list, parents: dict, boundary: dict) -> Optional[list]:
