@@ -282,6 +282,33 @@ class RelativeTable(nn.Module):
         return self.norm(table)[None]
 
 
+class ContinuousBias(nn.Module):
+    """Swin v2's attention in small: cosine scores (queries and keys normalised), times
+    exp(clamp(logit scale)), a parameter of the module that no rule takes; plus a bias that an MLP
+    (Linear, ReLU, Linear) makes of a buffer of relative coordinates (1, 2T - 1, 2), indexed to
+    (heads, T, T), 16 sigmoid(.), added to every sample's scores. Neither holds the batch until
+    it meets the scores."""
+
+    def __init__(self, length=5):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(4, 12), nn.Linear(4, 2)
+        self.logit_scale = nn.Parameter(torch.tensor([[[1.5]], [[2.5]]]))
+        self.bias = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2, bias=False))
+        offsets = torch.arange(-length + 1, length, dtype=torch.float32)
+        self.register_buffer("coordinates", torch.stack([offsets / length, offsets.abs().sqrt()], -1)[None])
+        positions = torch.arange(length)
+        self.register_buffer("index", (positions[None] - positions[:, None] + length - 1).flatten())
+
+    def forward(self, x):
+        length = x.shape[1]
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 2)).permute(2, 0, 3, 1, 4).unbind(0)  # (B, 2, T, 2) each
+        scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
+        scores = scores * torch.clamp(self.logit_scale, max=4.0).exp()
+        table = self.bias(self.coordinates).view(-1, 2)[self.index].view(length, length, 2).permute(2, 0, 1)
+        scores = scores + 16 * torch.sigmoid(table.contiguous()).unsqueeze(0)
+        return self.head(torch.tanh((scores.softmax(-1) @ v).transpose(1, 2).flatten(2)))
+
+
 class LearnedPositions(nn.Embedding):
     """BART's learned position embedding: an nn.Embedding with a forward of its own that makes
     position ids from its input's shape, offset by 2, and returns their lookup: ids (1, T), or
@@ -662,6 +689,8 @@ LAYER_CASES = {
     "relative-bias": (RelativeBias, normal(6, 6, 4)),
     "relative-table": (RelativeTable, normal(6, 5, 4)),
     "relative-own-table": (lambda: RelativeTable(own_table=True), normal(6, 6, 4)),
+    "positions-exponentiated": (lambda: PositionsExponentiated(), normal(6, 5, 3)),
+    "continuous-bias": (ContinuousBias, normal(6, 5, 4)),
     "flattened-batch": (FlattenedBatch, normal(6, 5, 3)),
     "flattened-after-attention": (FlattenedAfterAttention, normal(6, 5, 3)),
     "position-modules": (PositionModules, normal(6, 5, 3)),
@@ -994,6 +1023,20 @@ def test_a_table_mixed_with_the_batch_before_its_projections_is_refused():
     config = CONFIGS["gaussian"](1.0, False)
     with pytest.raises(ValueError, match="module 'norm' .*saw a batch of 8"):
         book_kept(model, x, target, config, 4.0, M.NoiseGenerator(7))
+
+
+def test_a_bias_an_mlp_makes_of_a_buffer_is_book_kept_through_the_ops_broadcasting_it(monkeypatch):
+    """ContinuousBias (Swin v2's): the MLP's calls on the buffer of coordinates take each sample's
+    output gradients from one vmapped backward pass of that region, from the add broadcasting its
+    bias over the batch, and the logit scale its per-sample gradients from the product broadcasting
+    it, so no module is replayed; flat and per layer, L2 and L1."""
+    replays = []
+    replay = layers.FunctionalLayer.per_sample_grads
+    monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
+                        lambda self, *args: replays.append(self.name) or replay(self, *args))
+    for mechanism, per_layer in [("gaussian", False), ("vmf", True), ("laplace", True)]:
+        compare("continuous-bias", mechanism, per_layer)
+    assert replays == []
 
 
 class Probed(MixtureOfExperts):
@@ -1874,9 +1917,10 @@ def test_ties_without_factors_and_l1_norms_of_tied_parameters_are_refused():
         make(model, dpsgd.DPSGDConfig(1.0, "laplace", noise_multiplier=1.0))
 
 
-class PositionsScaled(nn.Module):
-    """Position embeddings of ids (1, T), exponentiated before they meet the batch: no op the
-    batch's per-sample gradients could come from."""
+class PositionsExponentiated(nn.Module):
+    """Position embeddings of ids (1, T), exponentiated before they are added to the batch: the
+    exponential, computed from parameters alone, is what the batch shares (a region bounded by
+    the add)."""
 
     def __init__(self):
         super().__init__()
@@ -1884,6 +1928,15 @@ class PositionsScaled(nn.Module):
 
     def forward(self, x):
         return self.head(x + self.positions(torch.arange(x.shape[1])[None]).exp())
+
+
+class PositionsMultiplied(PositionsExponentiated):
+    """Position embeddings of ids (1, T) in a matrix product with the batch: no op the batch's
+    per-sample gradients could come from."""
+
+    def forward(self, x):
+        table = self.positions(torch.arange(x.shape[1])[None])[0]
+        return self.head(x + (x @ table.T) @ table)
 
 
 
@@ -1904,7 +1957,7 @@ def test_a_replayed_module_whose_output_has_no_batch_dim_is_refused():
 
 
 def test_a_layer_output_shared_by_the_batch_other_than_added_is_refused():
-    model = PositionsScaled()
+    model = PositionsMultiplied()
     bk = make(model)
     with pytest.raises(ValueError, match=r"per_sample_losses has 4 samples, but module 'positions' \(Embedding\) saw "
                                          r"a batch of 1 .* its output is not one shared by the batch"):
@@ -2386,14 +2439,15 @@ def test_a_broadcast_parameter_s_op_with_heads_in_dim_0_is_no_sample_row_at_a_fi
 
 class KeepsItsState(nn.Module):
     """Adds the last position's output of its call before, kept on the module (RecurrentGemma's
-    recurrent block keeps its state so): a replay of one sample meets the batch's state."""
+    recurrent block keeps its state so): a replay of one sample meets the batch's state. Its scale
+    is a diagonal matrix multiplying the batch, which no rule takes: replayed."""
 
     def __init__(self):
         super().__init__()
         self.log_scale, self.state = nn.Parameter(torch.zeros(3)), None
 
     def forward(self, h):
-        out = h * self.log_scale.exp()
+        out = h @ torch.diag(self.log_scale.exp())
         if self.state is not None:
             out = out + self.state.expand_as(out)
         self.state = out.detach()[:, -1:]

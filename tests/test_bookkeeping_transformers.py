@@ -612,6 +612,12 @@ def swin():
         mlp_ratio=2.0, num_labels=3, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+def swinv2():  # cosine attention times a learned logit scale; a bias made by an MLP of a buffer of coordinates
+    return transformers.Swinv2ForImageClassification(transformers.Swinv2Config(
+        image_size=16, patch_size=2, num_channels=3, embed_dim=8, depths=[2, 1], num_heads=[2, 2], window_size=2,
+        mlp_ratio=2.0, num_labels=3, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
 def mobilevit():  # its BatchNorms in eval mode: their statistics frozen
     return transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
         image_size=16, num_channels=3, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 8, 8, 8, 8, 16],
@@ -621,7 +627,7 @@ def mobilevit():  # its BatchNorms in eval mode: their statistics frozen
 
 #: vision models whose attention runs on the batch flattened with windows or patches, (B nW, N, C), and the
 #: modules they replay (each of Swin's position tables; MobileViT's BatchNorms, in eval mode)
-WINDOWED = {"swin": (swin, lambda model: ("relative_position_bias",) * 3),
+WINDOWED = {"swin": (swin, lambda model: ("relative_position_bias",) * 3), "swinv2": (swinv2, lambda model: ()),
             "mobilevit": (mobilevit, lambda model: tuple(name.rsplit(".", 1)[-1] for name, module in
                                                          model.named_modules()
                                                          if isinstance(module, torch.nn.BatchNorm2d)))}
@@ -638,7 +644,10 @@ def test_attention_on_windows_of_each_sample_in_turn_is_book_kept(name, mechanis
     reshape keeps the order; ops on later dims and a batched product of two such tensors keep
     the rows), so the projections are book-kept and Swin's table takes the sum of its sample's
     windows' gradients. Both were refused before (the output projection's rows not proven the
-    samples')."""
+    samples'). Swin v2 normalises queries and keys (cosine attention: a norm along the last dim,
+    clamped), multiplies the scores by exp(clamp(logit scale)), and adds 16 sigmoid(.) of a table
+    that an MLP makes of its buffer of coordinates, indexed: that region, without the batch, takes
+    each sample's gradients through the ops broadcasting it over the windows (no replay)."""
     build, replayed = WINDOWED[name]
     torch.manual_seed(0)
     model = build()

@@ -57,6 +57,7 @@ from privleak.dpsgd.buffers import Snapshot
 from privleak.dpsgd.clip import kernel_rows, non_finite_error
 from privleak.dpsgd.ghost_norm import GhostNormInputs, ghost_norms
 from privleak.dpsgd.graph import (
+    RegionWalk,
     capturing,
     changed_in_place,
     consumers_of,
@@ -225,6 +226,7 @@ class BookKeeping:
         self._shared = frozenset()  # (id(layer), call) of this backward's shared outputs (_shared_outputs)
         self._chained: list = []  # (layer, call) of this backward's shared outputs inside a shared region
         self._in_region: list = []  # the fallback layers whose parameters are used in a shared region alone
+        self._bounds: list = []  # (edge, Broadcasts) of the ops bounding such a region, broadcast over the batch
         self._consumers: list = []  # per slot, the uses of the parameter in the last step's graph (_check_uses)
         self._clip_norm_cache = None  # ((column order, config id, device), clip norms) of the last step
         # whether a batch's first sample was checked by its own backward pass (or is not to be)
@@ -689,13 +691,16 @@ class BookKeeping:
         for layer in self.layers:
             layer.check_inputs()
             layer.may_sync = synced
-        # a chained call's output is left out: a backward reaching it would run, and free, its region's graph
-        chained = {(id(layer), call) for layer, call in self._chained}
-        edges = [edge for layer in self.layers for call in range(len(layer.calls)) if (id(layer), call) not in chained
-                 for edge in layer.call_edges(call)]
-        if not edges:
+        if not any(layer.edges for layer in self.layers):
             raise ValueError("per_sample_losses: no layer of the model recorded a forward pass with grad since the "
                              "last step")
+        # The outputs of chained calls and of the layers in a region are left out (a backward reaching them would run,
+        # and free, the region's graph); the ops bounding a region are asked for, so that the ops broadcasting them
+        # run (a table added to data without grad: nothing else below them)
+        apart = {(id(layer), call) for layer, call in self._chained} | \
+            {(id(layer), call) for layer in self._in_region for call in range(len(layer.calls))}
+        edges = [edge for layer in self.layers for call in range(len(layer.calls)) if (id(layer), call) not in apart
+                 for edge in layer.call_edges(call)] + [edge for edge, _ in self._bounds]
         own = None
         if not self._checked and batch > 1 and not capturing():
             own = self._first_sample_norms(losses)
@@ -854,7 +859,8 @@ class BookKeeping:
         as their sums are made. ``rows``: the check at every step, which sketches the gradients
         this pass reaches."""
         handles = [node.register_prehook(functools.partial(self._take_shared_grad, uses, use))
-                   for _, _, found in shared for uses in found for (_, use), node in uses.nodes()]
+                   for uses in [uses for _, _, found in shared for uses in found] + [uses for _, uses in self._bounds]
+                   for (_, use), node in uses.nodes()]
         after = [(layer, call, layer.call_edges(call)) for layer in self.layers if not layer.acts_in_backward
                  for call in range(len(layer.calls)) if (id(layer), call) not in self._shared]
         wanted = [edge for _, _, call_edges in after for edge in call_edges]
@@ -895,7 +901,7 @@ class BookKeeping:
         for layer, call, output_grads in rows_of:
             layer.broadcast(call, output_grads, norm_type)
         if self._chained or self._in_region:
-            self._chain_shared(rows_of, norm_type)
+            self._chain_shared(rows_of + [(None, edge, [uses.rows(0)]) for edge, uses in self._bounds], norm_type)
 
     def _chain_shared(self, rows_of: list, norm_type: int) -> None:
         """The per-sample output gradients of the chained calls (:meth:`_shared_outputs`), handed
@@ -903,12 +909,13 @@ class BookKeeping:
         in the region alone (DeBERTa's encoder reads its relative position table's weight and gives
         it to a LayerNorm), handed to them in place of a replay: one backward pass through the
         region's graph, which the step's did not run, from the per-sample output gradients of the
-        shared calls bounding it (``rows_of``: (layer, call, [(B, *shape)])), vmapped over the
+        shared calls bounding it (``rows_of``: (layer, call, [(B, *shape)]); (None, edge, [(B,
+        *shape)]) for an op of the region whose output is only broadcast), vmapped over the
         samples (``is_grads_batched``). It costs B backward passes of the region, which holds no
         batch: a table and the layers projecting it."""
         outputs, cotangents = [], []
-        for layer, call, output_grads in rows_of:
-            for edge, grad in zip(layer.call_edges(call), output_grads):
+        for layer, call, output_grads in rows_of:  # (None, edge, ...): an op of the region broadcast over the batch
+            for edge, grad in zip([call] if layer is None else layer.call_edges(call), output_grads):
                 outputs.append(edge)
                 cotangents.append(grad.to(edge.node._input_metadata[edge.output_nr].dtype))
         inputs = [(layer, call, edge) for layer, call in self._chained for edge in layer.call_edges(call)]
@@ -1031,12 +1038,13 @@ class BookKeeping:
         pass (:meth:`_chain_shared`). Raises for a call without the batch whose output is used
         otherwise, or whose layer cannot take a shared input."""
         shared, walked, pending = [], set(), []  # the nodes the walks of selected_tokens have cleared this step
+        tables = self._tables(batch)
         for layer in self.layers:
             for call, size in enumerate(layer.batch_sizes()):
                 edges = layer.call_edges(call)
                 if size == batch == 1 or not any(edge.node in parents for edge in edges):
                     continue  # a batch of one sample (shared and batched are the same), or no gradient
-                found = [shared_output_uses(edge, parents, batch) for edge in edges]
+                found = [shared_output_uses(edge, parents, batch, tables) for edge in edges]
                 if layer.broadcast_calls and found and all(uses is not None for uses in found):
                     if any(uses.factors_checkpointed() for uses in found):
                         raise ValueError(f"{layer.describe()} has an output that the batch shares, multiplied into "
@@ -1046,7 +1054,7 @@ class BookKeeping:
                                          "checkpointed function")
                     shared.append((layer, call, found))
                 elif (size != batch and layer.flattened_batch_calls and batch and size % batch == 0
-                      and flattened_batch(layer.sources[call], size, batch)):
+                      and flattened_batch(layer.sources[call], size, batch, tables)):
                     layer.unflatten(call, batch)
                 elif size != batch and found and all(uses is not None for uses in found):
                     raise ValueError(f"{layer.describe()} ran on inputs of dim 0 {size}, not the batch's {batch}, and "
@@ -1078,30 +1086,60 @@ class BookKeeping:
         for layer, call, _ in shared:
             for edge in layer.call_edges(call):
                 boundary.setdefault(edge.node, []).append(edge)
-        self._chained = []
+        self._chained, bounds = [], {}
+        candidates = {edge.node for layer, call, _ in pending for edge in layer.call_edges(call)}
+        walk = RegionWalk(parents, boundary, batch, tables, frozenset(
+            edge.node for layer in self.layers for call in range(len(layer.calls)) for edge in layer.call_edges(call)
+            if edge.node not in candidates))
         for layer, call, size in pending:
-            if boundary and all(shared_region_boundary(consumers_of(edge, parents), parents, boundary)
-                                for edge in layer.call_edges(call)):
+            if self._in_a_region([consumers_of(edge, parents) for edge in layer.call_edges(call)], walk, bounds):
                 self._chained.append((layer, call))
             elif size is not None:
                 self._refuse_batch_of(layer, call, size, batch)
         for layer in self._in_region:  # a step that failed before their rows came
             layer.in_region = False
         bounding = {id(layer) for layer, _, _ in shared}  # a shared call's own replay takes its output gradients
-        self._in_region = [layer for layer in self.layers if boundary and isinstance(layer, FunctionalLayer)
-                           and id(layer) not in bounding and self._used_in_region(layer, parents, boundary)]
+        self._in_region = [layer for layer in self.layers if isinstance(layer, FunctionalLayer) and id(layer) not in
+                           bounding and self._used_in_region(layer, walk, bounds)]
+        self._bounds = list(bounds.values())
         for layer in self._in_region:
             layer.in_region = True  # its broadcast rule's nodes, in the region, hold no batch (a table plus a constant)
         self._shared = frozenset((id(layer), call) for layer, call, _ in shared) | \
             frozenset((id(layer), call) for layer, call in self._chained)
         return shared
 
-    def _used_in_region(self, layer: Layer, parents: dict, boundary: dict) -> bool:
-        """Whether the loss's graph (``parents``) uses ``layer``'s parameters, and only in a shared
-        region bounded by the shared calls' outputs (``boundary``)."""
-        uses = [self._consumers[self._slots[id(p)]] for p in layer.parameters]
-        return any(uses) and all(shared_region_boundary([node for node, _ in consumers], parents, boundary)
-                                 for consumers in uses if consumers)
+    def _tables(self, batch: int) -> frozenset:
+        """The output nodes of the layer calls on a buffer of the model without the batch (Swin v2's
+        MLP of its coordinates): tables, as if computed from parameters alone, for the walks that
+        tell a region or a flattened batch (:func:`~privleak.dpsgd.graph.shared_region_boundary`)."""
+        buffers = {b.data_ptr() for b in self._module.buffers() if _has_storage(b)}
+        return frozenset(edge.node for layer in self.layers for call, size in enumerate(layer.batch_sizes())
+                         if size != batch and isinstance(x := layer.calls[call], torch.Tensor) and _has_storage(x)
+                         and x.data_ptr() in buffers for edge in layer.call_edges(call))
+
+    def _used_in_region(self, layer: FunctionalLayer, walk: RegionWalk, bounds: dict) -> bool:
+        """Whether the loss's graph uses ``layer``'s parameters, and only in a region without the
+        batch (:func:`~privleak.dpsgd.graph.shared_region_boundary`), that its calls' outputs are
+        not in: bounded by the shared calls' outputs, or, for a layer that its broadcast rule does
+        not take (it would replay), by ops of the region only broadcast over the batch (``bounds``).
+        A module whose own output is in the region (a position table it makes) keeps its rule: the
+        walk stops at the layers' outputs (``walk.layers``)."""
+        uses = [[node for node, _ in self._consumers[self._slots[id(p)]]] for p in layer.parameters]
+        if not any(uses):
+            return False
+        return self._in_a_region([nodes for nodes in uses if nodes], walk, bounds,
+                                 discover=any(call[4] is None for call in layer.calls))
+
+    @staticmethod
+    def _in_a_region(starts: list, walk: RegionWalk, bounds: dict, discover: bool = True) -> bool:
+        """Whether every tensor taken by the nodes of each list of ``starts`` lies in a region
+        without the batch (:func:`~privleak.dpsgd.graph.shared_region_boundary`); the ops found
+        bounding it are added to ``bounds`` only then."""
+        found = dict(bounds)
+        if all(shared_region_boundary(nodes, walk, found, discover) for nodes in starts):
+            bounds.update(found)
+            return True
+        return False
 
     def _refuse_batch_of(self, layer: Layer, call: int, size: int, batch: int) -> None:
         """Raise for call ``call`` of ``layer``, which ran on inputs of dim 0 ``size``, not the
@@ -1138,11 +1176,14 @@ class BookKeeping:
     def _sample_row_nodes(self, batch: int, shared: list = ()) -> list:
         """(what it uses, node) of each op whose output gradient's rows are read as the samples':
         broadcast parameters' (their layers' :meth:`~privleak.dpsgd.layers.Layer.sample_row_nodes`)
-        and, of ``shared`` (:meth:`_shared_outputs`'s), the ops adding a shared output to the batch."""
+        and, of ``shared`` (:meth:`_shared_outputs`'s), the ops adding a shared output to the batch,
+        and those broadcasting an op of a region without the batch over it."""
         owners = {id(p): name for name, p in self._module.named_parameters()}
         return [(f"parameter '{owners[id(parameter)]}'", node) for layer in self.layers
                 for call in range(len(layer.calls)) for parameter, node in layer.sample_row_nodes(call, batch)] + [
             (f"the output of {layer.describe()}", node) for layer, _, found in shared for uses in found
+            for _, node in uses.nodes()] + [
+            (f"the output of {edge.node.name()}, computed from parameters alone", node) for edge, uses in self._bounds
             for _, node in uses.nodes()]
 
     def _call_outputs(self) -> list:
@@ -1276,6 +1317,15 @@ def _remove_hooks(hooks: list, modules: list, owner: weakref.ref) -> None:
     for module in modules:
         if _HOOKED.get(module) is owner:
             del _HOOKED[module]
+
+
+def _has_storage(x: torch.Tensor) -> bool:
+    """Whether ``x`` has storage of its own to compare (not a functorch wrapper or a fake tensor)."""
+    try:
+        x.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _grad_state(p: torch.Tensor) -> tuple:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.checkpoint import _Holder as _CheckpointHolder
 
@@ -81,6 +81,7 @@ class _Use(NamedTuple):
     positions: Optional[torch.Tensor] = None
     scales: tuple = ()
     tiled: bool = False  # a repeat tiling the operand along dim 0, once per sample (:func:`_tiles_dim_0`)
+    tables: frozenset = frozenset()  # nodes that count as computed from parameters (:func:`_from_parameters`)
 
     def broadcasts_over(self, batch: int, out: Optional[tuple] = None) -> bool:
         """Whether the node's output (of shape ``out``; None: the node's, from the graph) has the
@@ -93,7 +94,8 @@ class _Use(NamedTuple):
             return batch > 0 and out[0] == batch * self.shape[0]
         aligned = (1,) * (len(out) - len(self.shape)) + self.shape
         return len(out) >= len(self.shape) and aligned[0] == 1 and \
-            (out[0] == batch or (batch > 0 and out[0] % batch == 0 and flattened_batch(self.node, out[0], batch)))
+            (out[0] == batch or (batch > 0 and out[0] % batch == 0
+                                 and flattened_batch(self.node, out[0], batch, self.tables)))
 
 
 def _broadcast_use(node, position: int, shape: tuple, views: tuple) -> Optional[_Use]:
@@ -383,7 +385,7 @@ _ROW_BY_ROW = frozenset((_CLONE, _CAST, *(node_type(op) for op in (
     torch.relu, torch.tanh, torch.sigmoid, F.gelu, F.silu, F.mish, F.softplus, F.leaky_relu, F.elu, F.hardtanh,
     lambda x: F.dropout(x, 0.5), lambda x: torch.ops.aten.mul.Scalar(x, 0.5), torch.exp, torch.log, torch.sqrt,
     torch.rsqrt, torch.neg, torch.abs, torch.erf, torch.sin, torch.cos, lambda x: x ** 2, lambda x: 1.0 - x,
-    lambda x: x.clamp(-1.0, 1.0)))))
+    lambda x: x.clamp(-1.0, 1.0), lambda x: x.clamp_min(1e-12)))))  # the last: F.normalize's (Swin v2's cosine)
 #: elementwise with broadcasting (a scalar operand, or dropout's mask, is an operand without grad)
 _ELEMENTWISE = frozenset((_ADD, _SUB, _MUL, node_type(lambda x: x / x)))
 #: ops whose output's trailing dims are their operands' trailing dims, aligned (broadcasting adds leading dims)
@@ -394,7 +396,8 @@ _SAME_DIMS = _ELEMENTWISE | _ROW_BY_ROW | {_WHERE}
 _ALONG_DIMS = frozenset(node_type(op) for op in (
     lambda x: x.softmax(-1), lambda x: torch.ops.aten._safe_softmax(x, -1), lambda x: x.log_softmax(-1),
     lambda x: x.sum(-1), lambda x: x.gather(1, torch.zeros(2, 1, dtype=torch.long)), lambda x: x.topk(1, -1)[0],
-    lambda x: x.sort(-1)[0], lambda x: x.max(-1)[0], lambda x: x.mean(-1), lambda x: x.cumsum(-1)))
+    lambda x: x.sort(-1)[0], lambda x: x.max(-1)[0], lambda x: x.mean(-1), lambda x: x.cumsum(-1),
+    lambda x: torch.linalg.vector_norm(x, dim=-1)))
 _MASKED_FILL = node_type(lambda x: x.masked_fill(torch.ones(2, 2, dtype=torch.bool), 0.0))
 _LAYER_NORM = node_type(lambda x: F.layer_norm(x, (2,)))
 _ADDMM, _MM = node_type(lambda x: torch.addmm(x[0], x, x)), node_type(lambda x: x @ x)
@@ -475,8 +478,10 @@ def _dim(saved: int, ndim: int) -> int:
 def _along_later_dims(node) -> bool:
     """Whether a node of :data:`_ALONG_DIMS` works along dims after dim 0 only."""
     sizes = getattr(node, "_saved_self_sym_sizes", None)  # a sum's input; the others' output has its dims
-    ndim = len(sizes if sizes is not None else node._input_metadata[0].shape)
     dims = node._saved_dim if isinstance(node._saved_dim, tuple) else (node._saved_dim,)
+    # a norm's output (keepdim=False) has its dims less those reduced
+    ndim = len(sizes if sizes is not None else node._input_metadata[0].shape) + \
+        (len(dims) if getattr(node, "_saved_keepdim", True) is False else 0)
     return all(_dim(dim, ndim) != 0 for dim in dims)
 
 
@@ -567,7 +572,7 @@ def _forward_shape(child, output_nr: int) -> tuple:
     return tuple(variable.shape if variable is not None else child._input_metadata[output_nr].shape)
 
 
-def flattened_batch(node, rows: int, batch: int) -> bool:
+def flattened_batch(node, rows: int, batch: int, tables: frozenset = frozenset()) -> bool:
     """Whether the tensor of dim 0 ``rows`` that autograd ``node`` made holds each sample's rows
     together, sample after sample (rows i k .. i k + k - 1 sample i's, k = rows / B): it comes
     from reshapes of a tensor with the batch in dim 0 (OPT's decoder layers take their hidden
@@ -577,7 +582,8 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
     over the last dims, a Linear, transposes and expands keeping dim 0, a batched product of two
     such tensors). A reshape keeps the logical order whatever the memory layout, so a tensor's
     samples, each a block of that order, stay whole rows in order in any reshape whose dim 0 is a
-    multiple of B. False where that cannot be told (a leaf, another op, an operand without grad)."""
+    multiple of B. False where that cannot be told (a leaf, another op, an operand without grad).
+    ``tables``: nodes that count as computed from parameters (:func:`_from_parameters`)."""
     stack, seen = [(node, rows)], set()
     while stack:
         node, rows = stack.pop()
@@ -599,19 +605,19 @@ def flattened_batch(node, rows: int, batch: int) -> bool:
             if not sizes or sizes[0] % batch:
                 return False
             stack.append((children[0][0], sizes[0]))
-        elif (inputs := _row_inputs(node, rows)) is not None and _broadcast_from_parameters(node, rows):
+        elif (inputs := _row_inputs(node, rows)) is not None and _broadcast_from_parameters(node, rows, tables):
             stack.extend((child, rows) for child in inputs)
         else:
             return False
     return True
 
 
-def _broadcast_from_parameters(node, rows: int) -> bool:
+def _broadcast_from_parameters(node, rows: int, tables: frozenset = frozenset()) -> bool:
     """Whether the operands with grad that an elementwise ``node`` broadcasts along dim 0 (of
     ``rows``) come from parameters alone: one holding the batch in a later dim, ``h.reshape(1,
     -1)``, would mix every sample into every row."""
     return type(node) not in _ELEMENTWISE or all(
-        _all_rows(child, nr, node, rows) or _from_parameters(child) for child, nr in node.next_functions
+        _all_rows(child, nr, node, rows) or _from_parameters(child, tables=tables) for child, nr in node.next_functions
         if child is not None)
 
 
@@ -662,7 +668,7 @@ def _shared_rows(node, rows: int) -> bool:
                                               for child, nr in operands)
 
 
-def _from_parameters(node, budget: int = 64) -> bool:
+def _from_parameters(node, budget: int = 64, tables: frozenset = frozenset(), stop: frozenset = frozenset()) -> bool:
     """Whether the tensor autograd ``node`` made comes from the model's parameters alone, and
     constants (Swin's relative-position bias, a table indexed; a table times a buffer): down to
     accumulators of parameters only (an input leaf with grad is data), through nodes whose inputs
@@ -671,12 +677,17 @@ def _from_parameters(node, budget: int = 64) -> bool:
     (``x.reshape(1, -1) * p``) is not seen (the first sample's check and ``check_every_step``
     see its mixing); elsewhere an input without grad is taken for data, so a table made by a
     product with a buffer (an MLP of coordinates) is refused. False past ``budget`` nodes: a
-    table takes a few ops, and a longer graph is taken for one that holds the batch."""
+    table takes a few ops, and a longer graph is taken for one that holds the batch. The nodes in
+    ``tables`` count as such tables, whatever their inputs without grad (the outputs of layer calls
+    on inputs without the batch: Swin v2's MLP of its buffer of coordinates); those in ``stop``
+    do not (other layers' outputs: an Embedding's lookup shows no batch, its ids having no grad)."""
     stack, seen = [node], set()
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node in seen or node in tables:
             continue
+        if node in stop:
+            return False
         seen.add(node)
         variable = getattr(node, "variable", None)
         if len(seen) > budget or (variable is not None and not isinstance(variable, torch.nn.Parameter)):
@@ -1129,7 +1140,7 @@ def flattened_outputs(edges: list, batch: int) -> list[int]:
     return found
 
 
-def shared_output_uses(edge, parents: dict, batch: int) -> Optional[Broadcasts]:
+def shared_output_uses(edge, parents: dict, batch: int, tables: frozenset = frozenset()) -> Optional[Broadcasts]:
     """The uses of a layer call's output, the gradient edge ``edge``, if the output is one shared
     by the batch's ``batch`` samples: computed from inputs without the batch (GPT-2's position ids
     (1, T), T5's relative position buckets (T, T)), and used only added to, subtracted from,
@@ -1137,12 +1148,14 @@ def shared_output_uses(edge, parents: dict, batch: int) -> Optional[Broadcasts]:
     autograd graph (``parents``: :func:`count_uses`'s), as broadcast parameters'
     (:class:`Broadcasts`, one operand); None if any use is of another kind or does not broadcast
     the output along the batch in dim 0 (a layer's ordinary output, which has the batch there,
-    whatever its inputs' dim 0 looked like), or if there is none."""
+    whatever its inputs' dim 0 looked like), or if there is none. ``tables``: nodes that count as
+    computed from parameters (:func:`_from_parameters`), where a use meets the batch flattened."""
     # a node of several outputs (an RNN's output and final states) has its parents for all of them
     consumers = [(parent, k) for parent, k in parents.get(edge.node, [])
                  if parent.next_functions[k][1] == edge.output_nr]
     meta = edge.node._input_metadata[edge.output_nr]
     uses = _uses_above(consumers, tuple(meta.shape), (), parents) if consumers else None
+    uses = uses and [use._replace(tables=tables) for use in uses]
     if not uses or not all(use.broadcasts_over(batch) for use in uses):
         return None
     uses = _resolved(uses, meta.device)
@@ -1168,15 +1181,35 @@ def input_from_parameters(edge, own: list, budget: int = 8) -> bool:
     return bool(inputs) and all(_from_parameters(child, budget) for child in inputs)
 
 
-def shared_region_boundary(consumers: list, parents: dict, boundary: dict) -> Optional[list]:
-    """The output edges of shared layer calls (``boundary``: their node to their edges) that a
-    tensor taken by the nodes ``consumers`` (a layer call's output, a parameter) reaches, if it
-    reaches the batch only through them: every op between is computed from parameters alone
-    (:func:`_from_parameters`), so no sample enters before a boundary call, whose per-sample
-    output gradients the step knows (:func:`shared_output_uses`). DeBERTa's relative position
-    embeddings, a LayerNorm of a table projected by each layer's query and key Linears, are such
-    a region (the table and the LayerNorm), bounded by the projections. None if a path meets an
-    op with the batch in it first, or no boundary."""
+class RegionWalk(NamedTuple):
+    """What :func:`shared_region_boundary` walks by: the loss's graph (``parents``: each node's
+    parents, :func:`count_uses`'s), the shared layer calls' outputs (``boundary``: node to its
+    gradient edges), the batch's size, the nodes that count as computed from parameters
+    (``tables``: layer calls on the model's buffers) and those that do not (``layers``: the other
+    layer calls' outputs, shared ones too, whose gradients the step's backward takes: it would run,
+    and free, a region above one)."""
+
+    parents: dict
+    boundary: dict
+    batch: int
+    tables: frozenset = frozenset()
+    layers: frozenset = frozenset()
+
+
+def shared_region_boundary(consumers: list, walk: RegionWalk, bounds: dict, discover: bool = True) -> Optional[list]:
+    """The output edges of the shared layer calls (``walk.boundary``) that a tensor taken by the
+    nodes ``consumers`` (a layer call's output, a parameter) reaches, if it reaches the batch only
+    through them: every op between is computed from parameters alone (:func:`_from_parameters`),
+    so no sample enters before a boundary call, whose per-sample output gradients the step knows
+    (:func:`shared_output_uses`). DeBERTa's relative position embeddings, a LayerNorm of a table
+    projected by each layer's query and key Linears, are such a region (the table and the
+    LayerNorm), bounded by the projections. An op of the region whose output is only broadcast
+    over the batch bounds it too (``bounds``: node to (edge, :class:`Broadcasts`), those found so
+    far; with ``discover``, others are added): Swin v2's position bias, an MLP of a buffer of
+    coordinates, indexed, 16 sigmoid(.), added to every window's scores; its attention's logit
+    scale, clamped and exponentiated, multiplying them; not one whose broadcast reads a factor
+    saved in an activation checkpoint (:meth:`Broadcasts.factors_checkpointed`). None if a path
+    meets an op with the batch in it first, or no boundary."""
     stack = list(consumers)
     reached, seen = [], set()
     while stack:
@@ -1184,12 +1217,19 @@ def shared_region_boundary(consumers: list, parents: dict, boundary: dict) -> Op
         if node in seen:
             continue
         seen.add(node)
-        if node in boundary:
-            reached += boundary[node]
+        if node in walk.boundary or node in bounds:
+            reached += walk.boundary[node] if node in walk.boundary else [bounds[node][0]]
             continue
-        above = parents.get(node)
-        if not above or not _from_parameters(node):
+        above = walk.parents.get(node)
+        if not above or not _from_parameters(node, tables=walk.tables, stop=walk.layers):
             return None
+        if discover and len(node._input_metadata) == 1:
+            edge = GradientEdge(node, 0)
+            uses = shared_output_uses(edge, walk.parents, walk.batch, walk.tables)
+            if uses is not None and not uses.factors_checkpointed():
+                bounds[node] = (edge, uses)
+                reached.append(edge)
+                continue
         stack.extend(parent for parent, _ in above)
     return reached or None
 
