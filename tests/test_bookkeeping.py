@@ -992,18 +992,20 @@ def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, formin
 def test_a_table_projected_without_the_batch_is_book_kept_through_its_projections(own_table, monkeypatch):
     """DeBERTa's relative positions (RelativeTable): the LayerNorm of the table and the table
     itself get each sample's gradient from the projections' (one vmapped backward pass of the
-    region holding no batch), not from a replay of the module; a batch of one too."""
+    region holding no batch), not from a replay of the module; a batch of one too, and an empty
+    one (Poisson's: the noise alone, where no repeat's tiling tells the region)."""
     replays = []
     replay = layers.FunctionalLayer.per_sample_grads
     monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",
                         lambda self, *args: replays.append(self.name) or replay(self, *args))
-    for batch in (6, 1):
+    for batch in (6, 1, 0):
         torch.manual_seed(0)
         model = RelativeTable(own_table)
         x = torch.randn(batch, 5, 4, generator=torch.Generator().manual_seed(1))
         target = torch.randn(batch, 5, 2, generator=torch.Generator().manual_seed(2))
-        grads = materialised_grads(model, x, target)
-        config = CONFIGS["gaussian"](clip_between(grads, False), False)
+        grads = materialised_grads(model, x, target) if batch else [x.new_zeros(0, *p.shape) for p in
+                                                                   trainable(model)]
+        config = CONFIGS["gaussian"](clip_between(grads, False) if batch else 1.0, False)
         want = dpsgd.privatize(grads, config, 4.0, M.NoiseGenerator(7))
         assert_same_update(book_kept(model, x, target, config, 4.0, M.NoiseGenerator(7)), want)
         assert replays == ([] if batch > 1 else [""])  # one sample: the module replayed, as cheap as a region
