@@ -1094,7 +1094,9 @@ class BookKeeping:
         for layer, call, size in pending:
             if self._in_a_region([consumers_of(edge, parents) for edge in layer.call_edges(call)], walk, bounds):
                 self._chained.append((layer, call))
-            elif size is not None and batch:  # an empty batch (Poisson's) has no tiling to tell a region by
+            elif size is not None and (batch or not all(  # an empty batch has no tiling to tell a region by:
+                    edge.node in tables or input_from_parameters(edge, layer.parameters, budget=64)  # a table's
+                    for edge in layer.call_edges(call))):
                 self._refuse_batch_of(layer, call, size, batch)
         for layer in self._in_region:  # a step that failed before their rows came
             layer.in_region = False

@@ -1174,11 +1174,28 @@ def input_from_parameters(edge, own: list, budget: int = 8) -> bool:
     computed from parameters alone within ``budget`` nodes (:func:`_from_parameters`), the layer's
     ``own`` parameters aside: a table of B rows (DeBERTa's relative positions, LayerNormed at B =
     2k) looks like a batch, and a few nodes tell it from one (a layer input's history holds the
-    batch; an Embedding's ids have no grad, its output no input edge but its weight's)."""
+    batch; an Embedding's ids have no grad, its output no input edge but its weight's; a Linear's
+    weight enters through its transpose)."""
     mine = {id(p) for p in own}
-    inputs = [child for child, _ in edge.node.next_functions
-              if child is not None and id(getattr(child, "variable", None)) not in mine]
+    inputs = [child for child, _ in edge.node.next_functions if child is not None and not _own_only(child, mine)]
     return bool(inputs) and all(_from_parameters(child, budget) for child in inputs)
+
+
+def _own_only(node, mine: set, budget: int = 8) -> bool:
+    """Whether the tensor autograd ``node`` made is computed from the parameters whose ids are in
+    ``mine`` alone, within ``budget`` nodes (a weight, its transpose)."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if len(seen) > budget or (variable is not None and id(variable) not in mine) or \
+                (variable is None and not any(child is not None for child, _ in node.next_functions)):
+            return False
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return True
 
 
 class RegionWalk(NamedTuple):
