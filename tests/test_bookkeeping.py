@@ -289,13 +289,14 @@ class ContinuousBias(nn.Module):
     (heads, T, T), 16 sigmoid(.), added to every sample's scores. Neither holds the batch until
     it meets the scores."""
 
-    def __init__(self, length=5):
+    def __init__(self, length=5, leading_one=True):
         super().__init__()
         self.qkv, self.head = nn.Linear(4, 12), nn.Linear(4, 2)
         self.logit_scale = nn.Parameter(torch.tensor([[[1.5]], [[2.5]]]))
         self.bias = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2, bias=False))
         offsets = torch.arange(-length + 1, length, dtype=torch.float32)
-        self.register_buffer("coordinates", torch.stack([offsets / length, offsets.abs().sqrt()], -1)[None])
+        coordinates = torch.stack([offsets / length, offsets.abs().sqrt()], -1)
+        self.register_buffer("coordinates", coordinates[None] if leading_one else coordinates)
         positions = torch.arange(length)
         self.register_buffer("index", (positions[None] - positions[:, None] + length - 1).flatten())
 
@@ -1940,6 +1941,34 @@ class PositionsMultiplied(PositionsExponentiated):
         table = self.positions(torch.arange(x.shape[1])[None])[0]
         return self.head(x + (x @ table.T) @ table)
 
+
+
+class PositionsOfTheirOwnLength(PositionsExponentiated):
+    """PositionsExponentiated with ids (T,), not (1, T): at B = T the table's dim 0 is the batch's."""
+
+    def forward(self, x):
+        return self.head(x + self.positions(torch.arange(x.shape[1])).exp())
+
+
+@pytest.mark.parametrize("build, rows", [(PositionsOfTheirOwnLength, 5),
+                                         (lambda: ContinuousBias(leading_one=False), 9)],
+                         ids=["position-ids", "buffer-of-coordinates"])
+def test_a_table_with_as_many_rows_as_the_batch_stays_a_table(build, rows):
+    """A region's table whose dim 0 is the batch's size at one step (position ids (T,) at B = T;
+    a buffer of 2T - 1 coordinates at B = 2T - 1) and another at the next: its layer calls, on
+    inputs without grad, are asked whether they lie in a region whatever their dim 0, and are
+    not read as rows of samples at B = rows (a review's repro: 0.09 off a largest update of 0.2,
+    with the first sample's check passed at the batch before)."""
+    torch.manual_seed(0)
+    model = build()
+    bk = make(model, dpsgd.DPSGDConfig(0.05, noise_multiplier=0.0), expected_batch_size=4.0)
+    for batch in (4, rows):
+        generator = torch.Generator().manual_seed(batch)
+        x = torch.randn(batch, 5, model.head.in_features if hasattr(model, "qkv") else 3, generator=generator)
+        target = torch.randn(model(x).shape, generator=generator)
+        grads = materialised_grads(model, x, target)
+        want = dpsgd.privatize(grads, bk.config, 4.0, M.NoiseGenerator(0))
+        assert_same_update(bk.step(regression(model(x), target)), want)
 
 
 def test_a_replayed_module_whose_output_has_no_batch_dim_is_refused():

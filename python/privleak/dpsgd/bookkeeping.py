@@ -65,6 +65,7 @@ from privleak.dpsgd.graph import (
     flattened_batch,
     flattened_outputs,
     input_from_parameters,
+    may_be_a_table,
     reordered_rows,
     selected_tokens,
     shared_output_uses,
@@ -1038,7 +1039,7 @@ class BookKeeping:
         pass (:meth:`_chain_shared`). Raises for a call without the batch whose output is used
         otherwise, or whose layer cannot take a shared input."""
         shared, walked, pending = [], set(), []  # the nodes the walks of selected_tokens have cleared this step
-        tables = self._tables(batch)
+        tables = self._tables()
         for layer in self.layers:
             for call, size in enumerate(layer.batch_sizes()):
                 edges = layer.call_edges(call)
@@ -1080,7 +1081,7 @@ class BookKeeping:
                 elif layer.flattened_output_calls and (flat := flattened_outputs(edges, batch)):
                     layer.unflatten_outputs(call, batch, flat)
                 elif layer.broadcast_calls and not layer.flattened_output_calls and \
-                        all(input_from_parameters(edge, layer.parameters) for edge in edges):
+                        all(may_be_a_table(edge, layer.parameters, tables) for edge in edges):
                     pending.append((layer, call, None))  # a table of B rows in a region: its rows no samples
         boundary: dict = {}
         for layer, call, _ in shared:
@@ -1110,13 +1111,14 @@ class BookKeeping:
             frozenset((id(layer), call) for layer, call in self._chained)
         return shared
 
-    def _tables(self, batch: int) -> frozenset:
-        """The output nodes of the layer calls on a buffer of the model without the batch (Swin v2's
-        MLP of its coordinates): tables, as if computed from parameters alone, for the walks that
-        tell a region or a flattened batch (:func:`~privleak.dpsgd.graph.shared_region_boundary`)."""
+    def _tables(self) -> frozenset:
+        """The output nodes of the layer calls on a buffer of the model, which holds no batch whatever
+        its dim 0 (Swin v2's MLP of its coordinates): tables, as if computed from parameters alone,
+        for the walks that tell a region or a flattened batch
+        (:func:`~privleak.dpsgd.graph.shared_region_boundary`)."""
         buffers = {b.data_ptr() for b in self._module.buffers() if _has_storage(b)}
-        return frozenset(edge.node for layer in self.layers for call, size in enumerate(layer.batch_sizes())
-                         if size != batch and isinstance(x := layer.calls[call], torch.Tensor) and _has_storage(x)
+        return frozenset(edge.node for layer in self.layers for call, x in enumerate(layer.calls)
+                         if isinstance(x, torch.Tensor) and _has_storage(x)
                          and x.data_ptr() in buffers for edge in layer.call_edges(call))
 
     def _used_in_region(self, layer: FunctionalLayer, walk: RegionWalk, bounds: dict) -> bool:

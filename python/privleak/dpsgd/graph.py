@@ -1176,9 +1176,25 @@ def input_from_parameters(edge, own: list, budget: int = 8) -> bool:
     2k) looks like a batch, and a few nodes tell it from one (a layer input's history holds the
     batch; an Embedding's ids have no grad, its output no input edge but its weight's; a Linear's
     weight enters through its transpose)."""
-    mine = {id(p) for p in own}
-    inputs = [child for child, _ in edge.node.next_functions if child is not None and not _own_only(child, mine)]
+    inputs = _inputs_with_grad(edge, own)
     return bool(inputs) and all(_from_parameters(child, budget) for child in inputs)
+
+
+def may_be_a_table(edge, own: list, tables: frozenset = frozenset(), budget: int = 8) -> bool:
+    """Whether a layer call whose output is the gradient edge ``edge``, of dim 0 the batch's size,
+    may have run on a table rather than the batch: its input has grad and comes from parameters
+    (:func:`input_from_parameters`), or it has no input with grad at all (position ids made from
+    T, a buffer: at B = T only the output's uses tell them from the batch's ids or data); the
+    nodes in ``tables`` count as computed from parameters."""
+    inputs = _inputs_with_grad(edge, own)
+    return not inputs or all(_from_parameters(child, budget, tables) for child in inputs)
+
+
+def _inputs_with_grad(edge, own: list) -> list:
+    """The nodes of the inputs with grad of the layer call whose output is ``edge``, the layer's
+    ``own`` parameters aside (a weight, its transpose)."""
+    mine = {id(p) for p in own}
+    return [child for child, _ in edge.node.next_functions if child is not None and not _own_only(child, mine)]
 
 
 def _own_only(node, mine: set, budget: int = 8) -> bool:
