@@ -1964,7 +1964,7 @@ def test_a_table_with_as_many_rows_as_the_batch_stays_a_table(build, rows):
     bk = make(model, dpsgd.DPSGDConfig(0.05, noise_multiplier=0.0), expected_batch_size=4.0)
     for batch in (4, rows):
         generator = torch.Generator().manual_seed(batch)
-        x = torch.randn(batch, 5, model.head.in_features if hasattr(model, "qkv") else 3, generator=generator)
+        x = torch.randn(batch, 5, model.head.in_features, generator=generator)
         target = torch.randn(model(x).shape, generator=generator)
         grads = materialised_grads(model, x, target)
         want = dpsgd.privatize(grads, bk.config, 4.0, M.NoiseGenerator(0))
