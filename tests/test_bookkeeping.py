@@ -980,7 +980,7 @@ def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, formin
     L2 flat and per layer, L1."""
     replayed = []
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
-    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, **_: 2)
     sums = layers.FunctionalLayer.sums_by_parameter
     monkeypatch.setattr(layers.FunctionalLayer, "sums_by_parameter",
                         lambda self, *args: replayed.append(self.name) or sums(self, *args))
@@ -1073,7 +1073,7 @@ def test_a_replay_whose_vmap_fails_past_the_first_chunk_takes_one_route_for_norm
     import torch.func
 
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
-    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, **_: 2)
     vmapped, one_at_a_time = [], []
     vmap = torch.func.vmap
 
@@ -1930,7 +1930,7 @@ class PositionsExponentiated(nn.Module):
         self.positions, self.head = nn.Embedding(5, 3), nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.head(x + self.positions(torch.arange(x.shape[1])[None]).exp())
+        return self.head(x + self.positions(torch.arange(x.shape[1], device=x.device)[None]).exp())
 
 
 class PositionsMultiplied(PositionsExponentiated):
@@ -4663,7 +4663,7 @@ def test_a_convolution_taken_a_few_samples_at_a_time_matches(case, ghost, monkey
     monkeypatch.setattr(layers, "use_ghost_norm", lambda *sizes: ghost)
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
     for size in (4, 2, 1):
-        monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, size=size: size)
+        monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, size=size, **_: size)
         compare(case, "gaussian", False)
 
 

@@ -45,8 +45,9 @@ class Attending(nn.Module):
         elif form == "separate":
             y = mha(h, self.key(x), self.value(x))[0]
         elif form == "bias-kv-zero":
-            padding = torch.arange(T) >= T - 1 - torch.arange(x.shape[0])[:, None] % 3  # some keys masked per sample
-            future = torch.ones(T, T, dtype=torch.bool).triu(1)
+            rows, keys = torch.arange(x.shape[0], device=x.device), torch.arange(T, device=x.device)
+            padding = keys >= T - 1 - rows[:, None] % 3  # some keys masked per sample
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
             y = mha(h, h, h, key_padding_mask=padding, attn_mask=future)[0]
         elif form == "causal":
             causal = nn.Transformer.generate_square_subsequent_mask(T)

@@ -162,7 +162,7 @@ def test_a_recurrent_module_gives_the_update_of_each_samples_backward_pass(case,
     per-sample gradients are formed whole after the backward pass, or never whole: their norms two
     samples at a time and the clipped sum by one backward pass of the module over the batch."""
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: forming)
-    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 2)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, **_: 2)
     replayed, replay = [], layers.FunctionalLayer._one_at_a_time_grads
     monkeypatch.setattr(layers.FunctionalLayer, "_one_at_a_time_grads",
                         lambda self, *args, **kwargs: replayed.append(self.name) or replay(self, *args, **kwargs))

@@ -184,7 +184,7 @@ def test_a_module_replayed_in_chunks_reads_nothing_on_the_host_in_the_captured_p
     at a time, its clipped sum by the same chunks replayed again) reads nothing on the host: the
     chunks are the batch's, not the factors'. The update is the materialised path's."""
     monkeypatch.setattr(layers, "when_to_form", lambda per_sample, held: layers.Forming.NEVER)
-    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, at_least=8: 3)
+    monkeypatch.setattr(layers, "samples_per_chunk", lambda held, transient, **_: 3)
     chunks = []
     replay = layers.FunctionalLayer.per_sample_grads
     monkeypatch.setattr(layers.FunctionalLayer, "per_sample_grads",

@@ -474,7 +474,7 @@ class ComputedWeightConvLayer(FunctionalLayer):
         if c.output is not None and c.output.value._version == c.output.version:
             pixels = math.prod(c.input.shape[2:])
             chunk = samples_per_chunk(held, c.groups * 2 * pixels * pixels + math.prod(g.shape[1:]),
-                                      at_least=self.chunk_at_least)
+                                      at_least=self.chunk_at_least, on_gpu=g.is_cuda)
             parts = [self._ghost_norms(c, g, jacobian, slice(i, i + chunk)) for i in range(0, batch, chunk)]
         elif size <= held:
             self.formed = self._weight_grads(c, g, slice(None))
@@ -483,7 +483,8 @@ class ComputedWeightConvLayer(FunctionalLayer):
             self.grads[0] = [None]
             parts = [standardised_squared_norms(self.formed, jacobian)]
         else:
-            chunk = self.formed_chunk = samples_per_chunk(held, 3 * size, at_least=self.chunk_at_least)
+            chunk = self.formed_chunk = samples_per_chunk(held, 3 * size, at_least=self.chunk_at_least,
+                                                          on_gpu=g.is_cuda)
             parts = [standardised_squared_norms(self._weight_grads(c, g, slice(i, i + chunk)), jacobian)
                      for i in range(0, batch, chunk)]
         norms = {id(p): torch.cat(column) for p, column in zip(params, zip(*parts))}

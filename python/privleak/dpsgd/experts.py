@@ -328,7 +328,8 @@ class _Groups:
 
     def _step(self, a: torch.Tensor, g: torch.Tensor) -> int:
         """Groups at a time whose gradients are formed, for padded a (G, n, d), g (G, n, p)."""
-        return samples_per_chunk(self.length * (a.shape[-1] + g.shape[-1]), a.shape[-1] * g.shape[-1], at_least=1)
+        return samples_per_chunk(self.length * (a.shape[-1] + g.shape[-1]), a.shape[-1] * g.shape[-1], at_least=1,
+                                 on_gpu=a.is_cuda)
 
     def formed_sums(self, a: torch.Tensor, g: torch.Tensor, factors: torch.Tensor, keep: Optional[torch.Tensor],
                     experts: int) -> torch.Tensor:

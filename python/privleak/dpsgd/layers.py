@@ -71,15 +71,25 @@ def when_to_form(per_sample: int, held: int) -> Forming:
     return Forming.AFTER if per_sample <= 4 * held else Forming.NEVER
 
 
-def samples_per_chunk(held: int, transient: int, at_least: int = 8) -> int:
+#: Values (4 bytes each) a chunk's transient may reach on a GPU, whatever the layer holds: a chunk
+#: is a few kernel launches, and a GPU runs one block a sample (and tile) at once. With chunks of 8
+#: samples, the CIFAR CNN's 8 x 8 convolutions' ghost norms took 1.4 ms of its step's 5.6 ms of
+#: GPU time (B 128, H200: 32 launches of 8 blocks on 132 multiprocessors).
+GPU_CHUNK_VALUES = 2**23
+
+
+def samples_per_chunk(held: int, transient: int, at_least: int = 8, on_gpu: bool = False) -> int:
     """How many samples a layer takes at a time through a step that forms ``transient`` values
     per sample while it holds ``held`` per sample (a convolution's patches for its ghost norm):
     about as many as keep the transient within what the layer holds, and at least ``at_least``,
     so that the calls stay few (CIFAR CNN, B 64: peak memory 1.34x -> 1.05x of non-private). A
     replayed module's call is a forward and backward of it, large enough alone: at least 1 (the
     bench Mixtral's experts when they were replayed, B 8: 8 samples a call -> 1, peak RSS 1134 -> 924
-    MB, and faster)."""
-    return max(at_least, held // max(transient, 1))
+    MB, and faster). ``on_gpu``: at least as many as keep it within :data:`GPU_CHUNK_VALUES` too."""
+    fits = held // max(transient, 1)
+    if on_gpu:
+        fits = max(fits, GPU_CHUNK_VALUES // max(transient, 1))
+    return max(at_least, fits)
 
 
 #: Values of a row that :func:`row_norms` adds in float32, as the fused clip kernel adds each of
@@ -710,7 +720,7 @@ def forms_weight_grads(positions: int, d: int, p: int, norm_type: int) -> bool:
 def _formed_weight_grads(a: torch.Tensor, g: torch.Tensor):
     """:func:`formed_norms`' ``form`` and its step for the per-sample gradients sum_t g_t a_t^T
     (p, d) of a (N, T, d) and g (N, T, p), a chunk of them as large as a and g."""
-    step = samples_per_chunk(a.shape[1] * (a.shape[2] + g.shape[2]), a.shape[2] * g.shape[2])
+    step = samples_per_chunk(a.shape[1] * (a.shape[2] + g.shape[2]), a.shape[2] * g.shape[2], on_gpu=a.is_cuda)
     return (lambda samples: {None: torch.bmm(g[samples].transpose(1, 2), a[samples])}), step
 
 
@@ -1022,7 +1032,7 @@ class ConvLayer(Layer):
         else:
             norms, transient = self._ghost_norms, m.groups * self._positions() * self._patch_size()
         transient += self._positions() * self._outputs_per_group() * m.groups
-        step = samples_per_chunk(self._held_per_sample(), transient)
+        step = samples_per_chunk(self._held_per_sample(), transient, on_gpu=m.weight.is_cuda)
         return {id(m.weight): torch.cat([norms(slice(i, i + step)) for i in range(0, batch, step)])}
 
     def _pixels(self) -> int:
@@ -1068,7 +1078,7 @@ class ConvLayer(Layer):
 
     def _formed_step(self) -> int:
         """Samples a chunk of per-sample weight gradients (:meth:`_formed_weight_grads`) holds."""
-        return samples_per_chunk(self._held_per_sample(), self.module.weight.numel())
+        return samples_per_chunk(self._held_per_sample(), self.module.weight.numel(), on_gpu=self.module.weight.is_cuda)
 
     def _formed_weight_grads(self, samples: slice) -> dict:
         """The weight's per-sample gradients for a slice of the batch, by id."""
@@ -1873,7 +1883,8 @@ class FunctionalLayer(Layer):
                            keep)
 
     def _chunk_step(self, batch: int) -> int:
-        return samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=self.chunk_at_least)
+        return samples_per_chunk(self._held_per_sample(batch), self._per_sample_size(), at_least=self.chunk_at_least,
+                                 on_gpu=any(p.is_cuda for p in self.parameters))
 
     def _parameter_names(self) -> dict:
         """The name under the module of each of its parameters, by id (for ``functional_call``)."""
