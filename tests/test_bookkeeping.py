@@ -989,6 +989,20 @@ def test_a_replayed_module_gives_the_same_update_whole_or_in_chunks(case, formin
     assert bool(replayed) == (forming is layers.Forming.NEVER)
 
 
+@pytest.mark.parametrize("held, transient", [(16384, 16384), (10**6, 10), (100, 2**22), (100, 2**24), (4, 1)])
+def test_a_chunk_on_a_gpu_holds_as_many_samples_as_its_budget_of_values(held, transient):
+    """On a GPU a chunk is a few kernel launches of a block a sample: it takes as many samples as
+    keep its transient within GPU_CHUNK_VALUES (the CIFAR CNN's 8 x 8 convolutions: the whole
+    batch, not 8), and never fewer than the CPU's rule, which keeps it within what the layer holds."""
+    cpu = layers.samples_per_chunk(held, transient)
+    gpu = layers.samples_per_chunk(held, transient, on_gpu=True)
+    assert cpu == max(8, held // max(transient, 1))
+    assert gpu >= cpu
+    if gpu > cpu:
+        assert gpu * transient <= layers.GPU_CHUNK_VALUES < (gpu + 1) * transient
+    assert layers.samples_per_chunk(held, 2 * 64 * 64 + 64 * 128, on_gpu=True) >= 512
+
+
 @pytest.mark.parametrize("own_table", [False, True], ids=["embedding-weight", "own-parameter"])
 def test_a_table_projected_without_the_batch_is_book_kept_through_its_projections(own_table, monkeypatch):
     """DeBERTa's relative positions (RelativeTable): the LayerNorm of the table and the table
