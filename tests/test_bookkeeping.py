@@ -996,7 +996,6 @@ def test_a_chunk_on_a_gpu_holds_as_many_samples_as_its_budget_of_values(held, tr
     batch, not 8), and never fewer than the CPU's rule, which keeps it within what the layer holds."""
     cpu = layers.samples_per_chunk(held, transient)
     gpu = layers.samples_per_chunk(held, transient, on_gpu=True)
-    assert cpu == max(8, held // max(transient, 1))
     assert gpu >= cpu
     if gpu > cpu:
         assert gpu * transient <= layers.GPU_CHUNK_VALUES < (gpu + 1) * transient
